@@ -1,0 +1,1 @@
+"""Small runtime library imported by generated training scripts."""
