@@ -1,0 +1,81 @@
+"""Shared fixtures: an isolated HOME (template-history cache), generated projects, golden updates."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+collect_ignore = ["golden"]  # generated projects' own tests run in test_e2e.py
+RECIPES = ("gpt2-baseline", "gpt2-speedup")
+PROJECT_NAME = "my-gpt"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--update-golden", action="store_true", help="rewrite tests/golden/ from the templates")
+    parser.addoption("--slow", action="store_true", help="also run the long fault-injection tests")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A fresh HOME, so ~/.cache/scaffold/template-history is built from this checkout's templates."""
+    home = tmp_path_factory.mktemp("home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HOME", str(home))
+        # A bare machine: no git identity. scaffold must cope on its own.
+        for var in ("GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_COMMITTER_NAME", "GIT_COMMITTER_EMAIL"):
+            patch.delenv(var, raising=False)
+        patch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+        yield home
+
+
+def scaffold_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the `scaffold` command line as a user would (the installed console script's module)."""
+    return subprocess.run(
+        [sys.executable, "-m", "scaffold", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+
+
+@pytest.fixture(scope="session")
+def generated(tmp_path_factory: pytest.TempPathFactory, isolated_home: Path) -> dict[str, Path]:
+    """Each shipped recipe generated once through the CLI, as `my-gpt`."""
+    root = tmp_path_factory.mktemp("generated")
+    projects = {}
+    for recipe in RECIPES:
+        dest = root / recipe / PROJECT_NAME
+        result = scaffold_cli("new", "--recipe", recipe, str(dest))
+        assert result.returncode == 0, result.stderr
+        projects[recipe] = dest
+    return projects
+
+
+@pytest.fixture
+def project_copy(tmp_path: Path):
+    """A writable copy of a generated project (tests may train in it)."""
+
+    def copy(source: Path) -> Path:
+        target = tmp_path / source.name
+        shutil.copytree(source, target, ignore=shutil.ignore_patterns("runs", "__pycache__"))
+        return target
+
+    return copy

@@ -1,0 +1,310 @@
+"""Train my-gpt: a GPT-2 language model (recipe `gpt2-speedup`).
+
+    python train.py                     # CPU or one GPU, on the embedded default data
+    python train.py --max_duration=2000ba --lr=1e-3 --data=corpus.txt
+    python train.py --config run.toml   # keys as in Config below; flags override it
+    python train.py --help              # every key, its default and meaning
+
+Algorithms: alibi, gradient_clipping, seq_length_warmup.
+This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
+hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end algorithm:
+NAME`. `scaffold upgrade` merges newer template versions in and keeps your edits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from data import Batches, load_tokens, val_batches
+from model import GPT, PRESETS, GPTConfig
+from runtime import checkpoint, config, dist
+from runtime.monitor import Monitor
+from runtime.time import Progress, Time, as_fraction
+
+
+@dataclass
+class Config:
+    run_name: str = "my-gpt"  # runs/<run_name>/; rerunning a name resumes it
+    seed: int = 42  # a run is a function of (config, seed)
+    data: str = ""  # "": stdlib source; or a text file, a folder, a .bin of uint16
+    device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
+    # model (dropout is off as in modern pretraining; with it on, world sizes agree
+    # only in distribution)
+    model: Literal["tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"] = "tiny"
+    seq_len: int = 128  # tokens per training sequence
+    dropout: float = 0.0
+    # optimization; Time strings: 10ep, 2000ba (steps), 4096sp, 1e6tok, 0.25dur
+    max_duration: Time = Time.parse("600ba")  # training length
+    global_batch_size: int = 16  # samples per step, summed over ranks
+    device_microbatch_size: int = 8  # per forward/backward; accumulated
+    lr: float = 0.002  # peak learning rate (AdamW)
+    lr_warmup: Time = Time.parse("0.05dur")  # linear from 0, then cosine decay
+    min_lr_ratio: float = 0.1  # the cosine ends at min_lr_ratio * lr
+    weight_decay: float = 0.1  # on weight matrices and embeddings
+    beta1: float = 0.9
+    beta2: float = 0.95
+    # algorithms
+    seq_length_warmup_duration: Time = Time.parse("0.3dur")
+    seq_length_warmup_min_len: int = 8  # length at step 0
+    gradient_clipping_max_norm: float = 1.0  # max global L2 norm
+    # evaluation, logging, checkpoints
+    eval_interval: Time = Time.parse("100ba")  # validation loss every ...
+    eval_batches: int = 8  # validation batches per evaluation
+    log_interval: Time = Time.parse("1ba")  # a metrics.jsonl line every ...
+    save_interval: Time = Time.parse("200ba")  # and at the end
+    save_num_checkpoints_to_keep: int = 2  # older ones are deleted; 0 keeps all
+    autoresume: bool = True  # continue from the newest checkpoint of this run
+
+
+def check_config(cfg: Config, env: dist.DistEnv) -> None:
+    """Reject settings that cannot work, before any data or model is built."""
+    for name in (
+        "seq_len",
+        "global_batch_size",
+        "device_microbatch_size",
+        "eval_batches",
+    ):
+        if getattr(cfg, name) < 1:
+            config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
+    if cfg.global_batch_size % env.world_size:
+        config.fail(
+            f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
+            f"size {env.world_size}; pick a multiple of {env.world_size}"
+        )
+    for name in ("lr_warmup", "seq_length_warmup_duration"):
+        try:
+            as_fraction(getattr(cfg, name), cfg.max_duration)
+        except ValueError as error:
+            config.fail(f"{name}: {error}")
+    if not 1 <= cfg.seq_length_warmup_min_len <= cfg.seq_len:
+        config.fail(
+            f"seq_length_warmup_min_len={cfg.seq_length_warmup_min_len} must be "
+            f"between 1 and seq_len={cfg.seq_len}"
+        )
+
+
+def lr_at(fraction: float, cfg: Config) -> float:
+    """Learning rate after `fraction` of training: linear warmup, then cosine decay."""
+    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration)
+    if fraction < warmup:
+        return cfg.lr * fraction / warmup
+    decayed = (fraction - warmup) / max(1.0 - warmup, 1e-9)
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * decayed))
+
+
+# algorithm: seq_length_warmup
+def seq_length_warmup_len(warmup_done: float, min_len: int, max_len: int) -> int:
+    """Sequence length once `warmup_done` (0..1) of the warmup has passed.
+
+    Grows linearly from min_len to max_len, rounded down to a multiple of 8 (tensor-core
+    friendly), never below min_len; the full length from the end of the warmup on.
+    """
+    if warmup_done >= 1.0:
+        return max_len
+    length = int(min_len + (max_len - min_len) * warmup_done) // 8 * 8
+    return min(max_len, max(min_len, length))
+
+
+# end algorithm: seq_length_warmup
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    batches: list[torch.Tensor],
+    cfg: Config,
+    device: torch.device,
+) -> float:
+    """Mean next-token loss over the validation batches, at the full sequence length."""
+    model.eval()
+    loss_sum = torch.zeros((), device=device)
+    num_tokens = 0
+    for batch in batches:
+        for microbatch in batch.to(device).split(cfg.device_microbatch_size):
+            logits = model(microbatch[:, :-1])
+            targets = microbatch[:, 1:]
+            loss_sum += F.cross_entropy(
+                logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"
+            )
+            num_tokens += targets.numel()
+    model.train()
+    return loss_sum.item() / num_tokens
+
+
+def main() -> None:
+    # event: INIT
+
+    cfg = config.parse(Config)
+    # torchrun's process group when launched by torchrun, else a single process.
+    env = dist.init(cfg.device)
+    check_config(cfg, env)
+    torch.manual_seed(cfg.seed)
+    run_dir = Path("runs") / cfg.run_name
+    tokens = load_tokens(cfg.data)
+    train_batches = Batches(tokens.train, cfg.seq_len, cfg.global_batch_size, cfg.seed)
+    val = val_batches(tokens.val, cfg.seq_len, cfg.global_batch_size, cfg.eval_batches)
+
+    # event: MODEL
+
+    model_config = GPTConfig(
+        vocab_size=tokens.vocab_size,
+        max_seq_len=cfg.seq_len,
+        dropout=cfg.dropout,
+        **PRESETS[cfg.model],
+    )
+    model = GPT(model_config).to(env.device)
+
+    # event: OPTIMIZER
+
+    # Decay weight matrices and embeddings; biases and LayerNorm gains stay undecayed.
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(
+        [
+            {
+                "params": [p for p in params if p.dim() >= 2],
+                "weight_decay": cfg.weight_decay,
+            },
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+    )
+
+    # Resume: the newest complete checkpoint of this run restores model, optimizer,
+    # progress and RNG. The batch order is a function of progress: nothing is replayed.
+    progress = Progress(batches_per_epoch=train_batches.batches_per_epoch)
+    checkpoint_dir = run_dir / "checkpoints"
+    checkpoint.remove_incomplete(checkpoint_dir)
+    resume_from = checkpoint.latest(checkpoint_dir) if cfg.autoresume else None
+    if resume_from is not None:
+        checkpoint.load(resume_from, model, optimizer, progress, seed=cfg.seed)
+    monitor = Monitor(
+        run_dir, progress, cfg.max_duration, cfg.global_batch_size, env.is_main
+    )
+    monitor.record_run(config.to_toml(cfg), Path(__file__), env.device, env.world_size)
+    monitor.info(f"data: {tokens.source}")
+    monitor.info(f"tokens: {len(tokens.train):,} train, {len(tokens.val):,} validation")
+    monitor.info(f"model: {cfg.model}, {model.num_params():,} parameters")
+    if resume_from is not None:
+        monitor.info(f"resumed from {resume_from} at step {progress.batch}")
+
+    # event: FIT_START
+
+    while not progress.reached(cfg.max_duration):
+        # event: EPOCH_START
+
+        epoch = progress.epoch
+        for index in range(progress.batch_in_epoch, train_batches.batches_per_epoch):
+            # This rank's share of global batch `index` in the epoch's seeded order.
+            batch = train_batches.get(epoch, index, env.rank, env.world_size)
+            batch = batch.to(env.device, non_blocking=True)
+
+            # event: BATCH_START
+
+            # algorithm: seq_length_warmup
+            # Short sequences first: early training learns mostly local statistics,
+            # and short steps are cheaper (Li et al. 2022). Truncate the batch to a
+            # length that grows linearly to seq_len over seq_length_warmup_duration.
+            warmup_done = progress.fraction(cfg.max_duration) / as_fraction(
+                cfg.seq_length_warmup_duration, cfg.max_duration
+            )
+            seq_len = seq_length_warmup_len(
+                warmup_done, cfg.seq_length_warmup_min_len, cfg.seq_len
+            )
+            batch = batch[:, : seq_len + 1]
+            # end algorithm: seq_length_warmup
+
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            lr = lr_at(progress.fraction(cfg.max_duration), cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+
+            # Gradient accumulation: each microbatch's summed token loss is divided by
+            # the number of target tokens in the whole global batch, so the accumulated
+            # gradient is the global-batch mean whatever the microbatch size.
+            num_tokens = cfg.global_batch_size * targets.shape[1]
+            loss_sum = torch.zeros((), device=env.device)
+            for micro_inputs, micro_targets in zip(
+                inputs.split(cfg.device_microbatch_size),
+                targets.split(cfg.device_microbatch_size),
+            ):
+                # event: MICROBATCH_START
+
+                logits = model(micro_inputs)
+
+                # event: AFTER_FORWARD
+
+                loss = F.cross_entropy(
+                    logits.flatten(0, 1).float(),
+                    micro_targets.flatten(),
+                    reduction="sum",
+                )
+
+                # event: LOSS
+
+                (loss / num_tokens).backward()
+                loss_sum += loss.detach()
+
+            # event: AFTER_BACKWARD
+
+            # algorithm: gradient_clipping
+            # Rescale all gradients together when their global L2 norm exceeds the
+            # limit, so one bad batch cannot throw the weights far (logged: grad_norm).
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                model.parameters(), cfg.gradient_clipping_max_norm
+            )
+            # end algorithm: gradient_clipping
+
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            progress.advance(samples=cfg.global_batch_size, tokens=num_tokens)
+
+            # event: BATCH_END
+
+            monitor.update(progress)
+            finished = progress.reached(cfg.max_duration)
+            metrics = {}
+            if progress.at_interval(cfg.eval_interval, cfg.max_duration) or finished:
+                # event: EVAL
+
+                # Evaluation time does not count against the logged throughput.
+                with monitor.paused():
+                    metrics["val_loss"] = evaluate(model, val, cfg, env.device)
+            if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
+                metrics["loss"] = loss_sum.item() / num_tokens
+                metrics["lr"] = lr
+                metrics["grad_norm"] = grad_norm.item()
+                metrics["seq_len"] = inputs.shape[1]
+                monitor.log(progress, **metrics)
+            if progress.at_interval(cfg.save_interval, cfg.max_duration) or finished:
+                with monitor.paused():
+                    checkpoint.save(
+                        checkpoint_dir,
+                        model,
+                        optimizer,
+                        progress,
+                        keep=cfg.save_num_checkpoints_to_keep,
+                    )
+            if finished:
+                break
+
+        # event: EPOCH_END
+
+    # event: FIT_END
+
+    monitor.info(
+        f"done: step {progress.batch}, {progress.token:,} tokens; outputs in {run_dir}"
+    )
+    monitor.close()
+    dist.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Golden trees: every file `scaffold new` writes for each recipe is pinned in tests/golden/.
+
+Run `pytest tests/test_golden.py --update-golden` after an intended template change and review
+the diff like code.
+"""
+
+from __future__ import annotations
+
+import difflib
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import RECIPES, REPO
+
+GOLDEN = REPO / "tests" / "golden"
+
+
+def tree(root: Path) -> dict[str, str]:
+    return {
+        path.relative_to(root).as_posix(): path.read_text()
+        for path in sorted(root.rglob("*"))
+        if path.is_file() and ".git" not in path.relative_to(root).parts
+    }
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_generated_tree_matches_golden(recipe: str, generated: dict[str, Path], request: pytest.FixtureRequest) -> None:
+    actual = tree(generated[recipe])
+    golden_dir = GOLDEN / recipe
+    if request.config.getoption("--update-golden"):
+        shutil.rmtree(golden_dir, ignore_errors=True)
+        for name, text in actual.items():
+            (golden_dir / name).parent.mkdir(parents=True, exist_ok=True)
+            (golden_dir / name).write_text(text)
+    expected = tree(golden_dir)
+    problems = []
+    for name in sorted(set(actual) | set(expected)):
+        if name not in expected:
+            problems.append(f"new file {name} (not in golden)")
+        elif name not in actual:
+            problems.append(f"missing file {name} (in golden)")
+        elif actual[name] != expected[name]:
+            diff = difflib.unified_diff(
+                expected[name].splitlines(keepends=True),
+                actual[name].splitlines(keepends=True),
+                f"golden/{recipe}/{name}",
+                f"generated/{name}",
+            )
+            problems.append("".join(diff))
+    assert not problems, "generated files differ from golden (rerun with --update-golden if intended):\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_generated_project_is_committed(recipe: str, generated: dict[str, Path]) -> None:
+    import subprocess
+
+    project = generated[recipe]
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=project, capture_output=True, text=True)
+    log = subprocess.run(["git", "log", "--oneline"], cwd=project, capture_output=True, text=True)
+    assert status.returncode == 0 and status.stdout == ""
+    assert len(log.stdout.splitlines()) == 1 and recipe in log.stdout
