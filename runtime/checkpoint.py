@@ -132,11 +132,76 @@ def save(
     if _rank() == 0:
         _write_atomic(path / MARKER, f"step {progress.batch}\n")
         if keep > 0:
-            for _, old in _step_dirs(folder)[:-keep]:
-                if old != path and is_complete(old):
+            # Count complete checkpoints only: an interrupted save must not push a good one out.
+            complete = [old for _, old in _step_dirs(folder) if is_complete(old)]
+            for old in complete[:-keep]:
+                if old != path:
                     shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return path
+
+
+def _damaged(path: Path, what: str) -> CheckpointError:
+    # Autoresume picks the newest complete checkpoint, so the way back is removing this one.
+    return CheckpointError(f"{what}; the checkpoint is damaged: delete {path} to resume from "
+                           "the previous complete checkpoint")
+
+
+def _read_train_state(path: Path, batches_per_epoch: int | None) -> dict[str, Any]:
+    """train_state.json, checked before anything is restored (so a bad file changes nothing)."""
+    file = path / TRAIN_STATE
+    try:
+        state = json.loads(file.read_text())
+    except (OSError, ValueError) as error:
+        raise _damaged(path, f"{file} is unreadable ({error})") from error
+    if not (isinstance(state, dict) and isinstance(state.get("progress"), dict)
+            and isinstance(state.get("world_size"), int) and isinstance(state.get("extra"), dict)):
+        raise _damaged(path, f"{file} lacks progress, world_size or extra")
+    try:
+        # A scratch Progress validates every counter (and batches_per_epoch against this run).
+        saved = state["progress"]
+        Progress(batches_per_epoch=batches_per_epoch or saved.get("batches_per_epoch")).load_state_dict(saved)
+    except (ValueError, TypeError) as error:
+        raise CheckpointError(f"{file}: {error}") from error
+    return state
+
+
+def _check_model_keys(path: Path, model_state: dict[str, Any]) -> None:
+    """Name every key and shape that differs; DCP reports only the first, and not unexpected keys."""
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as error:  # missing or truncated .metadata
+        raise _damaged(path, f"cannot read {path / '.metadata'} ({type(error).__name__}: {error})") from error
+    saved = {key.removeprefix("model."): meta for key, meta in metadata.state_dict_metadata.items()
+             if key.startswith("model.")}
+    problems = []
+    for label, keys in (
+        ("missing from the checkpoint", [key for key in model_state if key not in saved]),
+        ("in the checkpoint but not in this model", [key for key in saved if key not in model_state]),
+        ("different shapes", [
+            f"{key} (saved {list(saved[key].size)}, model {list(value.shape)})"
+            for key, value in model_state.items()
+            if key in saved and isinstance(value, torch.Tensor) and hasattr(saved[key], "size")
+            and tuple(saved[key].size) != tuple(value.shape)
+        ]),
+    ):
+        if keys:
+            more = f" and {len(keys) - 10} more" if len(keys) > 10 else ""
+            problems.append(f"{label}: {', '.join(keys[:10])}{more}")
+    if problems:
+        raise CheckpointError(f"{path} was saved from a different model ({'; '.join(problems)}); "
+                              "build the model with the configuration it was trained with")
+
+
+def _describe(error: BaseException) -> str:
+    # DCP's str() is a full traceback per rank; the exceptions themselves say what went wrong.
+    def one(exc: BaseException) -> str:
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__  # bare EOFError
+
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {rank}: {one(exc)}" for rank, (exc, _) in failures.items())
+    return one(error)
 
 
 def load(
@@ -155,16 +220,13 @@ def load(
     if not is_complete(path):
         raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} marker); "
                               "pass a step-<N> folder written by a finished save")
-    try:
-        train_state = json.loads((path / TRAIN_STATE).read_text())
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{path / TRAIN_STATE} is unreadable ({error}); the checkpoint is "
-                              "damaged, resume from an older one with --load_path") from error
+    train_state = _read_train_state(path, progress.batches_per_epoch if progress is not None else None)
     if optimizer is not None:
         model_state, optimizer_state = get_state_dict(model, optimizer)
         state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
     else:
         state = {"model": get_model_state_dict(model)}
+    _check_model_keys(path, state["model"])
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -172,7 +234,9 @@ def load(
     except BaseException as error:  # DCP's CheckpointException derives from BaseException
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise
-        raise CheckpointError(f"cannot load {path}: {str(error).strip()[:2000]}") from error
+        # Not necessarily damage (another optimizer's state also fails here), so only a hint.
+        raise CheckpointError(f"cannot load {path}: {_describe(error)[:2000]}; if its files are damaged, "
+                              "delete it to resume from the previous complete checkpoint") from error
     if optimizer is not None:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])

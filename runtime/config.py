@@ -178,7 +178,7 @@ def _field_hints(cls: type) -> dict[str, Any]:
 def _unknown_key_message(key: str, known: Sequence[str], where: str) -> str:
     close = difflib.get_close_matches(key, known, n=1)
     suggestion = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"unknown key {key!r}{where}{suggestion}; {_HELP_HINT}"
+    return f"unknown config key {key!r}{where}{suggestion}; {_HELP_HINT}"
 
 
 def _scan_argv(argv: Sequence[str], hints: dict[str, Any]) -> tuple[dict[str, str], str | None]:

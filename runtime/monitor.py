@@ -33,6 +33,16 @@ def _bar_total(max_duration: Time, batches_per_epoch: int, global_batch_size: in
     return int(max_duration.value), "ba"
 
 
+def _logged_step(line: str) -> float:
+    """The step of a metrics.jsonl line; a torn line (crash mid-write) or blank one is dropped (inf)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return float("inf")
+    step = record.get("step", 0) if isinstance(record, dict) else None
+    return step if isinstance(step, (int, float)) else float("inf")
+
+
 class Monitor:
     def __init__(
         self,
@@ -70,11 +80,7 @@ class Monitor:
         """On resume, drop lines logged after the checkpoint, so no step appears twice."""
         if not self.metrics_path.exists():
             return
-        kept = [
-            line
-            for line in self.metrics_path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step
-        ]
+        kept = [line for line in self.metrics_path.read_text().splitlines() if _logged_step(line) <= step]
         tmp = self.metrics_path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(self.metrics_path)

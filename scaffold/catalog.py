@@ -91,6 +91,18 @@ def recipe_paths(template: Path) -> dict[str, Path]:
     return {path.stem: path for path in sorted((template / "recipes").glob("*.toml"))}
 
 
+def _answer_type(question: dict[str, Any]) -> str:
+    """A question's type; a `str` question whose default is a Time string holds Time strings."""
+    kind = question.get("type", "str")
+    if kind == "str" and isinstance(question.get("default"), str):
+        try:
+            Time.parse(question["default"])
+            return "time"
+        except TimeError:
+            pass
+    return kind
+
+
 def load_recipe(name_or_path: str, template: Path) -> Recipe:
     """A shipped recipe by name, or a recipe file by path (anything with a `/` or ending in .toml)."""
     shipped = recipe_paths(template)
@@ -191,7 +203,7 @@ def resolve(recipe: Recipe, template: Path, project_name: str) -> dict[str, Any]
                               f"{_suggest(key, list(questions))}; known answers: "
                               f"{', '.join(k for k in questions if k not in DERIVED_ANSWERS)}")
         question = questions[key]
-        value = _coerce(value, question.get("type", "str"), f"answer '{key}'")
+        value = _coerce(value, _answer_type(question), f"answer '{key}'")
         choices = question.get("choices")
         if choices and value not in (list(choices.values()) if isinstance(choices, dict) else choices):
             raise RecipeError(f"answer '{key}' = {value!r} is not one of {', '.join(map(str, choices))}")

@@ -162,7 +162,7 @@ def test_missing_required_field() -> None:
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [
-        (["--lrr=1"], "unknown key"),
+        (["--lrr=1"], "unknown config key"),
         (["--batch_size=x"], "bad value"),
         (["--lr"], "missing value"),
         (["stray"], "unexpected argument"),
@@ -224,7 +224,7 @@ def test_config_file_strings_for_union_fields(tmp_path: Path) -> None:
         ("lr = true\n", ["'lr'", "number"]),
         ('max_duration = "3 weeks"\n', ["'max_duration'", "unknown unit"]),
         ('precision = "fp8"\n', ["'precision'", "'bf16'"]),
-        ("lrr = 0.1\n", ["unknown key 'lrr'", "did you mean 'lr'?"]),
+        ("lrr = 0.1\n", ["unknown config key 'lrr'", "did you mean 'lr'?"]),
         ("[section]\nlr = 1\n", ["'section'", "is a table", "flat"]),
         ("max-duration = '1ep'\nmax_duration = '2ep'\n", ["'max_duration' appears twice"]),
         ("lr = = 1\n", ["invalid TOML"]),

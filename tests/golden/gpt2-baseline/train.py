@@ -75,7 +75,7 @@ def check_config(cfg: Config, env: dist.DistEnv) -> None:
             f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
             f"size {env.world_size}; pick a multiple of {env.world_size}"
         )
-    for name in "lr_warmup":
+    for name in ("lr_warmup",):
         try:
             as_fraction(getattr(cfg, name), cfg.max_duration)
         except ValueError as error:
@@ -124,9 +124,16 @@ def main() -> None:
     check_config(cfg, env)
     torch.manual_seed(cfg.seed)
     run_dir = Path("runs") / cfg.run_name
-    tokens = load_tokens(cfg.data)
-    train_batches = Batches(tokens.train, cfg.seq_len, cfg.global_batch_size, cfg.seed)
-    val = val_batches(tokens.val, cfg.seq_len, cfg.global_batch_size, cfg.eval_batches)
+    try:
+        tokens = load_tokens(cfg.data)
+        train_batches = Batches(
+            tokens.train, cfg.seq_len, cfg.global_batch_size, cfg.seed
+        )
+        val = val_batches(
+            tokens.val, cfg.seq_len, cfg.global_batch_size, cfg.eval_batches
+        )
+    except (OSError, ValueError) as error:  # a missing path, too little data
+        config.fail(str(error))
 
     # event: MODEL
 
@@ -184,6 +191,7 @@ def main() -> None:
             batch = batch.to(env.device, non_blocking=True)
 
             # event: BATCH_START
+
             inputs, targets = batch[:, :-1], batch[:, 1:]
             lr = lr_at(progress.fraction(cfg.max_duration), cfg)
             for group in optimizer.param_groups:

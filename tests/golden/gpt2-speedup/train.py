@@ -147,9 +147,16 @@ def main() -> None:
     check_config(cfg, env)
     torch.manual_seed(cfg.seed)
     run_dir = Path("runs") / cfg.run_name
-    tokens = load_tokens(cfg.data)
-    train_batches = Batches(tokens.train, cfg.seq_len, cfg.global_batch_size, cfg.seed)
-    val = val_batches(tokens.val, cfg.seq_len, cfg.global_batch_size, cfg.eval_batches)
+    try:
+        tokens = load_tokens(cfg.data)
+        train_batches = Batches(
+            tokens.train, cfg.seq_len, cfg.global_batch_size, cfg.seed
+        )
+        val = val_batches(
+            tokens.val, cfg.seq_len, cfg.global_batch_size, cfg.eval_batches
+        )
+    except (OSError, ValueError) as error:  # a missing path, too little data
+        config.fail(str(error))
 
     # event: MODEL
 

@@ -1,0 +1,158 @@
+"""Each algorithm's effect, checked in the code the generator writes (not in a copy of it)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from projects import project_modules, read_metrics, run_train
+
+TINY = ["--seq_len=64", "--global_batch_size=4", "--eval_batches=1", "--eval_interval=100ba"]
+
+
+@pytest.fixture(scope="module")
+def speedup(generated: dict[str, Path]):
+    with project_modules(generated["gpt2-speedup"]) as modules:
+        yield modules
+
+
+@pytest.fixture(scope="module")
+def baseline(generated: dict[str, Path]):
+    with project_modules(generated["gpt2-baseline"]) as modules:
+        yield modules
+
+
+# ---------------------------------------------------------------- alibi
+
+
+def test_alibi_slopes_are_the_papers_geometric_sequence(speedup) -> None:
+    slopes = speedup["model"].alibi_slopes
+    assert slopes(8).tolist() == pytest.approx([2.0**-k for k in range(1, 9)])
+    assert slopes(4).tolist() == pytest.approx([2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8])
+    # 12 heads: the 8-head slopes, then every other slope of the 16-head sequence.
+    expected = [2.0**-k for k in range(1, 9)] + [2.0 ** -(k / 2) for k in (1, 3, 5, 7)]
+    assert slopes(12).tolist() == pytest.approx(expected)
+
+
+def test_alibi_bias_penalises_distance_and_masks_the_future(speedup) -> None:
+    bias = speedup["model"].alibi_bias(2, 5)
+    slopes = speedup["model"].alibi_slopes(2)
+    assert bias.shape == (2, 5, 5)
+    for h in range(2):
+        for i in range(5):
+            for j in range(5):
+                if j > i:
+                    assert bias[h, i, j] == float("-inf")
+                else:
+                    assert bias[h, i, j].item() == pytest.approx(-slopes[h].item() * (i - j))
+
+
+def test_alibi_attention_matches_a_manual_softmax(speedup) -> None:
+    model = speedup["model"]
+    config = model.GPTConfig(vocab_size=256, max_seq_len=16, n_layer=1, n_head=4, n_embd=32)
+    attention = model.CausalSelfAttention(config)
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 32)
+    bias = model.alibi_bias(4, 7)
+    actual = attention(x, bias)
+    q, k, v = (t.view(2, 7, 4, 8).transpose(1, 2) for t in attention.qkv(x).split(32, dim=2))
+    scores = q @ k.transpose(-1, -2) / math.sqrt(8) + bias
+    manual = (scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 7, 32)
+    torch.testing.assert_close(actual, attention.proj(manual), rtol=1e-5, atol=1e-5)
+
+
+def test_alibi_model_has_no_position_embeddings(speedup, baseline) -> None:
+    def build(modules):
+        model = modules["model"]
+        return model.GPT(model.GPTConfig(vocab_size=256, max_seq_len=32, **model.PRESETS["tiny"]))
+
+    alibi_names = {name for name, _ in build(speedup).named_parameters()}
+    baseline_names = {name for name, _ in build(baseline).named_parameters()}
+    assert baseline_names - alibi_names == {"wpe.weight"}
+    # Without position embeddings, the model still tells positions apart through the bias:
+    # the same token at two positions gets different outputs.
+    torch.manual_seed(0)
+    logits = build(speedup)(torch.zeros(1, 6, dtype=torch.long))
+    assert not torch.allclose(logits[0, 1], logits[0, 5])
+
+
+def test_gpt2_preset_has_124m_parameters(baseline) -> None:
+    model = baseline["model"]
+    with torch.device("meta"):
+        gpt2 = model.GPT(model.GPTConfig(vocab_size=50257, max_seq_len=1024, **model.PRESETS["gpt2"]))
+    assert round(gpt2.num_params() / 1e6) == 124
+
+
+# ---------------------------------------------------------------- seq_length_warmup
+
+
+def test_seq_length_warmup_schedule(speedup) -> None:
+    length = speedup["train"].seq_length_warmup_len
+    assert length(0.0, 8, 128) == 8
+    assert length(0.5, 8, 128) == 64  # 8 + 0.5 * 120 = 68, rounded down to a multiple of 8
+    assert length(1.0, 8, 128) == 128 and length(3.0, 8, 128) == 128
+    schedule = [length(k / 100, 8, 128) for k in range(101)]
+    assert schedule == sorted(schedule) and all(n % 8 == 0 for n in schedule)
+    assert length(0.999, 8, 100) == 96 and length(1.0, 8, 100) == 100  # full length not a multiple of 8
+    assert length(0.0, 5, 100) == 5  # never below the minimum
+
+
+def test_seq_length_warmup_in_the_training_loop(generated: dict[str, Path], tmp_path: Path) -> None:
+    """The loop trains on the scheduled length each step, reaching full length after 30%."""
+    result = run_train(generated["gpt2-speedup"], tmp_path, *TINY, "--max_duration=10ba",
+                       "--seq_length_warmup_duration=0.5dur", "--run_name=swu")
+    assert result.returncode == 0, result.stderr
+    lengths = [r["seq_len"] for r in read_metrics(tmp_path, "swu")]
+    expected = [min(64, max(8, int(8 + 56 * (k / 10) / 0.5) // 8 * 8)) if k < 5 else 64 for k in range(10)]
+    assert lengths == expected == [8, 16, 24, 40, 48, 64, 64, 64, 64, 64]
+
+
+# ---------------------------------------------------------------- gradient clipping
+
+
+def test_gradient_clipping_bounds_the_update(generated: dict[str, Path], tmp_path: Path) -> None:
+    """With a tiny max_norm the logged pre-clip norm exceeds it, and training still runs."""
+    result = run_train(generated["gpt2-baseline"], tmp_path, *TINY, "--max_duration=3ba",
+                       "--gradient_clipping_max_norm=0.01", "--run_name=clip")
+    assert result.returncode == 0, result.stderr
+    assert all(r["grad_norm"] > 0.01 for r in read_metrics(tmp_path, "clip"))
+
+
+def test_gradient_clipping_changes_training(generated: dict[str, Path], tmp_path: Path) -> None:
+    common = [*TINY, "--max_duration=4ba", "--lr=0.01"]
+    run_train(generated["gpt2-baseline"], tmp_path, *common, "--gradient_clipping_max_norm=1e-3", "--run_name=a")
+    run_train(generated["gpt2-baseline"], tmp_path, *common, "--gradient_clipping_max_norm=1e3", "--run_name=b")
+    clipped, free = read_metrics(tmp_path, "a"), read_metrics(tmp_path, "b")
+    assert clipped[0]["loss"] == free[0]["loss"]  # same start
+    assert clipped[-1]["loss"] != free[-1]["loss"]  # different updates
+
+
+# ---------------------------------------------------------------- the loop's arithmetic
+
+
+def test_lr_schedule_warms_up_then_decays(baseline) -> None:
+    train = baseline["train"]
+    cfg = train.Config(lr=1.0, lr_warmup=train.Time.parse("0.1dur"), min_lr_ratio=0.1)
+    assert train.lr_at(0.0, cfg) == 0.0
+    assert train.lr_at(0.05, cfg) == pytest.approx(0.5)
+    assert train.lr_at(0.1, cfg) == pytest.approx(1.0)
+    assert train.lr_at(0.55, cfg) == pytest.approx(0.55)  # cosine midpoint between 1.0 and 0.1
+    assert train.lr_at(1.0, cfg) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("recipe", ["gpt2-baseline", "gpt2-speedup"])
+def test_gradient_accumulation_is_invariant_to_microbatch_size(recipe: str, generated: dict[str, Path], tmp_path: Path) -> None:
+    """Microbatches of 4 (no accumulation), 3 (uneven: 3 + 1) and 1 take the same steps."""
+    losses = {}
+    for microbatch in (4, 3, 1):
+        result = run_train(generated[recipe], tmp_path, *TINY, "--max_duration=4ba",
+                           f"--device_microbatch_size={microbatch}", f"--run_name=mb{microbatch}")
+        assert result.returncode == 0, result.stderr
+        losses[microbatch] = [r["loss"] for r in read_metrics(tmp_path, f"mb{microbatch}")]
+    assert len(losses[4]) == 4
+    for microbatch in (3, 1):
+        # Same gradients up to float summation order: agreement to ~1e-6 over 4 steps.
+        assert losses[microbatch] == pytest.approx(losses[4], rel=1e-5, abs=1e-6)

@@ -1,0 +1,210 @@
+"""Recipes, the algorithm catalog and `scaffold new`'s handling of bad input."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import scaffold_cli
+from scaffold.catalog import (
+    RecipeError,
+    apply_overrides,
+    load_algorithms,
+    load_recipe,
+    parse_override,
+    resolve,
+)
+from scaffold.paths import template_dir
+
+TEMPLATE = template_dir()
+
+
+def resolved(recipe_text: str, tmp_path: Path, overrides: list[str] = (), name: str = "proj") -> dict:
+    path = tmp_path / "recipe.toml"
+    path.write_text(recipe_text)
+    return resolve(apply_overrides(load_recipe(str(path), TEMPLATE), list(overrides)), TEMPLATE, name)
+
+
+def test_shipped_recipes_resolve_with_defaults_filled() -> None:
+    speedup = resolve(load_recipe("gpt2-speedup", TEMPLATE), TEMPLATE, "my-gpt")
+    assert list(speedup["algorithms"]) == ["alibi", "gradient_clipping", "seq_length_warmup"]
+    assert speedup["algorithms"]["seq_length_warmup"] == {"duration": "0.3dur", "min_len": 8}
+    assert speedup["algorithms"]["gradient_clipping"] == {"max_norm": 1.0}
+    baseline = resolve(load_recipe("gpt2-baseline", TEMPLATE), TEMPLATE, "my-gpt")
+    assert list(baseline["algorithms"]) == ["gradient_clipping"]
+    assert baseline["project_name"] == "my-gpt" and baseline["recipe"] == "gpt2-baseline"
+
+
+def test_algorithm_defaults_fill_missing_hyperparameters(tmp_path: Path) -> None:
+    answers = resolved("[algorithms.seq_length_warmup]\nmin_len = 16\n", tmp_path)
+    assert answers["algorithms"] == {"seq_length_warmup": {"duration": "0.3dur", "min_len": 16}}
+
+
+def test_overrides_set_answers_and_hyperparameters(tmp_path: Path) -> None:
+    answers = resolved(
+        "[answers]\nlr = 1e-3\n[algorithms.seq_length_warmup]\n",
+        tmp_path,
+        ["lr=3e-4", "seq_length_warmup.duration=0.5dur", "model=gpt2"],
+    )
+    assert answers["lr"] == 3e-4 and answers["model"] == "gpt2"
+    assert answers["algorithms"]["seq_length_warmup"]["duration"] == "0.5dur"
+
+
+def test_parse_override_reads_toml_values() -> None:
+    assert parse_override("lr=3e-4") == ("lr", 3e-4)
+    assert parse_override("seq_len=256") == ("seq_len", 256)
+    assert parse_override("model=gpt2-medium") == ("model", "gpt2-medium")
+    with pytest.raises(RecipeError, match="key=value"):
+        parse_override("lr")
+
+
+@pytest.mark.parametrize(
+    ("recipe_text", "overrides", "message"),
+    [
+        ("[algorithms.alibbi]\n", [], "unknown algorithm 'alibbi' (did you mean 'alibi'?)"),
+        ("[answers]\nlrr = 1.0\n", [], "unknown answer 'lrr' (did you mean 'lr'?)"),
+        ("[answers]\nlr = 'fast'\n", [], "answer 'lr' = 'fast' must be of type float"),
+        ("[answers]\nmodel = 'gpt5'\n", [], "answer 'model' = 'gpt5' is not one of"),
+        ("[answers]\nmax_duration = '10bb'\n", [], "unknown unit 'bb'"),
+        ("[answers]\nrecipe = 'x'\n", [], "'recipe' is set by scaffold itself"),
+        ("[algorithms.seq_length_warmup]\nmin_length = 3\n", [], "no hyperparameter 'min_length'"),
+        ("[algorithms.seq_length_warmup]\nduration = 3\n", [], "must be of type time"),
+        ("colour = 'red'\n", [], "unknown top-level key 'colour'"),
+        ("algorithms = ['alibi']\n", [], "write each algorithm as a table"),
+        ("[answers\n", [], "is not valid TOML"),
+        ("", ["alibi.x=1"], "algorithm 'alibi' is not in recipe"),
+    ],
+)
+def test_bad_recipes_are_refused_with_the_fix(recipe_text: str, overrides: list[str], message: str, tmp_path: Path) -> None:
+    with pytest.raises(RecipeError) as error:
+        resolved(recipe_text, tmp_path, overrides)
+    assert message in str(error.value)
+
+
+def test_unknown_recipe_lists_the_known_ones() -> None:
+    with pytest.raises(RecipeError) as error:
+        load_recipe("gpt2-speedupp", TEMPLATE)
+    assert "did you mean 'gpt2-speedup'" in str(error.value)
+    assert "gpt2-baseline" in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["2fast", "my gpt", "", "a/b", "x" * 65])
+def test_bad_project_names_are_refused(name: str, tmp_path: Path) -> None:
+    with pytest.raises(RecipeError, match="not a valid name"):
+        resolved("", tmp_path, name=name)
+
+
+def test_conflicts_and_requirements_are_enforced(tmp_path: Path) -> None:
+    template = tmp_path / "template"
+    shutil.copytree(TEMPLATE, template)
+    alibi_meta = template / "algorithms" / "alibi" / "algorithm.toml"
+    alibi_meta.write_text(alibi_meta.read_text().replace("conflicts = []", 'conflicts = ["seq_length_warmup"]'))
+    clip_meta = template / "algorithms" / "gradient_clipping" / "algorithm.toml"
+    clip_meta.write_text(clip_meta.read_text().replace("requires = []", 'requires = ["alibi"]'))
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("[algorithms.alibi]\n[algorithms.seq_length_warmup]\n")
+    with pytest.raises(RecipeError, match="'alibi' and 'seq_length_warmup' conflict"):
+        resolve(load_recipe(str(recipe), template), template, "p")
+    recipe.write_text("[algorithms.gradient_clipping]\n")
+    with pytest.raises(RecipeError, match="'gradient_clipping' requires 'alibi'"):
+        resolve(load_recipe(str(recipe), template), template, "p")
+
+
+def test_every_algorithm_is_complete() -> None:
+    """Each catalog entry has a summary, known events, and typed hyperparameters with defaults."""
+    events = {"INIT", "MODEL", "OPTIMIZER", "FIT_START", "EPOCH_START", "BATCH_START", "MICROBATCH_START",
+              "AFTER_FORWARD", "LOSS", "AFTER_BACKWARD", "BATCH_END", "EVAL", "EPOCH_END", "FIT_END"}
+    for algorithm in load_algorithms(TEMPLATE).values():
+        assert algorithm.summary and set(algorithm.events) <= events, algorithm.name
+        for hp in algorithm.hyperparameters.values():
+            assert hp.type in ("int", "float", "bool", "str", "time") and hp.help, (algorithm.name, hp.name)
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def test_cli_lists_recipes_and_algorithms() -> None:
+    recipes = scaffold_cli("recipes")
+    assert recipes.returncode == 0
+    assert "gpt2-speedup" in recipes.stdout and "gpt2-baseline" in recipes.stdout
+    algorithms = scaffold_cli("algorithms")
+    assert algorithms.returncode == 0
+    for name in ("alibi", "seq_length_warmup", "gradient_clipping", "BATCH_START", "min_len=8"):
+        assert name in algorithms.stdout
+
+
+@pytest.mark.parametrize("command", [[], ["new"], ["recipes"], ["algorithms"]])
+def test_every_command_has_help(command: list[str]) -> None:
+    result = scaffold_cli(*command, "--help")
+    assert result.returncode == 0 and "Usage" in result.stdout
+
+
+def test_cli_version_comes_from_package_metadata() -> None:
+    from importlib import metadata
+
+    result = scaffold_cli("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"scaffold {metadata.version('scaffold')}"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--recipe", "nope"], "unknown recipe 'nope'"),
+        (["--recipe", "./missing.toml"], "does not exist"),
+        (["--set", "lrr=1"], "unknown answer 'lrr'"),
+        (["--set", "seq_length_warmup.min_len=x"], "must be of type int"),
+        (["--set", "max_duration=ten"], "bad Time string 'ten'"),
+        (["--name", "9lives"], "not a valid name"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line_and_leaves_nothing(args: list[str], message: str, tmp_path: Path) -> None:
+    dest = tmp_path / "out" / "proj"
+    result = scaffold_cli("new", str(dest), *args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+    assert not dest.exists()
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+
+
+def test_cli_refuses_a_non_empty_destination_and_touches_nothing(tmp_path: Path) -> None:
+    dest = tmp_path / "proj"
+    dest.mkdir()
+    (dest / "notes.txt").write_text("mine")
+    result = scaffold_cli("new", str(dest))
+    assert result.returncode == 2 and "already exists and is not empty" in result.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["proj"]
+    assert [p.name for p in dest.iterdir()] == ["notes.txt"] and (dest / "notes.txt").read_text() == "mine"
+
+
+def test_cli_fills_an_existing_empty_destination(tmp_path: Path) -> None:
+    dest = tmp_path / "proj"
+    dest.mkdir()
+    result = scaffold_cli("new", str(dest), "--recipe", "gpt2-baseline")
+    assert result.returncode == 0, result.stderr
+    assert (dest / "train.py").is_file() and (dest / ".git").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["proj"]  # no staging folder left
+
+
+def test_cli_accepts_a_recipe_file(tmp_path: Path) -> None:
+    recipe = tmp_path / "mine.toml"
+    recipe.write_text('description = "mine"\n[answers]\nseq_len = 64\n[algorithms.seq_length_warmup]\nmin_len = 16\n')
+    dest = tmp_path / "proj"
+    result = scaffold_cli("new", str(dest), "--recipe", str(recipe))
+    assert result.returncode == 0, result.stderr
+    train = (dest / "train.py").read_text()
+    assert "seq_len: int = 64" in train and "seq_length_warmup_min_len: int = 16" in train
+    assert "# algorithm: gradient_clipping" not in train
+    assert "recipe: mine" in (dest / ".copier-answers.yml").read_text()
+
+
+def test_user_strings_are_escaped_not_pasted(tmp_path: Path) -> None:
+    dest = tmp_path / "proj"
+    result = scaffold_cli("new", str(dest), "--set", 'lr_warmup=10ba', "--name", "q_x")
+    assert result.returncode == 0, result.stderr
+    recipe = tmp_path / "evil.toml"
+    recipe.write_text('[answers]\nmodel = "tiny\\"; import os"\n')
+    result = scaffold_cli("new", str(tmp_path / "evil"), "--recipe", str(recipe))
+    assert result.returncode == 2 and "is not one of" in result.stderr

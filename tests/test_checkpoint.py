@@ -1,0 +1,317 @@
+"""Tests for runtime.checkpoint: single process, CPU, a two-layer model trained with AdamW."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from runtime import checkpoint
+from runtime.checkpoint import MARKER, TRAIN_STATE, CheckpointError
+from runtime.time import Progress
+
+BATCHES_PER_EPOCH = 5
+
+
+def build(hidden: int = 8, layers: int = 2, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A small model and AdamW with two parameter groups, like the generated train.py."""
+    torch.manual_seed(seed)
+    modules: list[nn.Module] = [nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 3)]
+    if layers == 3:
+        modules += [nn.ReLU(), nn.Linear(3, 3)]
+    elif layers == 1:
+        modules = [nn.Linear(4, hidden)]
+    model = nn.Sequential(*modules)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    )
+    return model, optimizer
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, progress: Progress, steps: int) -> None:
+    for _ in range(steps):
+        loss = model(torch.randn(6, 4)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        progress.advance(samples=6, tokens=24)
+
+
+def same_params(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> dict:
+    """A model trained 7 steps and checkpointed; `next_rand` is what torch.rand gave right after."""
+    model, optimizer = build()
+    progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
+    train(model, optimizer, progress, 7)
+    for group in optimizer.param_groups:
+        group["lr"] = 3e-3  # as a schedule would: a fresh optimizer (lr=1e-2) must take this value
+    folder = tmp_path / "checkpoints"
+    path = checkpoint.save(folder, model, optimizer, progress, extra={"microbatch": 3, "note": "x"})
+    next_rand = torch.rand(8)
+    return {"folder": folder, "path": path, "model": model, "optimizer": optimizer,
+            "progress": progress, "next_rand": next_rand}
+
+
+# ---------------------------------------------------------------- round trip
+
+
+def test_save_writes_complete_step_folder(saved: dict) -> None:
+    path = saved["path"]
+    assert path == saved["folder"] / "step-7"
+    assert (path / MARKER).is_file() and (path / ".metadata").is_file()
+    assert list(path.glob("*.distcp")) and (path / "rng-rank0.pt").is_file()
+    state = json.loads((path / TRAIN_STATE).read_text())
+    assert state["world_size"] == 1 and state["progress"]["batch"] == 7
+
+
+def test_load_restores_model_optimizer_progress_rng_bitwise(saved: dict) -> None:
+    model, optimizer = build(seed=1)
+    assert not same_params(model, saved["model"])  # the load below has work to do
+    progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
+    torch.manual_seed(12345)  # any RNG state; load must bring back the saved one
+
+    extra = checkpoint.load(saved["path"], model, optimizer, progress, seed=0)
+
+    assert extra == {"microbatch": 3, "note": "x", "rng_restored": True}
+    assert torch.equal(torch.rand(8), saved["next_rand"])
+    assert progress.state_dict() == saved["progress"].state_dict()
+    assert progress.batch == 7 and progress.epoch == 1 and progress.batch_in_epoch == 2
+    assert same_params(model, saved["model"])
+    original = saved["optimizer"]
+    for p_saved, p_loaded in zip(saved["model"].parameters(), model.parameters(), strict=True):
+        s_saved, s_loaded = original.state[p_saved], optimizer.state[p_loaded]
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(s_saved[key], s_loaded[key]), key
+        assert float(s_loaded["step"]) == 7
+    for g_saved, g_loaded in zip(original.param_groups, optimizer.param_groups, strict=True):
+        assert g_loaded["weight_decay"] == g_saved["weight_decay"] and g_loaded["lr"] == g_saved["lr"] == 3e-3
+        assert len(g_loaded["params"]) == len(g_saved["params"])
+
+    # One more identical step on both: still bitwise equal (the optimizer state is really live).
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+    for m, opt in ((saved["model"], original), (model, optimizer)):
+        m(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert same_params(model, saved["model"])
+
+
+def test_load_weights_only(saved: dict) -> None:
+    model, optimizer = build(seed=1)
+    extra = checkpoint.load(saved["path"], model, None, None)
+    assert same_params(model, saved["model"])
+    assert extra["microbatch"] == 3 and extra["rng_restored"] is True
+    assert not optimizer.state  # untouched
+
+
+# ---------------------------------------------------------------- folder handling
+
+
+def make_dir(folder: Path, name: str, complete: bool) -> Path:
+    path = folder / name
+    path.mkdir(parents=True)
+    (path / "__0_0.distcp").write_bytes(b"shard")
+    if complete:
+        (path / MARKER).write_text("done\n")
+    return path
+
+
+def test_latest_ignores_incomplete_and_foreign_names(tmp_path: Path) -> None:
+    assert checkpoint.latest(tmp_path / "absent") is None
+    folder = tmp_path / "checkpoints"
+    for name in ("step-2", "step-9", "step-10"):
+        make_dir(folder, name, complete=True)
+    make_dir(folder, "step-11", complete=False)
+    for name in ("step-12.tmp", "step-x", "other", "step-", "final-step-99"):
+        make_dir(folder, name, complete=True)
+    (folder / "step-50").write_text("a file, not a checkpoint")
+    assert checkpoint.latest(folder) == folder / "step-10"  # numeric order, not "step-9" > "step-10"
+
+
+def test_remove_incomplete_deletes_only_incomplete_step_folders(tmp_path: Path) -> None:
+    assert checkpoint.remove_incomplete(tmp_path / "absent") == []
+    folder = tmp_path / "checkpoints"
+    make_dir(folder, "step-3", complete=True)
+    make_dir(folder, "step-4", complete=False)
+    make_dir(folder, "step-7", complete=False)
+    make_dir(folder, "notes", complete=False)
+    removed = checkpoint.remove_incomplete(folder)
+    assert sorted(p.name for p in removed) == ["step-4", "step-7"]
+    assert sorted(p.name for p in folder.iterdir()) == ["notes", "step-3"]
+    assert (folder / "step-3" / "__0_0.distcp").is_file()
+    assert checkpoint.latest(folder) == folder / "step-3"
+
+
+def test_rotation_keeps_newest_complete(tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoints"
+    model, optimizer = build()
+    progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
+    for _ in range(4):
+        train(model, optimizer, progress, 1)
+        checkpoint.save(folder, model, optimizer, progress, keep=2)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-4"]
+
+    # An interrupted save (no marker) must not count as one of the kept two.
+    make_dir(folder, "step-5", complete=False)
+    train(model, optimizer, progress, 2)
+    assert progress.batch == 6
+    checkpoint.save(folder, model, optimizer, progress, keep=2)
+    complete = sorted(p.name for p in folder.iterdir() if checkpoint.is_complete(p))
+    assert complete == ["step-4", "step-6"]
+
+    # keep=0 keeps everything.
+    train(model, optimizer, progress, 1)
+    checkpoint.save(folder, model, optimizer, progress, keep=0)
+    assert sorted(p.name for p in folder.iterdir() if checkpoint.is_complete(p)) == ["step-4", "step-6", "step-7"]
+
+
+def test_saving_same_step_twice_is_a_noop(saved: dict) -> None:
+    before = snapshot(saved["path"])
+    model, optimizer, progress = saved["model"], saved["optimizer"], saved["progress"]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    again = checkpoint.save(saved["folder"], model, optimizer, progress, extra={"note": "changed"})
+    assert again == saved["path"]
+    assert snapshot(saved["path"]) == before
+    fresh, _ = build(seed=1)
+    assert checkpoint.load(again, fresh, None, None)["note"] == "x"
+    assert not same_params(fresh, model)  # the first save's weights, not the changed ones
+
+
+# ---------------------------------------------------------------- load errors
+
+
+def test_load_without_marker_names_the_path(saved: dict) -> None:
+    (saved["path"] / MARKER).unlink()
+    model, optimizer = build(seed=1)
+    with pytest.raises(CheckpointError, match="not a complete checkpoint") as info:
+        checkpoint.load(saved["path"], model, optimizer, None)
+    assert str(saved["path"]) in str(info.value)
+    with pytest.raises(CheckpointError, match="step-999"):
+        checkpoint.load(saved["folder"] / "step-999", model, optimizer, None)
+
+
+@pytest.mark.parametrize("keep_bytes", [0.5, 0.0])
+def test_truncated_shard_raises_and_deletes_nothing(saved: dict, keep_bytes: float) -> None:
+    path = saved["path"]
+    shard = sorted(path.glob("*.distcp"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: int(len(data) * keep_bytes)])
+    before = snapshot(path)
+    model, optimizer = build(seed=1)
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.load(path, model, optimizer, Progress(batches_per_epoch=BATCHES_PER_EPOCH))
+    message = str(info.value)
+    assert str(path) in message and "Traceback" not in message
+    assert len(message) < 2500
+    assert snapshot(path) == before
+    assert checkpoint.remove_incomplete(saved["folder"]) == []
+    assert checkpoint.latest(saved["folder"]) == path
+
+
+def test_missing_metadata_raises(saved: dict) -> None:
+    (saved["path"] / ".metadata").unlink()
+    model, optimizer = build(seed=1)
+    with pytest.raises(CheckpointError, match=r"\.metadata"):
+        checkpoint.load(saved["path"], model, optimizer, None)
+    assert not same_params(model, saved["model"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"hidden": 16}, ["different shapes", "0.weight (saved [8, 4], model [16, 4])", "2.weight", "0.bias"]),
+        ({"layers": 3}, ["missing from the checkpoint", "4.weight", "4.bias"]),
+        ({"layers": 1}, ["in the checkpoint but not in this model", "2.weight", "2.bias"]),
+    ],
+    ids=["other-shapes", "checkpoint-lacks-keys", "model-lacks-keys"],
+)
+def test_other_model_names_the_mismatch(saved: dict, kwargs: dict, expected: list[str]) -> None:
+    for optimizer_too in (True, False):
+        model, optimizer = build(seed=1, **kwargs)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(CheckpointError, match="different model") as info:
+            checkpoint.load(saved["path"], model, optimizer if optimizer_too else None, None)
+        for text in expected:
+            assert text in str(info.value)
+        assert str(saved["path"]) in str(info.value)
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing half-loaded
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda text: text[: len(text) // 2],
+        lambda text: "[]",
+        lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "progress"}),
+        lambda text: json.dumps({**json.loads(text), "world_size": "one"}),
+        lambda text: json.dumps({**json.loads(text), "progress": {**json.loads(text)["progress"], "batch": -1}}),
+        lambda text: json.dumps({**json.loads(text), "progress": {"batch": 7}}),
+    ],
+    ids=["truncated", "not-an-object", "no-progress", "bad-world-size", "negative-counter", "partial-progress"],
+)
+def test_damaged_train_state_raises(saved: dict, damage) -> None:
+    file = saved["path"] / TRAIN_STATE
+    file.write_text(damage(file.read_text()))
+    for progress in (Progress(batches_per_epoch=BATCHES_PER_EPOCH), None):
+        model, optimizer = build(seed=1)
+        with pytest.raises(CheckpointError, match=TRAIN_STATE):
+            checkpoint.load(saved["path"], model, optimizer, progress)
+        assert not same_params(model, saved["model"])  # rejected before anything was restored
+        if progress is not None:
+            assert progress.batch == 0
+
+
+def test_other_batches_per_epoch_raises_before_restoring(saved: dict) -> None:
+    model, optimizer = build(seed=1)
+    progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH + 1)
+    with pytest.raises(CheckpointError, match="batches_per_epoch"):
+        checkpoint.load(saved["path"], model, optimizer, progress)
+    assert not same_params(model, saved["model"]) and progress.batch == 0
+
+
+# ---------------------------------------------------------------- RNG across world sizes
+
+
+def next_rand_after_load(path: Path, seed: int, noise: int) -> tuple[torch.Tensor, bool]:
+    model, optimizer = build(seed=1)
+    torch.manual_seed(noise)  # a different RNG state before each load
+    extra = checkpoint.load(path, model, optimizer, Progress(batches_per_epoch=BATCHES_PER_EPOCH), seed=seed)
+    return torch.rand(8), extra["rng_restored"]
+
+
+def test_other_world_size_reseeds_deterministically(saved: dict) -> None:
+    file = saved["path"] / TRAIN_STATE
+    file.write_text(json.dumps({**json.loads(file.read_text()), "world_size": 2}))
+    first, restored_first = next_rand_after_load(saved["path"], seed=0, noise=1)
+    second, restored_second = next_rand_after_load(saved["path"], seed=0, noise=2)
+    other_seed, _ = next_rand_after_load(saved["path"], seed=1, noise=1)
+    assert restored_first is False and restored_second is False
+    assert torch.equal(first, second)
+    assert not torch.equal(first, saved["next_rand"])  # not the saved (other world size) state
+    assert not torch.equal(first, other_seed)
+
+
+def test_missing_rng_file_reseeds(saved: dict) -> None:
+    (saved["path"] / "rng-rank0.pt").unlink()
+    first, restored = next_rand_after_load(saved["path"], seed=0, noise=1)
+    second, _ = next_rand_after_load(saved["path"], seed=0, noise=2)
+    assert restored is False and torch.equal(first, second)

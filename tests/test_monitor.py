@@ -1,0 +1,142 @@
+"""Tests for runtime.monitor: metrics.jsonl, resume trimming, paused throughput, rank-0-only output."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from runtime.monitor import Monitor
+from runtime.time import Progress, Time
+
+GLOBAL_BATCH = 4
+TOKENS_PER_STEP = 4 * 256
+
+
+def make(run_dir: Path, step: int = 0, enabled: bool = True) -> tuple[Monitor, Progress]:
+    progress = Progress(batches_per_epoch=10)
+    for _ in range(step):
+        progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
+    return Monitor(run_dir, progress, Time.parse("100ba"), GLOBAL_BATCH, enabled=enabled), progress
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_log_appends_json_lines_with_throughput(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    monitor, progress = make(run_dir)
+    progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
+    monitor.log(progress, loss=2.5, lr=1e-3)
+    progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
+    progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
+    time.sleep(0.05)
+    monitor.log(progress, loss=2.0)
+    monitor.log(progress, val_loss=1.9)  # same step again: no interval, so no throughput
+    monitor.close()
+
+    first, second, third = records(run_dir)
+    assert first["step"] == 1 and first["epoch"] == 0 and first["loss"] == 2.5 and first["lr"] == 1e-3
+    assert second["step"] == 3 and second["loss"] == 2.0 and "lr" not in second
+    for record in (first, second):
+        assert record["tokens_per_s"] > 0 and record["samples_per_s"] > 0
+        assert record["tokens_per_s"] / record["samples_per_s"] == TOKENS_PER_STEP / GLOBAL_BATCH
+    # Two steps in at least 50 ms: at most 2 * TOKENS_PER_STEP / 0.05 tokens/s, and >= 25 ms per step.
+    assert second["tokens_per_s"] <= 2 * TOKENS_PER_STEP / 0.05
+    assert second["step_ms"] >= 24
+    assert third == {"step": 3, "epoch": 0, "val_loss": 1.9}
+    assert "step=3" in (run_dir / "log.txt").read_text()  # no live bar here: records go to the log
+
+
+def test_paused_time_is_excluded_from_throughput(tmp_path: Path) -> None:
+    monitor, progress = make(tmp_path)
+    monitor.log(progress)  # start an interval now
+    time.sleep(0.05)  # "training"
+    with monitor.paused():
+        time.sleep(0.6)  # "evaluation": must not count
+    progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
+    monitor.log(progress, loss=1.0)
+    time.sleep(0.05)  # next interval has no pause: the paused time must not carry over
+    progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
+    monitor.log(progress, loss=0.9)
+
+    _, paused, plain = records(tmp_path)
+    # Counting the pause would give step_ms >= 650; excluding it gives ~50 (+ overhead).
+    assert 45 <= paused["step_ms"] < 350
+    assert paused["tokens_per_s"] > TOKENS_PER_STEP / 0.35
+    assert 45 <= plain["step_ms"] < 350
+
+
+def test_resume_drops_lines_after_the_checkpoint(tmp_path: Path) -> None:
+    monitor, progress = make(tmp_path)
+    for _ in range(5):
+        progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
+        monitor.log(progress, loss=float(progress.batch))
+    monitor.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [r["step"] for r in records(tmp_path)] == [1, 2, 3, 4, 5]
+
+    # The run crashed after step 5; the newest checkpoint is step 3.
+    resumed, progress = make(tmp_path, step=3)
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == lines[:3]  # kept verbatim
+    progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
+    resumed.log(progress, loss=40.0)
+    steps = [r["step"] for r in records(tmp_path)]
+    assert steps == [1, 2, 3, 4]
+    assert records(tmp_path)[-1]["loss"] == 40.0
+    # The first interval after resume counts only steps since the checkpoint.
+    assert records(tmp_path)[-1]["tokens_per_s"] > 0
+
+
+def test_resume_survives_a_torn_last_line(tmp_path: Path) -> None:
+    good = [json.dumps({"step": s, "epoch": 0, "loss": 1.0}) for s in (1, 2)]
+    # A crash in the middle of a write leaves half a line.
+    (tmp_path / "metrics.jsonl").write_text("\n".join(good) + '\n{"step": 3, "epo')
+    monitor, progress = make(tmp_path, step=2)
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == good
+    progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
+    monitor.log(progress, loss=0.5)
+    assert [r["step"] for r in records(tmp_path)] == [1, 2, 3]
+
+
+def test_disabled_monitor_writes_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    script = tmp_path / "train.py"
+    script.write_text("print('train')\n")
+    monitor, progress = make(run_dir, step=0, enabled=False)
+    with monitor.paused():
+        pass
+    progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
+    monitor.update(progress)
+    monitor.log(progress, loss=1.0)
+    monitor.info("hello")
+    monitor.record_run("a = 1\n", script, torch.device("cpu"), world_size=2)
+    monitor.close()
+    assert not run_dir.exists()
+
+    # A non-zero rank on resume must not rewrite rank 0's metrics either.
+    run_dir.mkdir()
+    text = "".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3))
+    (run_dir / "metrics.jsonl").write_text(text)
+    monitor, progress = make(run_dir, step=1, enabled=False)
+    progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
+    monitor.log(progress, loss=1.0)
+    assert (run_dir / "metrics.jsonl").read_text() == text
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
+
+
+def test_record_run_writes_config_and_script_copy(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "exp"
+    script = tmp_path / "train.py"
+    source = "# the exact training script\nimport torch\nprint('ünïcode ok')\n"
+    script.write_text(source)
+    monitor, _ = make(run_dir)
+    monitor.record_run('lr = 0.001\nmodel = "gpt2"\n', script, torch.device("cpu"), world_size=1)
+    monitor.close()
+    assert (run_dir / "config.toml").read_text() == 'lr = 0.001\nmodel = "gpt2"\n'
+    assert (run_dir / "train.py").read_text() == source
+    log = (run_dir / "log.txt").read_text()
+    assert f"torch {torch.__version__}" in log and "world size 1" in log
