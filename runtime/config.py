@@ -15,6 +15,7 @@ import difflib
 import inspect
 import io
 import math
+import os
 import re
 import sys
 import textwrap
@@ -351,8 +352,12 @@ def parse(cls: type[T], argv: Sequence[str] | None = None) -> T:
 
 
 def fail(message: str) -> typing.NoReturn:
-    """Reject a configuration: one `error: ...` line on stderr, exit status 2 (as argparse does)."""
-    print("error: " + " ".join(message.splitlines()), file=sys.stderr)
+    """Reject a configuration: one `error: ...` line on stderr, exit status 2 (as argparse does).
+
+    Under torchrun every rank reaches the same verdict; only rank 0 prints it.
+    """
+    if os.environ.get("RANK", "0") == "0":
+        print("error: " + " ".join(message.splitlines()), file=sys.stderr)
     raise SystemExit(2)
 
 

@@ -1,8 +1,10 @@
 """Processes and devices: one process, or one of many under torchrun.
 
-`init()` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); without it the script runs
-as a single process and no process group is created. The backend follows the device: nccl on
-CUDA, gloo on CPU.
+`environment()` reads torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) and
+picks this rank's device; without them the script is a single process. `init_process_group()`
+then joins the job (nccl on CUDA, gloo on CPU) with a timeout, so a rank that died makes the
+others fail instead of waiting forever. `shutdown()` leaves the group on the way out, also
+after an error.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class DistEnv:
     rank: int
     local_rank: int
     world_size: int
+    local_world_size: int  # processes on this node (torchrun --nproc_per_node)
     device: torch.device
 
     @property
@@ -36,33 +39,54 @@ def select_device(requested: str, local_rank: int) -> torch.device:
     try:
         device = torch.device(requested)
     except RuntimeError as error:
-        raise ValueError(f"device '{requested}' is not a torch device; use auto, cpu or cuda") from error
+        raise ValueError(f"device={requested!r} is not a torch device; use auto, cpu, cuda or cuda:N") from error
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("device 'cuda' was requested but CUDA is not available; use --device=cpu")
+            raise ValueError(f"device={requested!r} but CUDA is not available here (the nccl backend "
+                             "needs it); use --device=cpu or --device=auto")
         if device.index is None:
             device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device} does not exist: this machine has "
+                             f"{torch.cuda.device_count()} GPUs; launch fewer processes per node")
+    elif device.type != "cpu":
+        raise ValueError(f"device={requested!r} is not supported; use auto, cpu, cuda or cuda:N")
     return device
 
 
-def init(device: str = "auto", timeout: timedelta | None = None) -> DistEnv:
-    """Join torchrun's process group if launched by torchrun, and choose this rank's device."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+def environment(device: str = "auto") -> DistEnv:
+    """This process's place in the job, from torchrun's variables (no process group yet)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    chosen = select_device(device, local_rank)
-    if world_size > 1 and not torch_dist.is_initialized():
-        backend = "nccl" if chosen.type == "cuda" else "gloo"
-        kwargs = {"timeout": timeout} if timeout is not None else {}
-        if chosen.type == "cuda":
-            kwargs["device_id"] = chosen
-        torch_dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
-    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=chosen)
+    return DistEnv(
+        rank=int(os.environ.get("RANK", "0")),
+        local_rank=local_rank,
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        device=select_device(device, local_rank),
+    )
+
+
+def init_process_group(env: DistEnv, timeout: timedelta = timedelta(minutes=10)) -> None:
+    """Join torchrun's process group (a no-op for a single process)."""
+    if env.world_size == 1 or torch_dist.is_initialized():
+        return
+    if env.device.type == "cuda":
+        torch.cuda.set_device(env.device)
+        torch_dist.init_process_group("nccl", timeout=timeout, device_id=env.device)
+    else:
+        torch_dist.init_process_group("gloo", timeout=timeout)
 
 
 def is_distributed() -> bool:
     return torch_dist.is_available() and torch_dist.is_initialized()
+
+
+def reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of `tensor` over all ranks (a copy; the input is left alone)."""
+    total = tensor.detach().clone()
+    if is_distributed():
+        torch_dist.all_reduce(total, op=torch_dist.ReduceOp.SUM)
+    return total
 
 
 def barrier() -> None:
@@ -77,7 +101,7 @@ def print0(*args: object, **kwargs: object) -> None:
 
 
 def shutdown() -> None:
-    """Leave the process group (call on the way out, also after an error)."""
+    """Leave the process group (on the way out, also after an error)."""
     if is_distributed():
         torch_dist.destroy_process_group()
     sys.stdout.flush()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from data import Batches, load_tokens, val_batches
 from model import GPT, PRESETS, GPTConfig
-from runtime import checkpoint, config, dist
+from runtime import checkpoint, config, dist, fsdp
 from runtime.monitor import Monitor
 from runtime.time import Progress, Time, as_fraction
 
@@ -60,10 +61,40 @@ class Config:
     save_interval: Time = Time.parse("200ba")  # and at the end
     save_num_checkpoints_to_keep: int = 2  # older ones are deleted; 0 keeps all
     autoresume: bool = True  # continue from the newest checkpoint of this run
+    # parallelism: `torchrun --nproc_per_node=N train.py` runs this script on N ranks
+    parallelism: Literal["auto", "none", "ddp", "fsdp"] = "auto"  # auto: fsdp if N > 1
+    sharding_strategy: Literal[
+        "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"
+    ] = "FULL_SHARD"
+    hybrid_shard_size: int = 0  # HYBRID_SHARD group size; 0: processes per node
+    precision: Literal["fp32", "amp_bf16", "bf16"] = (
+        "fp32"  # bf16: FSDP mixed precision
+    )
+    activation_checkpointing: bool = False  # recompute block activations in backward
+    cpu_offload: bool = False  # FSDP parameters and optimizer step on the CPU (CUDA)
+    dist_timeout: int = 600  # seconds a collective waits before the job fails
 
 
-def check_config(cfg: Config, env: dist.DistEnv) -> None:
-    """Reject settings that cannot work, before any data or model is built."""
+def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
+    """Check the config against this launch, then join the process group (if any).
+
+    Every problem is one `error:` line and exit status 2, before any data or model is built.
+    """
+    try:
+        env = dist.environment(cfg.device)  # rank, world size, device, from torchrun
+    except ValueError as error:
+        config.fail(str(error))
+    parallel = fsdp.ParallelConfig(
+        parallelism=fsdp.resolve_parallelism(cfg.parallelism, env.world_size),
+        sharding_strategy=cfg.sharding_strategy,
+        precision=cfg.precision,
+        activation_checkpointing=cfg.activation_checkpointing,
+        cpu_offload=cfg.cpu_offload,
+        hybrid_shard_size=cfg.hybrid_shard_size,
+    )
+    problem = fsdp.check(parallel, env)
+    if problem:
+        config.fail(problem)
     for name in (
         "seq_len",
         "global_batch_size",
@@ -87,6 +118,8 @@ def check_config(cfg: Config, env: dist.DistEnv) -> None:
             f"seq_length_warmup_min_len={cfg.seq_length_warmup_min_len} must be "
             f"between 1 and seq_len={cfg.seq_len}"
         )
+    dist.init_process_group(env, timeout=timedelta(seconds=cfg.dist_timeout))
+    return env, parallel
 
 
 def lr_at(fraction: float, cfg: Config) -> float:
@@ -117,35 +150,40 @@ def seq_length_warmup_len(warmup_done: float, min_len: int, max_len: int) -> int
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module,
-    batches: list[torch.Tensor],
-    cfg: Config,
-    device: torch.device,
+    model: torch.nn.Module, batches: list[torch.Tensor], cfg: Config, env: dist.DistEnv
 ) -> float:
-    """Mean next-token loss over the validation batches, at the full sequence length."""
+    """Mean next-token loss over the validation batches, at the full sequence length.
+
+    Each rank scores its share of every batch; the summed losses are added up over ranks.
+    """
     model.eval()
-    loss_sum = torch.zeros((), device=device)
-    num_tokens = 0
+    loss_sum = torch.zeros((), device=env.device)
     for batch in batches:
-        for microbatch in batch.to(device).split(cfg.device_microbatch_size):
-            logits = model(microbatch[:, :-1])
-            targets = microbatch[:, 1:]
+        share = batch.tensor_split(env.world_size)[env.rank].to(env.device)
+        for microbatch in share.split(cfg.device_microbatch_size):
+            with torch.autocast(env.device.type, torch.bfloat16, enabled=is_amp(cfg)):
+                logits = model(microbatch[:, :-1])
             loss_sum += F.cross_entropy(
-                logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"
+                logits.flatten(0, 1).float(),
+                microbatch[:, 1:].flatten(),
+                reduction="sum",
             )
-            num_tokens += targets.numel()
     model.train()
-    return loss_sum.item() / num_tokens
+    num_tokens = sum(batch.shape[0] for batch in batches) * cfg.seq_len
+    return dist.reduce_sum(loss_sum).item() / num_tokens
+
+
+def is_amp(cfg: Config) -> bool:
+    """Autocast: bf16 matmuls on fp32 weights (precision=amp_bf16)."""
+    return cfg.precision == "amp_bf16"
 
 
 def main() -> None:
     # event: INIT
 
     cfg = config.parse(Config)
-    # torchrun's process group when launched by torchrun, else a single process.
-    env = dist.init(cfg.device)
-    check_config(cfg, env)
-    torch.manual_seed(cfg.seed)
+    env, parallel = setup(cfg)  # one process, or one of torchrun's N
+    torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
     try:
         tokens = load_tokens(cfg.data)
@@ -158,8 +196,6 @@ def main() -> None:
     except (OSError, ValueError) as error:  # a missing path, too little data
         config.fail(str(error))
 
-    # event: MODEL
-
     model_config = GPTConfig(
         vocab_size=tokens.vocab_size,
         max_seq_len=cfg.seq_len,
@@ -167,6 +203,12 @@ def main() -> None:
         **PRESETS[cfg.model],
     )
     model = GPT(model_config).to(env.device)
+    num_params = model.num_params()
+
+    # event: MODEL
+
+    # Shard or replicate for the launch: FSDP2 per block then the root, DDP, or nothing.
+    model = fsdp.parallelize(model, model.blocks, env, parallel)
 
     # event: OPTIMIZER
 
@@ -198,7 +240,8 @@ def main() -> None:
     monitor.record_run(config.to_toml(cfg), Path(__file__), env.device, env.world_size)
     monitor.info(f"data: {tokens.source}")
     monitor.info(f"tokens: {len(tokens.train):,} train, {len(tokens.val):,} validation")
-    monitor.info(f"model: {cfg.model}, {model.num_params():,} parameters")
+    monitor.info(f"model: {cfg.model}, {num_params:,} parameters")
+    monitor.info(f"parallelism: {parallel.parallelism}, {env.world_size} process(es)")
     if resume_from is not None:
         monitor.info(f"resumed from {resume_from} at step {progress.batch}")
 
@@ -234,17 +277,27 @@ def main() -> None:
                 group["lr"] = lr
 
             # Gradient accumulation: each microbatch's summed token loss is divided by
-            # the number of target tokens in the whole global batch, so the accumulated
-            # gradient is the global-batch mean whatever the microbatch size.
+            # the number of target tokens in the global batch (all ranks), so gradients
+            # are the global-batch mean whatever the microbatch size and world size.
+            # DDP and FSDP average gradients over ranks: hence the factor world_size.
             num_tokens = cfg.global_batch_size * targets.shape[1]
+            loss_scale = env.world_size / num_tokens
             loss_sum = torch.zeros((), device=env.device)
-            for micro_inputs, micro_targets in zip(
-                inputs.split(cfg.device_microbatch_size),
-                targets.split(cfg.device_microbatch_size),
-            ):
+            microbatches = list(
+                zip(
+                    inputs.split(cfg.device_microbatch_size),
+                    targets.split(cfg.device_microbatch_size),
+                )
+            )
+            for i, (micro_inputs, micro_targets) in enumerate(microbatches):
                 # event: MICROBATCH_START
 
-                logits = model(micro_inputs)
+                # Reduce gradients across ranks once, in the last microbatch's backward.
+                fsdp.sync_gradients(model, i == len(microbatches) - 1)
+                with torch.autocast(
+                    env.device.type, torch.bfloat16, enabled=is_amp(cfg)
+                ):
+                    logits = model(micro_inputs)
 
                 # event: AFTER_FORWARD
 
@@ -256,7 +309,7 @@ def main() -> None:
 
                 # event: LOSS
 
-                (loss / num_tokens).backward()
+                (loss * loss_scale).backward()
                 loss_sum += loss.detach()
 
             # event: AFTER_BACKWARD
@@ -264,7 +317,8 @@ def main() -> None:
             # algorithm: gradient_clipping
             # Rescale all gradients together when their global L2 norm exceeds the
             # limit, so one bad batch cannot throw the weights far (logged: grad_norm).
-            grad_norm = torch.nn.utils.clip_grad_norm_(
+            # fsdp.clip_grad_norm_ also handles gradients sharded by FSDP.
+            grad_norm = fsdp.clip_grad_norm_(
                 model.parameters(), cfg.gradient_clipping_max_norm
             )
             # end algorithm: gradient_clipping
@@ -283,9 +337,9 @@ def main() -> None:
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
-                    metrics["val_loss"] = evaluate(model, val, cfg, env.device)
+                    metrics["val_loss"] = evaluate(model, val, cfg, env)
             if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
-                metrics["loss"] = loss_sum.item() / num_tokens
+                metrics["loss"] = dist.reduce_sum(loss_sum).item() / num_tokens
                 metrics["lr"] = lr
                 metrics["grad_norm"] = grad_norm.item()
                 metrics["seq_len"] = inputs.shape[1]
@@ -310,8 +364,10 @@ def main() -> None:
         f"done: step {progress.batch}, {progress.token:,} tokens; outputs in {run_dir}"
     )
     monitor.close()
-    dist.shutdown()
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        dist.shutdown()  # leave the process group, also after an error

@@ -1,0 +1,145 @@
+"""Data parallelism in one call: FSDP2 (`fully_shard`) or DDP, plus what goes with them.
+
+`parallelize()` wraps a model for the job's world size:
+- `none`: one process, the model as built.
+- `ddp`: DistributedDataParallel; every rank holds the whole model (same as FSDP's NO_SHARD).
+- `fsdp`: FSDP2, applied to each transformer block and then to the root, as torchtitan does.
+  Strategies: FULL_SHARD (parameters resharded after forward, except the last block's, which
+  backward needs at once), SHARD_GRAD_OP (kept gathered between forward and backward: more
+  memory, fewer all-gathers), HYBRID_SHARD (2-D mesh: shard within groups of
+  `hybrid_shard_size` ranks, usually a node, replicate across groups).
+
+Precision `bf16` is FSDP2's mixed-precision policy: parameters all-gathered and computed in
+bf16, gradients reduced in fp32 into fp32 master weights. (`amp_bf16`, autocast, needs nothing
+here: it is a context manager in the loop.) Activation checkpointing recomputes each block's
+activations in backward instead of storing them; it is applied in place, so parameter and
+state-dict names do not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed._composable import checkpoint as activation_checkpoint
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from runtime.dist import DistEnv
+
+PARALLELISMS = ("none", "ddp", "fsdp")
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+PRECISIONS = ("fp32", "amp_bf16", "bf16")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    parallelism: str = "none"
+    sharding_strategy: str = "FULL_SHARD"
+    precision: str = "fp32"
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    hybrid_shard_size: int = 0  # ranks per shard group; 0 = torchrun's LOCAL_WORLD_SIZE
+
+
+def resolve_parallelism(requested: str, world_size: int) -> str:
+    """`auto`: fsdp under torchrun (world size > 1), none for a single process."""
+    if requested == "auto":
+        return "fsdp" if world_size > 1 else "none"
+    return requested
+
+
+def check(config: ParallelConfig, env: DistEnv) -> str | None:
+    """Why this configuration cannot run here (one line naming the fix), or None."""
+    if config.parallelism not in PARALLELISMS:
+        return f"parallelism={config.parallelism!r}; use one of {', '.join(PARALLELISMS)} or auto"
+    if config.sharding_strategy not in STRATEGIES:
+        return f"sharding_strategy={config.sharding_strategy!r}; use one of {', '.join(STRATEGIES)}"
+    if config.precision not in PRECISIONS:
+        return f"precision={config.precision!r}; use one of {', '.join(PRECISIONS)}"
+    if config.parallelism != "none" and env.world_size == 1:
+        return (f"parallelism={config.parallelism} needs several processes; launch with "
+                "torchrun --nproc_per_node=N, or use --parallelism=none")
+    if config.parallelism == "none" and env.world_size > 1:
+        return (f"parallelism=none with {env.world_size} processes would train {env.world_size} "
+                "unrelated copies; use --parallelism=fsdp or ddp")
+    if config.precision == "bf16" and config.parallelism != "fsdp":
+        return ("precision=bf16 is FSDP's mixed-precision policy; use --parallelism=fsdp, or "
+                "--precision=amp_bf16 (autocast) without FSDP")
+    if config.cpu_offload and (config.parallelism != "fsdp" or env.device.type != "cuda"):
+        return ("cpu_offload moves FSDP-sharded parameters from the GPU to the CPU; it needs "
+                "--parallelism=fsdp on CUDA (on the CPU the parameters are there already)")
+    if config.parallelism == "fsdp" and config.sharding_strategy == "HYBRID_SHARD":
+        size = config.hybrid_shard_size or env.local_world_size
+        if size < 1 or env.world_size % size:
+            return (f"HYBRID_SHARD needs the world size ({env.world_size}) to be a multiple of "
+                    f"hybrid_shard_size ({size}); set --hybrid_shard_size to a divisor of it")
+    return None
+
+
+def parallelize(
+    model: nn.Module,
+    blocks: Iterable[nn.Module],
+    env: DistEnv,
+    config: ParallelConfig,
+) -> nn.Module:
+    """Apply activation checkpointing and FSDP2 or DDP; returns the module to train."""
+    blocks = list(blocks)
+    if config.activation_checkpointing:
+        for block in blocks:
+            activation_checkpoint(block)
+    if config.parallelism == "none":
+        return model
+    if config.parallelism == "ddp" or config.sharding_strategy == "NO_SHARD":
+        device_ids = [env.device] if env.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+
+    if config.sharding_strategy == "HYBRID_SHARD":
+        shard = config.hybrid_shard_size or env.local_world_size
+        mesh = init_device_mesh(env.device.type, (env.world_size // shard, shard),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(env.device.type, (env.world_size,))
+    options: dict[str, object] = {"mesh": mesh}
+    if config.precision == "bf16":
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if config.cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    reshard = config.sharding_strategy != "SHARD_GRAD_OP"
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again right away by backward: keep them.
+        fully_shard(block, reshard_after_forward=reshard and i < len(blocks) - 1, **options)
+    fully_shard(model, reshard_after_forward=reshard, **options)
+    return model
+
+
+def sync_gradients(model: nn.Module, enabled: bool) -> None:
+    """Whether the next backward reduces gradients across ranks (off for all but the last microbatch)."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+    elif isinstance(model, DistributedDataParallel):
+        model.require_backward_grad_sync = enabled  # what DDP.no_sync() toggles
+
+
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip gradients to a global L2 norm, also when FSDP shards them; returns the norm before clipping.
+
+    With sharded (DTensor) gradients each rank holds part of the norm: reduce it to the full
+    norm first, so every rank scales by the same factor.
+    """
+    parameters = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in parameters]
+    total_norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(total_norm, DTensor):
+        total_norm = total_norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
+    return total_norm
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside a DDP wrapper (FSDP2 wraps in place)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
