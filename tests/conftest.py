@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from projects import checkout_env
+
 REPO = Path(__file__).resolve().parent.parent
 collect_ignore = ["golden"]  # generated projects' own tests run in test_e2e.py
 RECIPES = ("gpt2-baseline", "gpt2-speedup")
@@ -52,7 +54,7 @@ def scaffold_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedPro
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "COLUMNS": "200"},
+        env={**checkout_env(), "COLUMNS": "200"},
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,6 +13,13 @@ from pathlib import Path
 from types import ModuleType
 
 PROJECT_MODULES = ("train", "model", "data")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def checkout_env() -> dict[str, str]:
+    """The environment for subprocesses: generated projects import *this* checkout's runtime."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path}
 
 
 @contextmanager
@@ -33,6 +41,7 @@ def run_train(project: Path, workdir: Path, *args: str, timeout: int = 300) -> s
     return subprocess.run(
         [sys.executable, str(project / "train.py"), "--device=cpu", *args],
         cwd=workdir,
+        env=checkout_env(),
         capture_output=True,
         text=True,
         timeout=timeout,

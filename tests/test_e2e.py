@@ -10,7 +10,7 @@ import black
 import pytest
 
 from conftest import RECIPES
-from projects import read_metrics, run_train
+from projects import checkout_env, read_metrics, run_train
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -18,7 +18,7 @@ def test_generated_project_passes_its_own_tests(recipe: str, generated: dict[str
     """The project's smoke tests: the loss falls, and a killed-and-resumed run is bitwise identical."""
     project = project_copy(generated[recipe])
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
-                            cwd=project, capture_output=True, text=True, timeout=900)
+                            cwd=project, env=checkout_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 passed" in result.stdout
 
