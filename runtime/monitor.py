@@ -57,6 +57,7 @@ class Monitor:
         self.log_path = run_dir / "log.txt"
         self._bar: tqdm | None = None
         self._paused = 0.0
+        self._train_seconds = 0.0
         self._last_time = time.perf_counter()
         self._last_samples = progress.sample
         self._last_tokens = progress.token
@@ -132,6 +133,10 @@ class Monitor:
             record["samples_per_s"] = (progress.sample - self._last_samples) / elapsed
             record["tokens_per_s"] = (progress.token - self._last_tokens) / elapsed
             record["step_ms"] = 1000 * elapsed / steps
+        # Training seconds (no evaluation or checkpoint time) since this process started:
+        # the x axis of time-to-quality comparisons.
+        self._train_seconds += elapsed
+        record["train_s"] = self._train_seconds
         self._last_time, self._paused = now, 0.0
         self._last_samples, self._last_tokens, self._last_batch = (
             progress.sample,

@@ -47,7 +47,10 @@ def test_log_appends_json_lines_with_throughput(tmp_path: Path) -> None:
     # Two steps in at least 50 ms: at most 2 * TOKENS_PER_STEP / 0.05 tokens/s, and >= 25 ms per step.
     assert second["tokens_per_s"] <= 2 * TOKENS_PER_STEP / 0.05
     assert second["step_ms"] >= 24
+    train_s = third.pop("train_s")
     assert third == {"step": 3, "epoch": 0, "val_loss": 1.9}
+    # Training time accumulates across records: at least the 50 ms slept, never decreasing.
+    assert first["train_s"] <= second["train_s"] <= train_s and second["train_s"] >= 0.05
     assert "step=3" in (run_dir / "log.txt").read_text()  # no live bar here: records go to the log
 
 
