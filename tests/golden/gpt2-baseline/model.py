@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -24,9 +25,11 @@ class GPTConfig:
     dropout: float = 0.0
 
 
+Preset = Literal["tiny", "small", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
 # Size presets (layers, heads, width); the gpt2* entries are the released GPT-2 sizes.
-PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(n_layer=4, n_head=4, n_embd=128),
+PRESETS: dict[Preset, dict[str, int]] = {
+    "tiny": dict(n_layer=4, n_head=4, n_embd=128),  # 0.8M: a CPU trains it in minutes
+    "small": dict(n_layer=6, n_head=6, n_embd=384),  # 11M: nanoGPT's character model
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M parameters
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from data import Batches, load_tokens, val_batches
-from model import GPT, PRESETS, GPTConfig
+from model import GPT, PRESETS, GPTConfig, Preset
 from runtime import checkpoint, config, dist, fsdp
 from runtime.monitor import Monitor
 from runtime.time import Progress, Time, as_fraction
@@ -37,7 +37,7 @@ class Config:
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     # model (dropout is off as in modern pretraining; with it on, world sizes agree
     # only in distribution)
-    model: Literal["tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"] = "tiny"
+    model: Preset = "tiny"  # size preset, see PRESETS in model.py
     seq_len: int = 128  # tokens per training sequence
     dropout: float = 0.0
     # optimization; Time strings: 10ep, 2000ba (steps), 4096sp, 1e6tok, 0.25dur
