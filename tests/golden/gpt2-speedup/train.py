@@ -78,7 +78,7 @@ class Config:
 def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     """Check the config against this launch, then join the process group (if any).
 
-    Every problem is one `error:` line and exit status 2, before any data or model is built.
+    Each problem is one `error:` line and exit status 2, before data or model exist.
     """
     try:
         env = dist.environment(cfg.device)  # rank, world size, device, from torchrun
@@ -154,7 +154,7 @@ def evaluate(
 ) -> float:
     """Mean next-token loss over the validation batches, at the full sequence length.
 
-    Each rank scores its share of every batch; the summed losses are added up over ranks.
+    Each rank scores its share of every batch; the loss sums are added over ranks.
     """
     model.eval()
     loss_sum = torch.zeros((), device=env.device)
