@@ -92,7 +92,8 @@ def _report(result: "UpdateResult", done: str) -> None:
         out.print("nothing is committed: review with `git status` and `git diff`, then commit", markup=False)
     if result.changes.conflicted:
         count = len(result.changes.conflicted)
-        would = "would conflict" if result.dry_run else "conflict"
+        verb = "conflict" if count > 1 else "conflicts"
+        would = "would conflict" if result.dry_run else verb
         err.print(f"{count} file{'s' if count > 1 else ''} {would} with your edits: "
                   f"{', '.join(result.changes.conflicted)}", markup=False)
         if not result.dry_run:

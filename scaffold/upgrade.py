@@ -111,9 +111,9 @@ def _check_clean(project: Path) -> None:
     if status.returncode != 0:
         raise UpdateError(f"git status failed in {project}: {status.stderr.strip()}")
     if status.stdout.strip():
-        first = status.stdout.splitlines()[0][3:]
-        count = len(status.stdout.splitlines())
-        raise UpdateError(f"{project} has uncommitted changes ({count} paths, e.g. {first}); commit or "
+        paths = [line[3:] for line in status.stdout.splitlines()]
+        what = f"{paths[0]}" if len(paths) == 1 else f"{len(paths)} paths, e.g. {paths[0]}"
+        raise UpdateError(f"{project} has uncommitted changes ({what}); commit or "
                           "stash them first (git add -A && git commit, or git stash -u), so the update "
                           "can be reviewed and undone in git")
 
@@ -254,8 +254,9 @@ def file_changes(project: Path) -> FileChanges:
 
 def _diffstat(project: Path) -> str:
     # Untracked files are added with --intent-to-add so the stat counts the new files' lines too.
+    # Against HEAD, so conflicted (unmerged) files count their real changes.
     _git_probe(project, "add", "--intent-to-add", "--all", "--", ".")
-    return _git_probe(project, "diff", "--stat", "--relative", "--", ".").stdout.rstrip()
+    return _git_probe(project, "diff", "HEAD", "--stat", "--relative", "--", ".").stdout.rstrip()
 
 
 @contextmanager
