@@ -235,3 +235,62 @@ def resolve(recipe: Recipe, template: Path, project_name: str) -> dict[str, Any]
                 raise RecipeError(f"algorithm '{name}' requires '{needed}'; add [algorithms.{needed}] "
                                   "to the recipe")
     return {"project_name": project_name, "recipe": recipe.name, **answers, "algorithms": algorithms}
+
+
+def _in_catalog_order(algorithms: dict[str, dict[str, Any]], catalog: dict[str, Algorithm]) -> dict[str, dict[str, Any]]:
+    """The order `resolve` writes, so removing then adding an algorithm gives back the same answers."""
+    order = list(catalog)
+    return {name: algorithms[name] for name in sorted(algorithms, key=lambda n: order.index(n) if n in order else -1)}
+
+
+def add_algorithm(
+    current: dict[str, dict[str, Any]], name: str, overrides: list[str], catalog: dict[str, Algorithm]
+) -> dict[str, dict[str, Any]]:
+    """A project's algorithm answers with `name` added (hyperparameters: defaults, then `overrides`)."""
+    if name not in catalog:
+        raise RecipeError(f"unknown algorithm '{name}'{_suggest(name, list(catalog))}; "
+                          "run `scaffold algorithms` to list them")
+    if name in current:
+        raise RecipeError(f"algorithm '{name}' is already in this project; its hyperparameters are "
+                          "Config fields in train.py: change them there")
+    spec = catalog[name]
+    for other in spec.conflicts:
+        if other in current:
+            raise RecipeError(f"algorithms '{name}' and '{other}' conflict and cannot be used together; "
+                              f"remove '{other}' first (scaffold remove {other}) if you want '{name}'")
+    for other in current:
+        if other in catalog and name in catalog[other].conflicts:
+            raise RecipeError(f"algorithms '{other}' and '{name}' conflict and cannot be used together; "
+                              f"remove '{other}' first (scaffold remove {other}) if you want '{name}'")
+    for needed in spec.requires:
+        if needed not in current:
+            raise RecipeError(f"algorithm '{name}' requires '{needed}'; add it first: scaffold add {needed}")
+    params: dict[str, Any] = {}
+    for text in overrides:
+        key, value = parse_override(text)
+        key = key.removeprefix(f"{name}.")  # `--set alibi.x=1` reads like `scaffold new`'s form
+        if key not in spec.hyperparameters:
+            known = ", ".join(spec.hyperparameters) or "none"
+            raise RecipeError(f"algorithm '{name}' has no hyperparameter '{key}'"
+                              f"{_suggest(key, list(spec.hyperparameters))}; it has: {known}")
+        params[key] = value
+    resolved = {
+        key: _coerce(params.get(key, hp.default), hp.type, f"{name}.{key}")
+        for key, hp in spec.hyperparameters.items()
+    }
+    return _in_catalog_order({**current, name: resolved}, catalog)
+
+
+def remove_algorithm(
+    current: dict[str, dict[str, Any]], name: str, catalog: dict[str, Algorithm]
+) -> dict[str, dict[str, Any]]:
+    """A project's algorithm answers without `name`; refused while another algorithm requires it."""
+    if name not in current:
+        present = ", ".join(current) or "none"
+        raise RecipeError(f"algorithm '{name}' is not in this project{_suggest(name, list(current))}; "
+                          f"it has: {present}")
+    for other in current:
+        if other != name and other in catalog and name in catalog[other].requires:
+            raise RecipeError(f"algorithm '{other}' requires '{name}'; remove '{other}' first "
+                              f"(scaffold remove {other})")
+    return _in_catalog_order({key: value for key, value in current.items() if key != name}, catalog)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -13,6 +13,9 @@ from scaffold import __version__
 from scaffold.catalog import RecipeError, load_algorithms, load_recipe, recipe_paths
 from scaffold.history import HistoryError
 from scaffold.paths import template_dir
+
+if TYPE_CHECKING:
+    from scaffold.upgrade import UpdateResult
 
 app = typer.Typer(
     help="Generate plain, readable PyTorch training projects from recipes.",
@@ -69,6 +72,90 @@ def new(
     algorithms = ", ".join(answers["algorithms"]) or "none"
     out.print(f"created {dest} from recipe {answers['recipe']} (algorithms: {algorithms})", markup=False)
     out.print(f"  cd {dest} && python train.py", markup=False)
+
+
+def _report(result: "UpdateResult", done: str) -> None:
+    """Print what an update changed; exit 1 when files hold conflict markers."""
+    from scaffold.upgrade import HOW_TO_RESOLVE, describe
+
+    if result.changes.empty:
+        out.print(f"{done}: no file changed", markup=False)
+        return
+    out.print(f"{done}:", markup=False)
+    for line in describe(result):
+        out.print(line, markup=False)
+    if result.dry_run:
+        if result.diffstat:
+            out.print(result.diffstat, markup=False)
+        out.print("dry run: nothing was written; run again without --dry-run to apply", markup=False)
+    else:
+        out.print("nothing is committed: review with `git status` and `git diff`, then commit", markup=False)
+    if result.changes.conflicted:
+        count = len(result.changes.conflicted)
+        verb = "conflict" if count > 1 else "conflicts"
+        would = "would conflict" if result.dry_run else verb
+        err.print(f"{count} file{'s' if count > 1 else ''} {would} with your edits: "
+                  f"{', '.join(result.changes.conflicted)}", markup=False)
+        if not result.dry_run:
+            err.print(f"to resolve: {HOW_TO_RESOLVE}", markup=False)
+        raise typer.Exit(1)
+
+
+@app.command()
+def upgrade(
+    project: Annotated[Path, typer.Argument(help="The project folder (a clean git work tree).")] = Path("."),
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would change; write nothing.")] = False,
+) -> None:
+    """Merge this scaffold's template changes into a project, keeping your edits (3-way merge)."""
+    from scaffold.upgrade import UpdateError
+    from scaffold.upgrade import upgrade as run_upgrade
+
+    try:
+        result = run_upgrade(project, dry_run=dry_run)
+    except (UpdateError, HistoryError) as error:
+        raise _fail(str(error)) from None
+    if result.old_version == result.new_version:
+        out.print(f"{project} is already at template version {result.new_version}; nothing to upgrade",
+                  markup=False)
+        return
+    verb = "would upgrade" if dry_run else "upgraded"
+    _report(result, f"{verb} {project} from template {result.old_version} to {result.new_version}")
+
+
+@app.command()
+def add(
+    algorithm: Annotated[str, typer.Argument(help="An algorithm name (see `scaffold algorithms`).")],
+    project: Annotated[Path, typer.Argument(help="The project folder (a clean git work tree).")] = Path("."),
+    set_: Annotated[
+        Optional[list[str]],
+        typer.Option("--set", help="A hyperparameter of the algorithm: param=value (repeatable)."),
+    ] = None,
+) -> None:
+    """Add an algorithm to a project: its code is merged in, your edits are kept."""
+    from scaffold.upgrade import UpdateError
+    from scaffold.upgrade import add as run_add
+
+    try:
+        result = run_add(project, algorithm, set_ or [])
+    except (UpdateError, HistoryError) as error:
+        raise _fail(str(error)) from None
+    _report(result, f"added {algorithm} to {project}")
+
+
+@app.command()
+def remove(
+    algorithm: Annotated[str, typer.Argument(help="An algorithm in the project.")],
+    project: Annotated[Path, typer.Argument(help="The project folder (a clean git work tree).")] = Path("."),
+) -> None:
+    """Remove an algorithm from a project: its code is merged out, your edits are kept."""
+    from scaffold.upgrade import UpdateError
+    from scaffold.upgrade import remove as run_remove
+
+    try:
+        result = run_remove(project, algorithm)
+    except (UpdateError, HistoryError) as error:
+        raise _fail(str(error)) from None
+    _report(result, f"removed {algorithm} from {project}")
 
 
 @app.command()

@@ -11,10 +11,13 @@ with `~`, so they stay valid for every user and machine.
 from __future__ import annotations
 
 import fcntl
+import io
 import os
 import subprocess
+import tarfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 HISTORY_SRC = "~/.cache/scaffold/template-history"
@@ -93,3 +96,44 @@ def ensure_version(template: Path, version: str, bundle: Path | None = None) -> 
             )
             git("tag", "--force", version, commit, cwd=repo)
     return repo
+
+
+@dataclass(frozen=True)
+class TemplateRelease:
+    """A templates folder published under a version: the installed one, or a test's copy.
+
+    Everything that renders takes one of these instead of reading the installed package, so
+    tests can build "0.1.0" and "0.2.0" from temporary folders without reinstalling anything.
+    """
+
+    template: Path
+    version: str
+    bundle: Path | None = None  # the wheel's shipped history, fetched first when present
+
+    def prepare_history(self) -> Path:
+        return ensure_version(self.template, self.version, self.bundle)
+
+
+def known_versions(repo: Path) -> list[str]:
+    """Every version tag in the history repo (unsorted: tags need not be valid versions)."""
+    if not (repo / ".git").is_dir():
+        return []
+    return git("tag", "--list", cwd=repo).split()
+
+
+def has_version(repo: Path, version: str) -> bool:
+    found = git("rev-parse", "--verify", "--quiet", f"refs/tags/{version}^{{commit}}", cwd=repo, check=False)
+    return bool(found)
+
+
+def export_version(repo: Path, version: str, dest: Path) -> Path:
+    """Write the templates folder of `version` into `dest` (e.g. to read its algorithm catalog)."""
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", f"refs/tags/{version}"], cwd=repo, capture_output=True
+    )
+    if archive.returncode != 0:
+        raise HistoryError(f"template version {version} cannot be read from {repo}: "
+                           f"{archive.stderr.decode(errors='replace').strip()}")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(dest, filter="data")
+    return dest

@@ -18,7 +18,7 @@ import copier
 
 from scaffold import __version__
 from scaffold.catalog import RecipeError, apply_overrides, load_recipe, resolve
-from scaffold.history import HISTORY_SRC, ensure_version, git
+from scaffold.history import HISTORY_SRC, TemplateRelease, git
 from scaffold.paths import template_dir
 
 
@@ -27,8 +27,9 @@ def bundle_path() -> Path:
     return Path(__file__).resolve().parent / "template-history.bundle"
 
 
-def prepare_history() -> None:
-    ensure_version(template_dir(), __version__, bundle_path())
+def installed_release() -> TemplateRelease:
+    """The templates shipped with this scaffold, under its own version."""
+    return TemplateRelease(template_dir(), __version__, bundle_path())
 
 
 def check_destination(dest: Path) -> None:
@@ -37,16 +38,17 @@ def check_destination(dest: Path) -> None:
                           "folder (scaffold never overwrites files)")
 
 
-def render(answers: dict[str, Any], dest: Path) -> None:
-    """Render the template at the installed version into `dest` (which must not exist yet)."""
-    prepare_history()
+def render(answers: dict[str, Any], dest: Path, release: TemplateRelease | None = None) -> None:
+    """Render the template at the release's version into `dest` (which must not exist yet)."""
+    release = release or installed_release()
+    release.prepare_history()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # copier's "dirty template" and similar notices
         copier.run_copy(
             HISTORY_SRC,
             str(dest),
             data=answers,
-            vcs_ref=__version__,
+            vcs_ref=release.version,
             defaults=True,
             unsafe=True,  # the template's black filter is a jinja extension
             quiet=True,
@@ -65,20 +67,27 @@ def commit_all(project: Path, message: str) -> None:
     git("commit", "--quiet", "--no-verify", "-m", message, cwd=project, env=identity)
 
 
-def new_project(recipe_name: str, dest: Path, overrides: list[str], name: str | None = None) -> dict[str, Any]:
+def new_project(
+    recipe_name: str,
+    dest: Path,
+    overrides: list[str],
+    name: str | None = None,
+    release: TemplateRelease | None = None,
+) -> dict[str, Any]:
     """Generate a project from a recipe into `dest`; returns the answers used."""
+    release = release or installed_release()
     dest = dest.expanduser().absolute()
     check_destination(dest)
-    template = template_dir()
+    template = release.template
     recipe = apply_overrides(load_recipe(recipe_name, template), overrides)
     answers = resolve(recipe, template, name or dest.name)
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         project = staging / "project"
-        render(answers, project)
+        render(answers, project, release)
         commit_all(project, f"Generate {answers['project_name']} from recipe {recipe.name} "
-                            f"(scaffold {__version__})")
+                            f"(scaffold {release.version})")
         if dest.exists():
             dest.rmdir()  # empty (checked above); replaced atomically below
         os.replace(project, dest)

@@ -1,0 +1,344 @@
+"""`scaffold upgrade`, `scaffold add` and `scaffold remove`: copier updates that keep hand edits.
+
+All three are one operation: copier re-renders the project's recorded template version with
+its recorded answers (the merge base), renders the target version with the target answers,
+and 3-way merges the difference into the user's files (DESIGN §6). `upgrade` changes the
+version; `add`/`remove` change the `algorithms` answer at the project's current version.
+
+Nothing is written before every precondition holds (a clean git tree, a scaffold answers file,
+a version the template history holds, no downgrade); each refusal is an `UpdateError` whose
+message names the problem and the fix. The result is left uncommitted for review in git.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import copier
+import yaml
+from copier.errors import CopierError
+from packaging.version import InvalidVersion, Version
+from plumbum import local
+
+from scaffold.catalog import Algorithm, RecipeError, add_algorithm, load_algorithms, remove_algorithm
+from scaffold.history import (
+    HISTORY_SRC,
+    TemplateRelease,
+    export_version,
+    has_version,
+    history_path,
+    known_versions,
+)
+from scaffold.render import installed_release
+
+ANSWERS_FILE = ".copier-answers.yml"
+CONFLICT_START = "<<<<<<< "
+CONFLICT_END = ">>>>>>> "
+HOW_TO_RESOLVE = (
+    "edit each conflicted file: keep what you want between <<<<<<< (your version), ||||||| (the "
+    "old template), ======= and >>>>>>> (the new template), delete the markers, then `git add FILE`; "
+    "`git checkout -m FILE` recreates the markers if you want to start over"
+)
+
+
+class UpdateError(RuntimeError):
+    """The project cannot be updated as asked; nothing was written. The message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class FileChanges:
+    """What an update did to the project's files, from `git status` (paths relative to the project)."""
+
+    modified: list[str] = field(default_factory=list)
+    added: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    conflicted: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.modified or self.added or self.deleted or self.conflicted)
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    project: Path
+    old_version: str
+    new_version: str
+    changes: FileChanges
+    dry_run: bool = False
+    diffstat: str = ""  # `git diff --stat` of a dry run (the real run leaves `git diff` to the user)
+
+
+@dataclass(frozen=True)
+class ProjectState:
+    """A project that passed the preflight: its answers and the template version it records."""
+
+    path: Path
+    answers: dict[str, Any]
+    version: str
+
+
+# --- preflight -------------------------------------------------------------------------------
+
+
+def _git_probe(project: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["git", *args], cwd=project, capture_output=True, text=True)
+
+
+def _check_git_work_tree(project: Path) -> None:
+    if not project.is_dir():
+        raise UpdateError(f"{project} is not a folder; pass the folder of a scaffold project")
+    inside = _git_probe(project, "rev-parse", "--is-inside-work-tree")
+    if inside.returncode != 0 or inside.stdout.strip() != "true":
+        raise UpdateError(f"{project} is not in a git work tree; scaffold merges template changes "
+                          "into git-tracked files only: run `git init && git add -A && git commit` first")
+    if _git_probe(project, "rev-parse", "--verify", "--quiet", "HEAD").returncode != 0:
+        raise UpdateError(f"the git repository of {project} has no commit yet; commit your files first "
+                          "(git add -A && git commit)")
+
+
+def _check_clean(project: Path) -> None:
+    # Untracked files count: copier's merge could overwrite them and `git checkout` could not undo it.
+    status = _git_probe(project, "status", "--porcelain", "--untracked-files=all", "--", ".")
+    if status.returncode != 0:
+        raise UpdateError(f"git status failed in {project}: {status.stderr.strip()}")
+    if status.stdout.strip():
+        paths = [line[3:] for line in status.stdout.splitlines()]
+        what = f"{paths[0]}" if len(paths) == 1 else f"{len(paths)} paths, e.g. {paths[0]}"
+        raise UpdateError(f"{project} has uncommitted changes ({what}); commit or "
+                          "stash them first (git add -A && git commit, or git stash -u), so the update "
+                          "can be reviewed and undone in git")
+
+
+def _read_answers(project: Path) -> dict[str, Any]:
+    path = project / ANSWERS_FILE
+    if not path.is_file():
+        raise UpdateError(f"{project} has no {ANSWERS_FILE}, so it was not generated by `scaffold new` "
+                          "(or the file was deleted: restore it from git history)")
+    try:
+        answers = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise UpdateError(f"{path} is not valid YAML ({error}); restore it from git history") from None
+    if not isinstance(answers, dict):
+        raise UpdateError(f"{path} holds no answers; restore it from git history")
+    return answers
+
+
+def _check_source(project: Path, answers: dict[str, Any]) -> None:
+    source = answers.get("_src_path")
+    if source != HISTORY_SRC and Path(str(source)).expanduser() != history_path():
+        raise UpdateError(f"{project / ANSWERS_FILE} records template source {source!r}, not scaffold's "
+                          f"template history {HISTORY_SRC}; update this project with `copier update` "
+                          "instead")
+
+
+def _recorded_version(project: Path, answers: dict[str, Any], history: Path) -> str:
+    version = answers.get("_commit")
+    if not version:
+        raise UpdateError(f"{project / ANSWERS_FILE} records no template version (_commit); restore the "
+                          "file from git history")
+    version = str(version)
+    if not has_version(history, version):
+        known = ", ".join(sorted(known_versions(history), key=_sort_key)) or "none"
+        raise UpdateError(f"the project was generated with scaffold template version {version}, which the "
+                          f"template history does not hold (it has: {known}); install a scaffold release "
+                          f"that knows it (pip install 'scaffold>={version}')")
+    return version
+
+
+def _sort_key(version: str) -> tuple[int, Version | str]:
+    try:
+        return (1, Version(version))
+    except InvalidVersion:
+        return (0, version)
+
+
+def _is_newer(version: str, than: str) -> bool:
+    try:
+        return Version(version) > Version(than)
+    except InvalidVersion:
+        return False  # not comparable: let copier decide
+
+
+def preflight(project: Path, release: TemplateRelease) -> ProjectState:
+    """Every check that can refuse, in the order a user fixes them; writes nothing to the project."""
+    project = project.expanduser().absolute()
+    _check_git_work_tree(project)
+    answers = _read_answers(project)
+    _check_source(project, answers)
+    _check_clean(project)
+    history = release.prepare_history()
+    version = _recorded_version(project, answers, history)
+    return ProjectState(project, answers, version)
+
+
+# --- running copier --------------------------------------------------------------------------
+
+
+@contextmanager
+def _git_conflict_style_diff3() -> Iterator[None]:
+    """Make copier's `git merge-file` write diff3 markers (with the old template's lines).
+
+    copier runs git through plumbum, which copied os.environ when it was imported, so changing
+    os.environ now would not reach git; plumbum's own environment does. GIT_CONFIG_COUNT adds
+    to any config entries the user already passes this way instead of replacing them.
+    """
+    count = int(local.env.get("GIT_CONFIG_COUNT", "0") or 0)
+    extra = {
+        "GIT_CONFIG_COUNT": str(count + 1),
+        f"GIT_CONFIG_KEY_{count}": "merge.conflictStyle",
+        f"GIT_CONFIG_VALUE_{count}": "diff3",
+    }
+    with local.env(**extra):
+        yield
+
+
+def _run_copier_update(project: Path, version: str | copier.VcsRef, data: dict[str, Any]) -> None:
+    with _git_conflict_style_diff3(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # copier's "dirty template" and similar notices
+        try:
+            copier.run_update(
+                str(project),
+                data=data,
+                vcs_ref=version,
+                defaults=True,
+                skip_answered=True,
+                overwrite=True,
+                conflict="inline",  # never "rej": it silently keeps the template's line (DESIGN §6)
+                unsafe=True,  # the template's black filter is a jinja extension
+                quiet=True,
+            )
+        except CopierError as error:
+            # The tree was clean before (preflight), so git can always undo a half-done update.
+            raise UpdateError(f"copier could not update {project}: {error}; `git checkout -- . && "
+                              "git clean -fd` restores the last commit") from None
+
+
+def _has_conflict_markers(path: Path) -> bool:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:  # deleted, or a folder
+        return False
+    return any(line.startswith(CONFLICT_START) for line in lines) and any(
+        line.startswith(CONFLICT_END) for line in lines
+    )
+
+
+def file_changes(project: Path) -> FileChanges:
+    """Classify `git status` of the project folder; files holding conflict markers are conflicted."""
+    # Porcelain paths are relative to the repository root, whatever the working directory.
+    prefix = _git_probe(project, "rev-parse", "--show-prefix").stdout.strip()
+    status = _git_probe(project, "status", "--porcelain=v1", "-z", "--untracked-files=all",
+                        "--no-renames", "--", ".")
+    changes = FileChanges()
+    for entry in filter(None, status.stdout.split("\0")):
+        code, path = entry[:2], entry[3:].removeprefix(prefix)
+        if "U" in code or code in ("AA", "DD") or _has_conflict_markers(project / path):
+            changes.conflicted.append(path)
+        elif code == "??" or "A" in code:
+            changes.added.append(path)
+        elif "D" in code:
+            changes.deleted.append(path)
+        else:
+            changes.modified.append(path)
+    return changes
+
+
+def _diffstat(project: Path) -> str:
+    # Untracked files are added with --intent-to-add so the stat counts the new files' lines too.
+    # Against HEAD, so conflicted (unmerged) files count their real changes.
+    _git_probe(project, "add", "--intent-to-add", "--all", "--", ".")
+    return _git_probe(project, "diff", "HEAD", "--stat", "--relative", "--", ".").stdout.rstrip()
+
+
+@contextmanager
+def _scratch_clone(project: Path) -> Iterator[Path]:
+    """A throwaway clone of the project's repository; yields the project's folder inside it."""
+    top = Path(_git_probe(project, "rev-parse", "--show-toplevel").stdout.strip())
+    inside = project.resolve().relative_to(top.resolve())
+    scratch = Path(tempfile.mkdtemp(prefix="scaffold-dry-run."))
+    try:
+        # --no-hardlinks: the real repository's files are not even linked to.
+        clone = subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(top), str(scratch / "repo")],
+                               capture_output=True, text=True)
+        if clone.returncode != 0:
+            raise UpdateError(f"could not clone {top} for the dry run: {clone.stderr.strip()}")
+        yield scratch / "repo" / inside
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _update(state: ProjectState, version: str | copier.VcsRef, data: dict[str, Any], dry_run: bool) -> tuple[FileChanges, str]:
+    if not dry_run:
+        _run_copier_update(state.path, version, data)
+        return file_changes(state.path), ""
+    with _scratch_clone(state.path) as clone:
+        _run_copier_update(clone, version, data)
+        return file_changes(clone), _diffstat(clone)
+
+
+# --- the three commands ----------------------------------------------------------------------
+
+
+def upgrade(project: Path, release: TemplateRelease | None = None, dry_run: bool = False) -> UpdateResult:
+    """Merge the template changes between the project's version and `release` into the project."""
+    release = release or installed_release()
+    state = preflight(project, release)
+    if _is_newer(state.version, release.version):
+        raise UpdateError(f"the project was generated with scaffold template {state.version}, newer than "
+                          f"this scaffold ({release.version}); upgrading would downgrade it: install "
+                          f"scaffold>={state.version} (pip install -U scaffold)")
+    if state.version == release.version:
+        return UpdateResult(state.path, state.version, release.version, FileChanges(), dry_run)
+    changes, diffstat = _update(state, release.version, {}, dry_run)
+    return UpdateResult(state.path, state.version, release.version, changes, dry_run, diffstat)
+
+
+AlgorithmChange = Callable[[dict[str, dict[str, Any]], dict[str, Algorithm]], dict[str, dict[str, Any]]]
+
+
+def _change_algorithms(project: Path, release: TemplateRelease | None, change: AlgorithmChange) -> UpdateResult:
+    """Re-render the project at its current version with new `algorithms` answers from `change`."""
+    release = release or installed_release()
+    state = preflight(project, release)
+    history = history_path()
+    with tempfile.TemporaryDirectory(prefix="scaffold-template.") as scratch:
+        # The catalog of the project's own version: the installed one may know other algorithms.
+        catalog = load_algorithms(export_version(history, state.version, Path(scratch)))
+    current = dict(state.answers.get("algorithms") or {})
+    try:
+        algorithms = change(current, catalog)
+    except RecipeError as error:
+        raise UpdateError(str(error)) from None
+    changes, _ = _update(state, copier.VcsRef.CURRENT, {"algorithms": algorithms}, dry_run=False)
+    return UpdateResult(state.path, state.version, state.version, changes)
+
+
+def add(project: Path, algorithm: str, overrides: Sequence[str] = (), release: TemplateRelease | None = None) -> UpdateResult:
+    """Add an algorithm (its hyperparameters from `param=value` overrides) and merge it into the files."""
+    return _change_algorithms(project, release,
+                              lambda current, catalog: add_algorithm(current, algorithm, list(overrides), catalog))
+
+
+def remove(project: Path, algorithm: str, release: TemplateRelease | None = None) -> UpdateResult:
+    """Remove an algorithm and merge its removal into the files."""
+    return _change_algorithms(project, release,
+                              lambda current, catalog: remove_algorithm(current, algorithm, catalog))
+
+
+def describe(result: UpdateResult) -> list[str]:
+    """Lines summarising an update for the terminal."""
+    lines = []
+    for label, paths in (("modified", result.changes.modified), ("added", result.changes.added),
+                         ("deleted", result.changes.deleted), ("conflict", result.changes.conflicted)):
+        lines.extend(f"  {label:<9} {path}" for path in paths)
+    return lines
+
