@@ -373,8 +373,8 @@ class Search:
     def _clean(self, size: int) -> None:
         """Undo a failed attempt on this rank: FSDP state and every partial gradient."""
         root = self.model
-        if isinstance(root, FSDPModule):
-            root.reset_iter_state()
+        if isinstance(root, FSDPModule) and root._get_fsdp_state()._is_root:
+            root.reset_iter_state()  # (before the first forward there is nothing to reset)
         for unit in self._fsdp_units:
             # reset_iter_state() keeps gradients accumulated without sync: drop them.
             for group in unit._get_fsdp_state()._fsdp_param_groups:
