@@ -78,7 +78,8 @@ class Config:
 def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     """Check the config against this launch, then join the process group (if any).
 
-    Every problem is one `error:` line and exit status 2, before any data or model is built.
+    Every problem is one `error:` line and exit status 2, before any data or model
+    is built.
     """
     try:
         env = dist.environment(cfg.device)  # rank, world size, device, from torchrun
@@ -132,7 +133,8 @@ def evaluate(
 ) -> float:
     """Mean next-token loss over the validation batches, at the full sequence length.
 
-    Each rank scores its share of every batch; the summed losses are added up over ranks.
+    Each rank scores its share of every batch; the summed losses are added up over
+    ranks.
     """
     model.eval()
     loss_sum = torch.zeros((), device=env.device)
