@@ -122,7 +122,21 @@ def sync_gradients(model: nn.Module, enabled: bool) -> None:
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
     elif isinstance(model, DistributedDataParallel):
-        model.require_backward_grad_sync = enabled  # what DDP.no_sync() toggles
+        # What DDP.no_sync() toggles; off throughout while runtime.microbatch defers it.
+        deferred = getattr(model, "_scaffold_defer_gradient_sync", False)
+        model.require_backward_grad_sync = enabled and not deferred
+
+
+def defer_gradient_sync(model: nn.Module, deferred: bool) -> None:
+    """DDP only: no backward reduces gradients until this is turned off again.
+
+    runtime.microbatch searches the microbatch size this way (a backward that stops half
+    way would leave DDP's reducer broken) and all-reduces the gradients itself.
+    """
+    if isinstance(model, DistributedDataParallel):
+        model._scaffold_defer_gradient_sync = deferred
+        if deferred:
+            model.require_backward_grad_sync = False
 
 
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from data import Batches, load_tokens, val_batches
 from model import GPT, PRESETS, GPTConfig, Preset
-from runtime import checkpoint, config, dist, fsdp
+from runtime import checkpoint, config, dist, fsdp, microbatch
 from runtime.monitor import Monitor
 from runtime.time import Progress, Time, as_fraction
 
@@ -43,7 +43,9 @@ class Config:
     # optimization; Time strings: 10ep, 2000ba (steps), 4096sp, 1e6tok, 0.25dur
     max_duration: Time = Time.parse("600ba")  # training length
     global_batch_size: int = 16  # samples per step, summed over ranks
-    device_microbatch_size: int = 8  # per forward/backward; accumulated
+    # samples per forward/backward, accumulated; auto: the largest that fits in memory
+    device_microbatch_size: int | Literal["auto"] = 8
+    max_device_microbatch_size: int = 0  # where auto starts; 0: the per-rank batch
     lr: float = 0.002  # peak learning rate (AdamW)
     lr_warmup: Time = Time.parse("0.05dur")  # linear from 0, then cosine decay
     min_lr_ratio: float = 0.1  # the cosine ends at min_lr_ratio * lr
@@ -90,15 +92,10 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
         cpu_offload=cfg.cpu_offload,
         hybrid_shard_size=cfg.hybrid_shard_size,
     )
-    problem = fsdp.check(parallel, env)
+    problem = fsdp.check(parallel, env) or microbatch.check(cfg.device_microbatch_size)
     if problem:
         config.fail(problem)
-    for name in (
-        "seq_len",
-        "global_batch_size",
-        "device_microbatch_size",
-        "eval_batches",
-    ):
+    for name in ("seq_len", "global_batch_size", "eval_batches"):
         if getattr(cfg, name) < 1:
             config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
     if cfg.global_batch_size % env.world_size:
@@ -127,7 +124,11 @@ def lr_at(fraction: float, cfg: Config) -> float:
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, batches: list[torch.Tensor], cfg: Config, env: dist.DistEnv
+    model: torch.nn.Module,
+    batches: list[torch.Tensor],
+    cfg: Config,
+    env: dist.DistEnv,
+    microbatch_size: int,
 ) -> float:
     """Mean next-token loss over the validation batches, at the full sequence length.
 
@@ -137,13 +138,11 @@ def evaluate(
     loss_sum = torch.zeros((), device=env.device)
     for batch in batches:
         share = batch.tensor_split(env.world_size)[env.rank].to(env.device)
-        for microbatch in share.split(cfg.device_microbatch_size):
+        for micro in share.split(microbatch_size):
             with torch.autocast(env.device.type, torch.bfloat16, enabled=is_amp(cfg)):
-                logits = model(microbatch[:, :-1])
+                logits = model(micro[:, :-1])
             loss_sum += F.cross_entropy(
-                logits.flatten(0, 1).float(),
-                microbatch[:, 1:].flatten(),
-                reduction="sum",
+                logits.flatten(0, 1).float(), micro[:, 1:].flatten(), reduction="sum"
             )
     model.train()
     num_tokens = sum(batch.shape[0] for batch in batches) * cfg.seq_len
@@ -209,8 +208,11 @@ def main() -> None:
     checkpoint_dir = run_dir / "checkpoints"
     checkpoint.remove_incomplete(checkpoint_dir)
     resume_from = checkpoint.latest(checkpoint_dir) if cfg.autoresume else None
+    resumed = {}
     if resume_from is not None:
-        checkpoint.load(resume_from, model, optimizer, progress, seed=cfg.seed)
+        resumed = checkpoint.load(
+            resume_from, model, optimizer, progress, seed=cfg.seed
+        )
     monitor = Monitor(
         run_dir, progress, cfg.max_duration, cfg.global_batch_size, env.is_main
     )
@@ -221,6 +223,19 @@ def main() -> None:
     monitor.info(f"parallelism: {parallel.parallelism}, {env.world_size} process(es)")
     if resume_from is not None:
         monitor.info(f"resumed from {resume_from} at step {progress.batch}")
+    # The microbatch size: fixed, or auto (the largest that fits, found by halving on
+    # out-of-memory; a resumed run reuses the size it found before).
+    microbatching = microbatch.Search(
+        model,
+        fsdp.unwrap(model).blocks,
+        env,
+        cfg.device_microbatch_size,
+        per_rank_batch=cfg.global_batch_size // env.world_size,
+        max_size=cfg.max_device_microbatch_size,
+        resumed=resumed,
+        log=monitor.info,
+        timeout=timedelta(seconds=cfg.dist_timeout),
+    )
 
     # event: FIT_START
 
@@ -246,35 +261,37 @@ def main() -> None:
             # DDP and FSDP average gradients over ranks: hence the factor world_size.
             num_tokens = cfg.global_batch_size * targets.shape[1]
             loss_scale = env.world_size / num_tokens
-            loss_sum = torch.zeros((), device=env.device)
-            microbatches = list(
-                zip(
-                    inputs.split(cfg.device_microbatch_size),
-                    targets.split(cfg.device_microbatch_size),
-                )
-            )
-            for i, (micro_inputs, micro_targets) in enumerate(microbatches):
-                # event: MICROBATCH_START
+            # Out of memory on any rank (while the size is still being searched): every
+            # rank drops this attempt's gradients and retries the same batch at half the
+            # microbatch size. Fixed or already found: a single attempt, nothing added.
+            for attempt in microbatching.attempts(seq_len=inputs.shape[1]):
+                with attempt:
+                    loss_sum = torch.zeros((), device=env.device)
+                    microbatches = list(
+                        zip(inputs.split(attempt.size), targets.split(attempt.size))
+                    )
+                    for i, (micro_inputs, micro_targets) in enumerate(microbatches):
+                        # event: MICROBATCH_START
 
-                # Reduce gradients across ranks once, in the last microbatch's backward.
-                fsdp.sync_gradients(model, i == len(microbatches) - 1)
-                with torch.autocast(
-                    env.device.type, torch.bfloat16, enabled=is_amp(cfg)
-                ):
-                    logits = model(micro_inputs)
+                        # Reduce gradients over ranks once, in the last backward.
+                        fsdp.sync_gradients(model, i == len(microbatches) - 1)
+                        with torch.autocast(
+                            env.device.type, torch.bfloat16, enabled=is_amp(cfg)
+                        ):
+                            logits = model(micro_inputs)
 
-                # event: AFTER_FORWARD
+                        # event: AFTER_FORWARD
 
-                loss = F.cross_entropy(
-                    logits.flatten(0, 1).float(),
-                    micro_targets.flatten(),
-                    reduction="sum",
-                )
+                        loss = F.cross_entropy(
+                            logits.flatten(0, 1).float(),
+                            micro_targets.flatten(),
+                            reduction="sum",
+                        )
 
-                # event: LOSS
+                        # event: LOSS
 
-                (loss * loss_scale).backward()
-                loss_sum += loss.detach()
+                        (loss * loss_scale).backward()
+                        loss_sum += loss.detach()
 
             # event: AFTER_BACKWARD
 
@@ -301,10 +318,11 @@ def main() -> None:
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
-                    metrics["val_loss"] = evaluate(model, val, cfg, env)
+                    metrics["val_loss"] = evaluate(model, val, cfg, env, attempt.size)
             if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
                 metrics["loss"] = dist.reduce_sum(loss_sum).item() / num_tokens
                 metrics["lr"] = lr
+                metrics["microbatch_size"] = attempt.size
                 metrics["grad_norm"] = grad_norm.item()
                 monitor.log(progress, **metrics)
             if progress.at_interval(cfg.save_interval, cfg.max_duration) or finished:
@@ -314,6 +332,7 @@ def main() -> None:
                         model,
                         optimizer,
                         progress,
+                        extra=microbatching.state_dict(),
                         keep=cfg.save_num_checkpoints_to_keep,
                     )
             if finished:
