@@ -1,0 +1,51 @@
+"""Shared by the benchmarks: generate a project, run its train.py, read its metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# The same allocator settings for both sides of every ratio (DESIGN §9: glibc's defaults cost
+# a small loop hundreds of page faults per step). Set here so runs are comparable; printed.
+ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
+
+
+def bench_env() -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, **ALLOCATOR, "PYTHONPATH": path}
+
+
+def generate(recipe: str, root: Path, *overrides: str) -> Path:
+    """`scaffold new` through the CLI of this checkout."""
+    dest = root / recipe
+    command = [sys.executable, "-m", "scaffold", "new", str(dest), "--recipe", recipe, "--name", "bench"]
+    for override in overrides:
+        command += ["--set", override]
+    subprocess.run(command, check=True, env=bench_env(), cwd=REPO, capture_output=True)
+    return dest
+
+
+def train(project: Path, workdir: Path, run_name: str, *args: str) -> list[dict]:
+    """Run the generated train.py on the CPU; return its metrics records."""
+    result = subprocess.run(
+        [sys.executable, str(project / "train.py"), "--device=cpu", f"--run_name={run_name}", *args],
+        cwd=workdir, env=bench_env(), capture_output=True, text=True,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"train.py failed:\n{result.stderr[-3000:]}")
+    path = workdir / "runs" / run_name / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def scratch() -> Path:
+    return Path(tempfile.mkdtemp(prefix="scaffold-bench-"))
