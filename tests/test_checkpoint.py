@@ -89,7 +89,7 @@ def test_load_restores_model_optimizer_progress_rng_bitwise(saved: dict) -> None
 
     extra = checkpoint.load(saved["path"], model, optimizer, progress, seed=0)
 
-    assert extra == {"microbatch": 3, "note": "x", "rng_restored": True}
+    assert extra == {"microbatch": 3, "note": "x", "rng_restored": True, "world_size": 1}
     assert torch.equal(torch.rand(8), saved["next_rand"])
     assert progress.state_dict() == saved["progress"].state_dict()
     assert progress.batch == 7 and progress.epoch == 1 and progress.batch_in_epoch == 2
