@@ -180,8 +180,12 @@ class SafeReader(dcp.FileSystemReader):
             if self._reading is None:
                 raise
             file = Path(self.path) / self._reading
-            raise RuntimeError(f"{file} is unreadable ({type(error).__name__}: "
-                               f"{str(error)[:200]})") from error
+            if isinstance(error, pickle.UnpicklingError):  # torch.load(weights_only=True) refused
+                why = "it holds a pickled object that is not plain data; refused, not executed"
+            else:
+                first = (str(error).splitlines() or [""])[0]
+                why = f"{type(error).__name__}: {first[:200]}"
+            raise RuntimeError(f"{file} is unreadable ({why})") from error
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
