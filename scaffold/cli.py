@@ -179,5 +179,30 @@ def algorithms() -> None:
     out.print(table)
 
 
+@app.command()
+def export(
+    source: Annotated[
+        Path,
+        typer.Argument(
+            metavar="RUN_OR_CHECKPOINT",
+            help="A run folder (runs/NAME: its newest complete checkpoint) or a step-N checkpoint.",
+        ),
+    ],
+    out_file: Annotated[Path, typer.Argument(metavar="OUT", help="The .safetensors file to write.")],
+) -> None:
+    """Consolidate a sharded checkpoint's model weights into one safetensors file (no GPUs needed)."""
+    from runtime.checkpoint import CheckpointError, export_safetensors  # torch: slow to import
+
+    try:
+        info = export_safetensors(source, out_file)
+    except CheckpointError as error:
+        raise _fail(str(error)) from None
+    out.print(
+        f"wrote {info['file']}: {info['tensors']} tensors ({info['numel']:,} values) "
+        f"from {info['checkpoint']} (step {info['step']})",
+        markup=False,
+    )
+
+
 def main() -> None:
     app()

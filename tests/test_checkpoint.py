@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -89,7 +90,7 @@ def test_load_restores_model_optimizer_progress_rng_bitwise(saved: dict) -> None
 
     extra = checkpoint.load(saved["path"], model, optimizer, progress, seed=0)
 
-    assert extra == {"microbatch": 3, "note": "x", "rng_restored": True}
+    assert extra == {"microbatch": 3, "note": "x", "rng_restored": True, "world_size": 1}
     assert torch.equal(torch.rand(8), saved["next_rand"])
     assert progress.state_dict() == saved["progress"].state_dict()
     assert progress.batch == 7 and progress.epoch == 1 and progress.batch_in_epoch == 2
@@ -315,3 +316,175 @@ def test_missing_rng_file_reseeds(saved: dict) -> None:
     first, restored = next_rand_after_load(saved["path"], seed=0, noise=1)
     second, _ = next_rand_after_load(saved["path"], seed=0, noise=2)
     assert restored is False and torch.equal(first, second)
+
+
+# ---------------------------------------------------------------- no pickle execution
+
+
+class Boom:
+    """Unpickling this runs code: a checkpoint must never do that."""
+
+    def __init__(self, flag: str) -> None:
+        self.flag = flag
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.flag),))
+
+
+def test_metadata_naming_other_classes_is_refused(saved: dict, tmp_path: Path) -> None:
+    import pickle
+
+    flag = tmp_path / "executed"
+    metadata = saved["path"] / ".metadata"
+    metadata.write_bytes(pickle.dumps(Boom(str(flag))))
+    model, optimizer = build(seed=1)
+    with pytest.raises(CheckpointError, match=r"\.metadata.*not allowed in checkpoint metadata"):
+        checkpoint.load(saved["path"], model, optimizer, None)
+    with pytest.raises(CheckpointError, match="not allowed"):
+        checkpoint.export_safetensors(saved["path"], tmp_path / "out.safetensors")
+    assert not flag.exists()
+
+
+def test_non_tensor_entries_load_with_weights_only(saved: dict, tmp_path: Path) -> None:
+    """A pickled object among the optimizer's hyperparameters is refused, not executed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    flag = tmp_path / "executed"
+    model, optimizer = saved["model"], saved["optimizer"]
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    optimizer_state["param_groups"][0]["lr"] = Boom(str(flag))
+    evil = saved["folder"] / "step-8"
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=evil, no_dist=True)
+    for name in ("train_state.json", "COMPLETE"):
+        (evil / name).write_bytes((saved["path"] / name).read_bytes())
+    fresh, fresh_optimizer = build(seed=1)
+    with pytest.raises(CheckpointError, match="__0_0.distcp is unreadable .*not plain data; refused"):
+        checkpoint.load(evil, fresh, fresh_optimizer, None)
+    assert not flag.exists()
+
+
+def test_truncated_shard_is_named(saved: dict) -> None:
+    shard = sorted(saved["path"].glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    model, optimizer = build(seed=1)
+    with pytest.raises(CheckpointError, match=f"{shard} is truncated"):
+        checkpoint.load(saved["path"], model, optimizer, None)
+
+
+# ---------------------------------------------------------------- async save
+
+
+def test_async_save_copies_the_state_and_marks_after_writing(saved: dict) -> None:
+    model, optimizer, progress = saved["model"], saved["optimizer"], saved["progress"]
+    train(model, optimizer, progress, 1)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    path = checkpoint.save(saved["folder"], model, optimizer, progress, keep=1, async_save=True)
+    with torch.no_grad():  # training goes on at once: the checkpoint must not see this
+        for p in model.parameters():
+            p.add_(1.0)
+    checkpoint.wait()
+    assert checkpoint.is_complete(path) and path.name == "step-8"
+    assert sorted(p.name for p in saved["folder"].iterdir()) == ["step-8"]  # rotated after the marker
+    fresh, _ = build(seed=1)
+    checkpoint.load(path, fresh, None, None)
+    assert all(torch.equal(expected[k], v) for k, v in fresh.state_dict().items())
+    checkpoint.wait()  # nothing in flight: a no-op
+
+
+def test_next_save_waits_for_async_save(saved: dict) -> None:
+    model, optimizer, progress = saved["model"], saved["optimizer"], saved["progress"]
+    for _ in range(2):
+        train(model, optimizer, progress, 1)
+        checkpoint.save(saved["folder"], model, optimizer, progress, async_save=True)
+    assert checkpoint.is_complete(saved["folder"] / "step-8")  # waited for by the second save
+    checkpoint.wait()
+    assert checkpoint.latest(saved["folder"]) == saved["folder"] / "step-9"
+
+
+# ---------------------------------------------------------------- resume and load_path
+
+
+def fresh_resume(folder: Path, **kwargs):
+    model, optimizer = build(seed=1)
+    progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
+    return checkpoint.resume(folder, model, optimizer, progress, **kwargs), model, optimizer, progress
+
+
+def test_resume_autoresumes_and_cleans_up(saved: dict) -> None:
+    make_dir(saved["folder"], "step-9", complete=False)
+    resumed, model, _, progress = fresh_resume(saved["folder"])
+    assert resumed.path == saved["path"] and resumed.step == 7 and progress.batch == 7
+    assert resumed.rng_restored and resumed.describe() == [f"resumed from {saved['path']} at step 7"]
+    assert not (saved["folder"] / "step-9").exists()
+    assert same_params(model, saved["model"])
+    assert fresh_resume(saved["folder"], autoresume=False)[0] is None
+    assert fresh_resume(saved["folder"].parent / "empty")[0] is None
+
+
+def test_resume_load_path_errors(saved: dict, tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="nowhere does not exist"):
+        fresh_resume(tmp_path / "run", load_path=str(tmp_path / "nowhere"))
+    make_dir(tmp_path / "half", "step-3", complete=False)
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
+        fresh_resume(tmp_path / "run", load_path=str(tmp_path / "half"))
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        fresh_resume(tmp_path / "run", load_path=str(tmp_path / "half" / "step-3"))
+    assert (tmp_path / "half" / "step-3").is_dir()  # never deleted: not this run's folder
+
+
+def test_load_path_weights_only_then_restart_continues(saved: dict, tmp_path: Path) -> None:
+    """A fine-tune starts from load_path; restarted after a preemption it continues itself."""
+    run_dir = tmp_path / "finetune"
+    for source in (saved["path"], saved["folder"], saved["folder"].parent):  # step, checkpoints, run
+        resumed, model, optimizer, progress = fresh_resume(run_dir, load_path=str(source), weights_only=True)
+        assert resumed.path == saved["path"] and resumed.weights_only
+        assert same_params(model, saved["model"]) and progress.batch == 0 and not optimizer.state
+        assert resumed.describe()[-1].startswith("loaded model weights from")
+    train(model, optimizer, progress, 2)
+    checkpoint.save(run_dir, model, optimizer, progress)
+    # The same command again: this run's own checkpoint, not the weights it started from.
+    resumed, again, _, progress = fresh_resume(run_dir, load_path=str(saved["folder"].parent),
+                                               weights_only=True)
+    assert resumed.path == run_dir / "step-2" and progress.batch == 2 and not resumed.weights_only
+    assert "continuing this run" in resumed.describe()[0]
+    assert same_params(again, model)
+    # Another load_path is a new start: it takes precedence over the run's own checkpoint.
+    other = tmp_path / "other"
+    shutil.copytree(saved["path"], other / "step-7")
+    resumed, *_ = fresh_resume(run_dir, load_path=str(other))
+    assert resumed.path == other / "step-7" and "takes precedence" in resumed.describe()[0]
+
+
+# ---------------------------------------------------------------- export
+
+
+def test_export_safetensors_with_tied_weights(tmp_path: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    def tied() -> nn.Module:
+        model = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 10, bias=False))
+        model[1].weight = model[0].weight
+        return model
+
+    torch.manual_seed(0)
+    model = tied()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.tensor([1, 2])).sum().backward()
+    optimizer.step()
+    progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
+    progress.advance(samples=1, tokens=2)
+    checkpoint.save(tmp_path / "run" / "checkpoints", model, optimizer, progress)
+    info = checkpoint.export_safetensors(tmp_path / "run", tmp_path / "model.safetensors")
+    assert info["step"] == 1 and info["tensors"] == 2
+    weights = load_file(tmp_path / "model.safetensors")
+    assert sorted(weights) == ["0.weight", "1.weight"]  # the tied weight under both names
+    torch.manual_seed(1)
+    other = tied()
+    other.load_state_dict(weights)  # strict: every key present
+    assert other[1].weight is other[0].weight and torch.equal(other[0].weight, model[0].weight)
+    with safe_open(tmp_path / "model.safetensors", "pt") as handle:
+        assert handle.metadata()["step"] == "1"
+    with pytest.raises(CheckpointError, match="does not exist"):
+        checkpoint.export_safetensors(tmp_path / "nowhere", tmp_path / "x.safetensors")

@@ -62,7 +62,11 @@ class Config:
     log_interval: Time = Time.parse("1ba")  # a metrics.jsonl line every ...
     save_interval: Time = Time.parse("200ba")  # and at the end
     save_num_checkpoints_to_keep: int = 2  # older ones are deleted; 0 keeps all
+    save_folder: str = ""  # "": runs/<run_name>/checkpoints
+    save_async: bool = False  # write checkpoints while training goes on
     autoresume: bool = True  # continue from the newest checkpoint of this run
+    load_path: str = ""  # start from this checkpoint (or run folder); any world size
+    load_weights_only: bool = False  # load_path's model weights only (fine-tuning)
     # parallelism: `torchrun --nproc_per_node=N train.py` runs this script on N ranks
     parallelism: Literal["auto", "none", "ddp", "fsdp"] = "auto"  # auto: fsdp if N > 1
     sharding_strategy: Literal[
@@ -225,17 +229,24 @@ def main() -> None:
         betas=(cfg.beta1, cfg.beta2),
     )
 
-    # Resume: the newest complete checkpoint of this run restores model, optimizer,
-    # progress and RNG. The batch order is a function of progress: nothing is replayed.
+    # Resume: load_path, else this run's newest complete checkpoint, restores model,
+    # optimizer, progress and RNG, saved on any number of ranks. The batch order is a
+    # function of progress (the global sample cursor): nothing is replayed.
     progress = Progress(batches_per_epoch=train_batches.batches_per_epoch)
-    checkpoint_dir = run_dir / "checkpoints"
-    checkpoint.remove_incomplete(checkpoint_dir)
-    resume_from = checkpoint.latest(checkpoint_dir) if cfg.autoresume else None
-    resumed = {}
-    if resume_from is not None:
-        resumed = checkpoint.load(
-            resume_from, model, optimizer, progress, seed=cfg.seed
+    save_folder = Path(cfg.save_folder or run_dir / "checkpoints")
+    try:
+        resumed = checkpoint.resume(
+            save_folder,
+            model,
+            optimizer,
+            progress,
+            load_path=cfg.load_path,
+            weights_only=cfg.load_weights_only,
+            autoresume=cfg.autoresume,
+            seed=cfg.seed,
         )
+    except checkpoint.CheckpointError as error:  # names the file or the mismatched keys
+        config.fail(str(error))
     monitor = Monitor(
         run_dir, progress, cfg.max_duration, cfg.global_batch_size, env.is_main
     )
@@ -244,8 +255,8 @@ def main() -> None:
     monitor.info(f"tokens: {len(tokens.train):,} train, {len(tokens.val):,} validation")
     monitor.info(f"model: {cfg.model}, {num_params:,} parameters")
     monitor.info(f"parallelism: {parallel.parallelism}, {env.world_size} process(es)")
-    if resume_from is not None:
-        monitor.info(f"resumed from {resume_from} at step {progress.batch}")
+    for line in resumed.describe() if resumed else []:
+        monitor.info(line)
     # The microbatch size: fixed, or auto (the largest that fits, found by halving on
     # out-of-memory; a resumed run reuses the size it found before).
     microbatching = microbatch.Search(
@@ -255,7 +266,7 @@ def main() -> None:
         cfg.device_microbatch_size,
         per_rank_batch=cfg.global_batch_size // env.world_size,
         max_size=cfg.max_device_microbatch_size,
-        resumed=resumed,
+        resumed=resumed.extra if resumed else None,
         log=monitor.info,
         timeout=timedelta(seconds=cfg.dist_timeout),
     )
@@ -365,12 +376,13 @@ def main() -> None:
             if progress.at_interval(cfg.save_interval, cfg.max_duration) or finished:
                 with monitor.paused():
                     checkpoint.save(
-                        checkpoint_dir,
+                        save_folder,
                         model,
                         optimizer,
                         progress,
                         extra=microbatching.state_dict(),
                         keep=cfg.save_num_checkpoints_to_keep,
+                        async_save=cfg.save_async,
                     )
             if finished:
                 break
@@ -379,6 +391,7 @@ def main() -> None:
 
     # event: FIT_END
 
+    checkpoint.wait()  # an async save in flight: finished and marked complete
     monitor.info(
         f"done: step {progress.batch}, {progress.token:,} tokens; outputs in {run_dir}"
     )
