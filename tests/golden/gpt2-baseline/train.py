@@ -71,9 +71,7 @@ class Config:
         "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"
     ] = "FULL_SHARD"
     hybrid_shard_size: int = 0  # HYBRID_SHARD group size; 0: processes per node
-    precision: Literal["fp32", "amp_bf16", "bf16"] = (
-        "fp32"  # bf16: FSDP mixed precision
-    )
+    precision: Literal["fp32", "amp_bf16", "bf16"] = "fp32"  # bf16: FSDP policy
     activation_checkpointing: bool = False  # recompute block activations in backward
     cpu_offload: bool = False  # FSDP parameters and optimizer step on the CPU (CUDA)
     dist_timeout: int = 600  # seconds a collective waits before the job fails
