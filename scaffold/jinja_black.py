@@ -7,6 +7,8 @@ spurious conflicts (DESIGN §6). Each `.py.jinja` wraps its body in `{% filter b
 
 from __future__ import annotations
 
+import functools
+
 import black
 from jinja2 import Environment
 from jinja2.ext import Extension
@@ -15,8 +17,13 @@ from jinja2.ext import Extension
 BLACK_MODE = black.Mode(target_versions={black.TargetVersion.PY310}, line_length=88)
 
 
+@functools.lru_cache(maxsize=64)
 def format_python(source: str) -> str:
-    """Format generated Python with black; a syntax error names the offending line."""
+    """Format generated Python with black; a syntax error names the offending line.
+
+    Cached: an update renders the old and the new template version (and copier renders some
+    of them twice), mostly the same files; black is most of an upgrade's time otherwise.
+    """
     try:
         return black.format_str(source, mode=BLACK_MODE)
     except black.InvalidInput as error:  # a template bug, never user input
