@@ -111,8 +111,9 @@ class Monitor:
     def update(self, progress: Progress) -> None:
         """Move the progress bar to where training is (cheap; every step)."""
         if self._bar is not None:
-            self._bar.n = min(progress.token if self._unit == "tok" else progress.batch, self._bar.total)
-            self._bar.refresh() if self._bar.n == self._bar.total else None
+            position = min(progress.token if self._unit == "tok" else progress.batch, self._bar.total)
+            # tqdm.update redraws at most every `mininterval` (0.1 s): cheap on every step.
+            self._bar.update(position - self._bar.n)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

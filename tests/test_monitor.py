@@ -143,3 +143,34 @@ def test_record_run_writes_config_and_script_copy(tmp_path: Path) -> None:
     assert (run_dir / "train.py").read_text() == source
     log = (run_dir / "log.txt").read_text()
     assert f"torch {torch.__version__}" in log and "world size 1" in log
+
+
+class FakeTerminal:
+    """A stderr that says it is a terminal and remembers what was drawn on it."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.text += text
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_progress_bar_moves_while_training(tmp_path: Path, monkeypatch) -> None:
+    """On a terminal the bar is redrawn as steps pass, not only at the end."""
+    terminal = FakeTerminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    monkeypatch.setenv("COLUMNS", "100")
+    monitor, progress = make(tmp_path)
+    for _ in range(30):
+        progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
+    time.sleep(0.15)  # tqdm redraws at most every 0.1 s
+    monitor.update(progress)
+    assert "30/100" in terminal.text
+    monitor.close()
