@@ -406,12 +406,3 @@ def to_toml(cfg: object) -> str:
         key = field.name if _BARE_KEY.fullmatch(field.name) else _toml_string(field.name)
         lines.append(f"{key} = {_toml_value(getattr(cfg, field.name))}")
     return "\n".join(lines) + "\n"
-
-
-def to_dict(cfg: object) -> dict[str, object]:
-    """The config as JSON-friendly values (Time becomes its string form)."""
-    result: dict[str, object] = {}
-    for field in _init_fields(type(cfg)):
-        value = getattr(cfg, field.name)
-        result[field.name] = str(value) if isinstance(value, Time) else value
-    return result

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as torch_dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -318,12 +317,3 @@ def test_to_toml_writes_time_as_string_and_auto_literal() -> None:
     assert table["max_duration"] == "10ep"
     assert table["micro_batch"] == "auto"
     assert table["lr"] == 3e-4
-
-
-def test_to_dict_is_json_friendly() -> None:
-    result = config.to_dict(Config(max_duration=Time(2000, TimeUnit.BATCH)))
-    assert result["max_duration"] == "2000ba"
-    assert result["batch_size"] == 32
-    assert list(result) == [
-        "run_name", "batch_size", "lr", "compile", "max_duration", "precision", "micro_batch", "amp",
-    ]

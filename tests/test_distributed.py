@@ -8,7 +8,6 @@ to 1e-5 relative and the parameters to 1e-5 absolute (weights are ~0.02 in scale
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path

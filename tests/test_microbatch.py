@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from projects import checkout_env, read_metrics, run_train
+from projects import checkout_env, read_metrics
 from runtime import microbatch
 from runtime.dist import DistEnv
 
