@@ -34,7 +34,7 @@ def older_projects(root: Path, recipe: str, count: int, env: dict[str, str]) -> 
     old = root / "old-templates"
     if not old.exists():
         shutil.copytree(REPO / "templates", old)
-        train = old / "project" / "train.py.jinja"
+        train = old / "tasks" / "causal_lm" / "train.py.jinja"
         train.write_text(train.read_text().replace("    seed: int = 42", "    seed: int = 7", 1))
     script = (
         "import sys; from pathlib import Path\n"

@@ -1,8 +1,15 @@
-"""The algorithm catalog and recipes: loading, validation, and resolving a recipe into copier answers.
+"""The packs, the algorithm catalog and recipes: loading, validation, and resolving a recipe into copier answers.
 
-An algorithm is a folder `templates/algorithms/<name>/` with `algorithm.toml` (summary, events,
-hyperparameters with defaults, requires, conflicts) and its snippets. A recipe is a TOML file of
-copier answers plus `[algorithms.<name>]` tables of hyperparameters; users copy and edit them.
+A project is rendered from three kinds of pack (DESIGN §2):
+- a task, `templates/tasks/<task>/` with `task.toml` (summary, the model families it takes);
+- a model family, `templates/models/<family>/` with `model.toml` (summary, size presets, and the
+  extension points architectural algorithms fill);
+- algorithms, `templates/algorithms/<name>/` with `algorithm.toml` (summary, paper, tasks and
+  model families it applies to, hyperparameters, requires, conflicts, before/after) and snippet
+  files whose names say where they go: `train.BATCH_START.py.jinja`, `train.config.py.jinja`,
+  `model.gpt.attention.py.jinja`. Events and extension points are derived from those names.
+A recipe is a TOML file of copier answers plus `[algorithms.<name>]` tables of hyperparameters;
+users copy and edit them.
 """
 
 from __future__ import annotations
@@ -21,10 +28,23 @@ from runtime.time import Time, TimeError
 # Answers scaffold computes itself; a recipe may not set them.
 DERIVED_ANSWERS = ("project_name", "recipe", "algorithms")
 HYPERPARAMETER_TYPES = ("int", "float", "bool", "str", "time")
+# The event points of every task's train.py, in loop order (DESIGN §3).
+EVENTS = (
+    "INIT", "MODEL", "OPTIMIZER", "FIT_START", "EPOCH_START", "BATCH_START", "MICROBATCH_START",
+    "AFTER_FORWARD", "LOSS", "AFTER_BACKWARD", "BATCH_END", "EVAL", "EPOCH_END", "FIT_END",
+)
+# Other places in train.py an algorithm may write: its imports, Config fields, config checks,
+# module-level helper functions and logged metrics.
+TRAIN_SECTIONS = ("imports", "config", "checks", "functions", "metrics")
+SNIPPET_SUFFIX = ".py.jinja"
 
 
 class RecipeError(ValueError):
     """A recipe, an algorithm choice or a `--set` override is wrong; the message says how to fix it."""
+
+
+class CatalogError(RuntimeError):
+    """A pack in the template is malformed (a template bug, never user input)."""
 
 
 @dataclass(frozen=True)
@@ -36,14 +56,53 @@ class Hyperparameter:
 
 
 @dataclass(frozen=True)
+class ExtensionPoint:
+    name: str
+    help: str
+    replaces: bool  # the algorithm's code stands instead of the default: one algorithm at most
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    summary: str
+    presets: tuple[str, ...]
+    extension_points: dict[str, ExtensionPoint]
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    summary: str
+    models: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Algorithm:
     name: str
     summary: str
-    events: tuple[str, ...]
-    files: tuple[str, ...]
-    requires: tuple[str, ...]
-    conflicts: tuple[str, ...]
+    spots: tuple[str, ...] = ()  # from the snippet file names: train.BATCH_START, model.gpt.attention
+    requires: tuple[str, ...] = ()
+    conflicts: tuple[str, ...] = ()
     hyperparameters: dict[str, Hyperparameter] = field(default_factory=dict)
+    tasks: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()  # empty: any model family of its tasks
+    before: tuple[str, ...] = ()  # algorithms it must run before, at every event both use
+    after: tuple[str, ...] = ()
+    paper: str = ""
+
+    @property
+    def events(self) -> tuple[str, ...]:
+        """The loop events it acts at, in loop order; model changes act at MODEL."""
+        acts = {spot.split(".")[1] for spot in self.spots if spot.startswith("train.")}
+        if any(spot.startswith("model.") for spot in self.spots):
+            acts.add("MODEL")
+        return tuple(event for event in EVENTS if event in acts)
+
+    def model_points(self, family: str) -> tuple[str, ...]:
+        """The extension points of `family` it fills."""
+        prefix = f"model.{family}."
+        return tuple(spot.removeprefix(prefix) for spot in self.spots if spot.startswith(prefix))
 
 
 @dataclass(frozen=True)
@@ -59,26 +118,128 @@ def _suggest(word: str, options: list[str] | tuple[str, ...]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise CatalogError(f"{path}: {error}") from error
+
+
+def load_tasks(template: Path) -> dict[str, Task]:
+    tasks = {}
+    for meta_path in sorted((template / "tasks").glob("*/task.toml")):
+        meta = _read_toml(meta_path)
+        name = meta_path.parent.name
+        tasks[name] = Task(name, meta["summary"], tuple(meta["models"]))
+    return tasks
+
+
+def load_models(template: Path) -> dict[str, ModelFamily]:
+    families = {}
+    for meta_path in sorted((template / "models").glob("*/model.toml")):
+        meta = _read_toml(meta_path)
+        name = meta_path.parent.name
+        points = {
+            point: ExtensionPoint(point, spec.get("help", ""), bool(spec.get("replaces", False)))
+            for point, spec in meta.get("extension_points", {}).items()
+        }
+        families[name] = ModelFamily(name, meta["summary"], tuple(meta["presets"]), points)
+    return families
+
+
+def _spot_of(snippet: Path) -> str:
+    spot = snippet.name.removesuffix(SNIPPET_SUFFIX)
+    parts = spot.split(".")
+    valid = (
+        (len(parts) == 2 and parts[0] == "train" and parts[1] in EVENTS + TRAIN_SECTIONS)
+        or (len(parts) == 3 and parts[0] == "model")
+    )
+    if not valid:
+        raise CatalogError(
+            f"{snippet}: a snippet is named train.<EVENT|{'|'.join(TRAIN_SECTIONS)}>{SNIPPET_SUFFIX} "
+            f"or model.<family>.<extension point>{SNIPPET_SUFFIX}"
+        )
+    return spot
+
+
+def catalog_order(algorithms: dict[str, Algorithm]) -> list[str]:
+    """Names in the order their code runs at any event: every declared `before`/`after` holds,
+    ties broken alphabetically (a stable topological sort)."""
+    must_precede: dict[str, set[str]] = {name: set() for name in algorithms}
+    for name, spec in algorithms.items():
+        must_precede[name] |= {other for other in spec.after if other in algorithms}
+        for other in spec.before:
+            if other in algorithms:
+                must_precede[other].add(name)
+    order: list[str] = []
+    pending = sorted(algorithms)
+    while pending:
+        ready = [name for name in pending if must_precede[name] <= set(order)]
+        if not ready:
+            raise CatalogError(f"algorithms {', '.join(pending)} declare a cycle of before/after")
+        order.append(ready[0])
+        pending.remove(ready[0])
+    return order
+
+
 def load_algorithms(template: Path) -> dict[str, Algorithm]:
-    """Every algorithm in the template, in catalog (alphabetical) order."""
+    """Every algorithm in the template, in catalog order (see `catalog_order`)."""
     algorithms: dict[str, Algorithm] = {}
     for meta_path in sorted((template / "algorithms").glob("*/algorithm.toml")):
-        meta = tomllib.loads(meta_path.read_text())
+        meta = _read_toml(meta_path)
         name = meta_path.parent.name
         hyperparameters = {
             key: Hyperparameter(key, spec["type"], spec["default"], spec.get("help", ""))
             for key, spec in meta.get("hyperparameters", {}).items()
         }
+        spots = tuple(sorted(_spot_of(path) for path in meta_path.parent.glob(f"*{SNIPPET_SUFFIX}")))
         algorithms[name] = Algorithm(
             name=name,
             summary=meta["summary"],
-            events=tuple(meta.get("events", ())),
-            files=tuple(meta.get("files", ())),
+            spots=spots,
             requires=tuple(meta.get("requires", ())),
             conflicts=tuple(meta.get("conflicts", ())),
             hyperparameters=hyperparameters,
+            tasks=tuple(meta.get("tasks", ())),
+            models=tuple(meta.get("models", ())),
+            before=tuple(meta.get("before", ())),
+            after=tuple(meta.get("after", ())),
+            paper=str(meta.get("paper", "")),
         )
-    return algorithms
+    return {name: algorithms[name] for name in catalog_order(algorithms)}
+
+
+def check_applies(name: str, spec: Algorithm, task: str, family: str, models: dict[str, ModelFamily]) -> None:
+    """Refuse an algorithm on a task or model family it does not declare, or whose extension
+    points the family lacks."""
+    if task not in spec.tasks:
+        raise RecipeError(f"algorithm '{name}' does not apply to task '{task}' (it applies to: "
+                          f"{', '.join(spec.tasks) or 'none'}); remove it or pick another task")
+    if spec.models and family not in spec.models:
+        raise RecipeError(f"algorithm '{name}' does not apply to model family '{family}' (it applies "
+                          f"to: {', '.join(spec.models)}); remove it or pick another model family")
+    touches_models = {spot.split(".")[1] for spot in spec.spots if spot.startswith("model.")}
+    if touches_models and family not in touches_models:
+        raise RecipeError(f"algorithm '{name}' changes the architecture of {', '.join(sorted(touches_models))} "
+                          f"models only; model family '{family}' has no place for it")
+    known = models[family].extension_points if family in models else {}
+    for point in spec.model_points(family):
+        if point not in known:
+            raise RecipeError(f"algorithm '{name}' fills extension point '{point}', which model family "
+                              f"'{family}' lacks; remove the algorithm or pick another model family")
+
+
+def _check_exclusive_points(algorithms: list[str], catalog: dict[str, Algorithm], family: ModelFamily) -> None:
+    """Two algorithms cannot both replace the same default code in model.py."""
+    owner: dict[str, str] = {}
+    for name in algorithms:
+        for point in catalog[name].model_points(family.name):
+            spec = family.extension_points.get(point)
+            if spec is not None and spec.replaces:
+                if point in owner:
+                    raise RecipeError(f"algorithms '{owner[point]}' and '{name}' both replace the "
+                                      f"'{point}' code of the {family.name} model; use one of them")
+                owner[point] = name
 
 
 def load_questions(template: Path) -> dict[str, dict[str, Any]]:
@@ -209,12 +370,28 @@ def resolve(recipe: Recipe, template: Path, project_name: str) -> dict[str, Any]
             raise RecipeError(f"answer '{key}' = {value!r} is not one of {', '.join(map(str, choices))}")
         answers[key] = value
 
+    tasks, models = load_tasks(template), load_models(template)
+    task = answers.setdefault("task", questions["task"]["default"])
+    if task not in tasks:
+        raise RecipeError(f"answer 'task' = {task!r} is not a task pack{_suggest(task, list(tasks))}; "
+                          f"known tasks: {', '.join(tasks)}")
+    family = answers.setdefault("model_family", questions["model_family"]["default"])
+    if family not in tasks[task].models:
+        raise RecipeError(f"answer 'model_family' = {family!r} does not fit task '{task}'; it takes: "
+                          f"{', '.join(tasks[task].models)}")
+    preset = answers.setdefault("model", questions["model"]["default"])
+    if preset not in models[family].presets:
+        raise RecipeError(f"answer 'model' = {preset!r} is not a {family} preset"
+                          f"{_suggest(str(preset), list(models[family].presets))}; presets: "
+                          f"{', '.join(models[family].presets)}")
+
     algorithms: dict[str, dict[str, Any]] = {}
     for name in sorted(recipe.algorithms, key=lambda n: list(catalog).index(n) if n in catalog else -1):
         if name not in catalog:
             raise RecipeError(f"recipe '{recipe.name}': unknown algorithm '{name}'"
                               f"{_suggest(name, list(catalog))}; run `scaffold algorithms` to list them")
         spec = catalog[name]
+        check_applies(name, spec, task, family, models)
         params = dict(recipe.algorithms[name])
         for param in params:
             if param not in spec.hyperparameters:
@@ -234,6 +411,7 @@ def resolve(recipe: Recipe, template: Path, project_name: str) -> dict[str, Any]
             if needed not in algorithms:
                 raise RecipeError(f"algorithm '{name}' requires '{needed}'; add [algorithms.{needed}] "
                                   "to the recipe")
+    _check_exclusive_points(list(algorithms), catalog, models[family])
     return {"project_name": project_name, "recipe": recipe.name, **answers, "algorithms": algorithms}
 
 
@@ -244,7 +422,12 @@ def _in_catalog_order(algorithms: dict[str, dict[str, Any]], catalog: dict[str, 
 
 
 def add_algorithm(
-    current: dict[str, dict[str, Any]], name: str, overrides: list[str], catalog: dict[str, Algorithm]
+    current: dict[str, dict[str, Any]],
+    name: str,
+    overrides: list[str],
+    catalog: dict[str, Algorithm],
+    task: str,
+    family: ModelFamily,
 ) -> dict[str, dict[str, Any]]:
     """A project's algorithm answers with `name` added (hyperparameters: defaults, then `overrides`)."""
     if name not in catalog:
@@ -254,6 +437,7 @@ def add_algorithm(
         raise RecipeError(f"algorithm '{name}' is already in this project; its hyperparameters are "
                           "Config fields in train.py: change them there")
     spec = catalog[name]
+    check_applies(name, spec, task, family.name, {family.name: family})
     for other in spec.conflicts:
         if other in current:
             raise RecipeError(f"algorithms '{name}' and '{other}' conflict and cannot be used together; "
@@ -278,7 +462,9 @@ def add_algorithm(
         key: _coerce(params.get(key, hp.default), hp.type, f"{name}.{key}")
         for key, hp in spec.hyperparameters.items()
     }
-    return _in_catalog_order({**current, name: resolved}, catalog)
+    added = _in_catalog_order({**current, name: resolved}, catalog)
+    _check_exclusive_points(list(added), catalog, family)
+    return added
 
 
 def remove_algorithm(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -10,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from scaffold import __version__
-from scaffold.catalog import RecipeError, load_algorithms, load_recipe, recipe_paths
+from scaffold.catalog import RecipeError, load_algorithms, load_recipe, load_tasks, recipe_paths
 from scaffold.history import HistoryError
 from scaffold.paths import template_dir
 
@@ -170,12 +171,25 @@ def recipes() -> None:
 
 
 @app.command()
-def algorithms() -> None:
+def algorithms(
+    task: Annotated[
+        Optional[str], typer.Option("--task", help="Only the algorithms that apply to this task.")
+    ] = None,
+) -> None:
     """List the algorithm catalog: what each does, where it hooks in, its hyperparameters."""
-    table = Table("algorithm", "events", "hyperparameters", "summary", box=None, show_edge=False)
-    for algorithm in load_algorithms(template_dir()).values():
+    template = template_dir()
+    tasks = load_tasks(template)
+    if task is not None and task not in tasks:
+        close = difflib.get_close_matches(task, list(tasks), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise _fail(f"unknown task '{task}'{hint}; tasks: {', '.join(tasks)}")
+    table = Table("algorithm", "events", "tasks", "hyperparameters", "summary", box=None, show_edge=False)
+    for algorithm in load_algorithms(template).values():
+        if task is not None and task not in algorithm.tasks:
+            continue
         params = ", ".join(f"{p.name}={p.default}" for p in algorithm.hyperparameters.values())
-        table.add_row(algorithm.name, ", ".join(algorithm.events), params or "-", algorithm.summary)
+        table.add_row(algorithm.name, ", ".join(algorithm.events), ", ".join(algorithm.tasks),
+                      params or "-", algorithm.summary)
     out.print(table)
 
 

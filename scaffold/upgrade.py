@@ -28,7 +28,16 @@ from copier.errors import CopierError
 from packaging.version import InvalidVersion, Version
 from plumbum import local
 
-from scaffold.catalog import Algorithm, RecipeError, add_algorithm, load_algorithms, remove_algorithm
+from scaffold.catalog import (
+    Algorithm,
+    CatalogError,
+    ModelFamily,
+    RecipeError,
+    add_algorithm,
+    load_algorithms,
+    load_models,
+    remove_algorithm,
+)
 from scaffold.history import (
     HISTORY_SRC,
     TemplateRelease,
@@ -302,7 +311,9 @@ def upgrade(project: Path, release: TemplateRelease | None = None, dry_run: bool
     return UpdateResult(state.path, state.version, release.version, changes, dry_run, diffstat)
 
 
-AlgorithmChange = Callable[[dict[str, dict[str, Any]], dict[str, Algorithm]], dict[str, dict[str, Any]]]
+AlgorithmChange = Callable[
+    [dict[str, dict[str, Any]], dict[str, Algorithm], str, ModelFamily], dict[str, dict[str, Any]]
+]
 
 
 def _change_algorithms(project: Path, release: TemplateRelease | None, change: AlgorithmChange) -> UpdateResult:
@@ -311,11 +322,24 @@ def _change_algorithms(project: Path, release: TemplateRelease | None, change: A
     state = preflight(project, release)
     history = history_path()
     with tempfile.TemporaryDirectory(prefix="scaffold-template.") as scratch:
-        # The catalog of the project's own version: the installed one may know other algorithms.
-        catalog = load_algorithms(export_version(history, state.version, Path(scratch)))
+        # The packs of the project's own version: the installed one may know other algorithms.
+        template = export_version(history, state.version, Path(scratch))
+        try:
+            catalog, models = load_algorithms(template), load_models(template)
+        except CatalogError:
+            raise UpdateError(f"{state.path} is at template version {state.version}, whose algorithm "
+                              "catalog this scaffold cannot read; run `scaffold upgrade` first, "
+                              "commit, then add or remove algorithms") from None
     current = dict(state.answers.get("algorithms") or {})
+    # Projects from before task packs (0.1.0) were GPT language models.
+    task = str(state.answers.get("task", "causal_lm"))
+    family = models.get(str(state.answers.get("model_family", "gpt")))
     try:
-        algorithms = change(current, catalog)
+        if family is None:
+            raise RecipeError(f"{state.path / ANSWERS_FILE} records model family "
+                              f"{state.answers.get('model_family')!r}, which template "
+                              f"{state.version} does not have; restore the file from git history")
+        algorithms = change(current, catalog, task, family)
     except RecipeError as error:
         raise UpdateError(str(error)) from None
     changes, _ = _update(state, copier.VcsRef.CURRENT, {"algorithms": algorithms}, dry_run=False)
@@ -324,14 +348,20 @@ def _change_algorithms(project: Path, release: TemplateRelease | None, change: A
 
 def add(project: Path, algorithm: str, overrides: Sequence[str] = (), release: TemplateRelease | None = None) -> UpdateResult:
     """Add an algorithm (its hyperparameters from `param=value` overrides) and merge it into the files."""
-    return _change_algorithms(project, release,
-                              lambda current, catalog: add_algorithm(current, algorithm, list(overrides), catalog))
+    return _change_algorithms(
+        project,
+        release,
+        lambda current, catalog, task, family: add_algorithm(
+            current, algorithm, list(overrides), catalog, task, family
+        ),
+    )
 
 
 def remove(project: Path, algorithm: str, release: TemplateRelease | None = None) -> UpdateResult:
     """Remove an algorithm and merge its removal into the files."""
-    return _change_algorithms(project, release,
-                              lambda current, catalog: remove_algorithm(current, algorithm, catalog))
+    return _change_algorithms(
+        project, release, lambda current, catalog, *_: remove_algorithm(current, algorithm, catalog)
+    )
 
 
 def describe(result: UpdateResult) -> list[str]:

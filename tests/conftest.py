@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 
 from projects import checkout_env
+from scaffold.catalog import recipe_paths
+from scaffold.paths import template_dir
 
 REPO = Path(__file__).resolve().parent.parent
 collect_ignore = ["golden"]  # generated projects' own tests run in test_e2e.py
-RECIPES = ("gpt2-baseline", "gpt2-speedup")
+RECIPES = tuple(recipe_paths(template_dir()))  # every shipped recipe
 PROJECT_NAME = "my-gpt"
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import scaffold_cli
 from scaffold.catalog import (
+    EVENTS,
     RecipeError,
     apply_overrides,
     load_algorithms,
@@ -66,7 +67,7 @@ def test_parse_override_reads_toml_values() -> None:
         ("[algorithms.alibbi]\n", [], "unknown algorithm 'alibbi' (did you mean 'alibi'?)"),
         ("[answers]\nlrr = 1.0\n", [], "unknown answer 'lrr' (did you mean 'lr'?)"),
         ("[answers]\nlr = 'fast'\n", [], "answer 'lr' = 'fast' must be of type float"),
-        ("[answers]\nmodel = 'gpt5'\n", [], "answer 'model' = 'gpt5' is not one of"),
+        ("[answers]\nmodel = 'gpt5'\n", [], "answer 'model' = 'gpt5' is not a gpt preset"),
         ("[answers]\nmax_duration = '10bb'\n", [], "unknown unit 'bb'"),
         ("[answers]\nrecipe = 'x'\n", [], "'recipe' is set by scaffold itself"),
         ("[algorithms.seq_length_warmup]\nmin_length = 3\n", [], "no hyperparameter 'min_length'"),
@@ -114,10 +115,9 @@ def test_conflicts_and_requirements_are_enforced(tmp_path: Path) -> None:
 
 def test_every_algorithm_is_complete() -> None:
     """Each catalog entry has a summary, known events, and typed hyperparameters with defaults."""
-    events = {"INIT", "MODEL", "OPTIMIZER", "FIT_START", "EPOCH_START", "BATCH_START", "MICROBATCH_START",
-              "AFTER_FORWARD", "LOSS", "AFTER_BACKWARD", "BATCH_END", "EVAL", "EPOCH_END", "FIT_END"}
     for algorithm in load_algorithms(TEMPLATE).values():
-        assert algorithm.summary and set(algorithm.events) <= events, algorithm.name
+        assert algorithm.summary and algorithm.paper and algorithm.tasks, algorithm.name
+        assert algorithm.spots and set(algorithm.events) <= set(EVENTS), algorithm.name
         for hp in algorithm.hyperparameters.values():
             assert hp.type in ("int", "float", "bool", "str", "time") and hp.help, (algorithm.name, hp.name)
 
@@ -207,4 +207,4 @@ def test_user_strings_are_escaped_not_pasted(tmp_path: Path) -> None:
     recipe = tmp_path / "evil.toml"
     recipe.write_text('[answers]\nmodel = "tiny\\"; import os"\n')
     result = scaffold_cli("new", str(tmp_path / "evil"), "--recipe", str(recipe))
-    assert result.returncode == 2 and "is not one of" in result.stderr
+    assert result.returncode == 2 and "is not a gpt preset" in result.stderr

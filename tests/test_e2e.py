@@ -64,10 +64,12 @@ def test_algorithm_blocks_are_fenced_and_placed(generated: dict[str, Path]) -> N
         assert source.count(f"# algorithm: {name}\n") == source.count(f"# end algorithm: {name}\n")
         return found
 
-    assert events_of(train, "seq_length_warmup") == ["MODULE", "BATCH_START"]
-    assert events_of(train, "gradient_clipping") == ["AFTER_BACKWARD"]
+    # Config field, config check, helper function (module level), the batch truncation, a metric.
+    assert events_of(train, "seq_length_warmup") == ["MODULE", "MODULE", "MODULE", "BATCH_START", "EVAL"]
+    assert events_of(train, "gradient_clipping") == ["MODULE", "AFTER_BACKWARD", "EVAL"]
     assert events_of(train, "alibi") == []  # ALiBi only touches the model
-    assert len(events_of(model, "alibi")) == 3
+    # helpers, no position embedding, token embedding only, the bias, the attention call
+    assert len(events_of(model, "alibi")) == 5
     baseline = (generated["gpt2-baseline"] / "train.py").read_text()
     assert "seq_length_warmup" not in baseline and "alibi" not in (generated["gpt2-baseline"] / "model.py").read_text()
 

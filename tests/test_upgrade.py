@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import REPO, scaffold_cli
 from scaffold import __version__
-from scaffold.catalog import Algorithm, RecipeError, add_algorithm, remove_algorithm
+from scaffold.catalog import Algorithm, ModelFamily, RecipeError, add_algorithm, remove_algorithm
 from scaffold.history import TemplateRelease, ensure_version, git
 from scaffold.paths import template_dir
-from scaffold.render import commit_all, new_project
+from scaffold.render import commit_all, new_project, render
 from scaffold.upgrade import UpdateError, add, remove, upgrade
 
 RECIPE = "gpt2-speedup"
@@ -34,8 +35,7 @@ OLD_LINE = 'f"done: step {progress.batch}'
 NEW_LINE = 'f"finished: step {progress.batch}'
 SMOKE_CHANGE = ('"--eval_batches=1",', '"--eval_batches=1",  # one batch is enough here')
 ADDED_FILE = "NOTES.md"
-GRAD_CLIP_BLOCK_START = "            # algorithm: gradient_clipping\n"
-GRAD_CLIP_BLOCK_END = "            # end algorithm: gradient_clipping\n"
+GRAD_CLIP_FENCE = re.compile(r"[ ]*# algorithm: gradient_clipping\n.*?# end algorithm: gradient_clipping\n", re.S)
 
 
 def replace_once(path: Path, old: str, new: str) -> None:
@@ -69,10 +69,10 @@ def versions(tmp_path_factory: pytest.TempPathFactory) -> Versions:
     new = make_template(
         root / "0.2.0",
         {
-            "project/train.py.jinja": (OLD_LINE, NEW_LINE),
-            "project/tests/test_smoke.py.jinja": SMOKE_CHANGE,
+            "tasks/causal_lm/train.py.jinja": (OLD_LINE, NEW_LINE),
+            "tasks/causal_lm/tests/test_smoke.py.jinja": SMOKE_CHANGE,
         },
-        {f"project/{ADDED_FILE}.jinja": "# {{ project_name }}: notes\n\nAdded in template 0.2.0.\n"},
+        {f"tasks/causal_lm/{ADDED_FILE}.jinja": "# {{ project_name }}: notes\n\nAdded in template 0.2.0.\n"},
     )
     return Versions(TemplateRelease(old, "0.1.0"), TemplateRelease(new, "0.2.0"))
 
@@ -121,12 +121,8 @@ def run_git(project: Path, *args: str) -> str:
 
 
 def make_hand_edits(project: Path, delete_clipping: bool = True) -> None:
-    """The edits of a user who owns the loop, committed.
-
-    Deleting gradient clipping also deletes its `grad_norm` metric line, which sits right beside
-    seq_length_warmup's `seq_len` metric line: tests that remove seq_length_warmup keep it, as
-    two changes on adjacent lines are a genuine 3-way conflict.
-    """
+    """The edits of a user who owns the loop, committed. Deleting gradient clipping by hand
+    means deleting its three fenced blocks (Config field, the clipping, the grad_norm metric)."""
     train = project / "train.py"
     # a new line inside the training loop
     replace_once(train, "            batch = batch.to(env.device, non_blocking=True)\n",
@@ -134,11 +130,10 @@ def make_hand_edits(project: Path, delete_clipping: bool = True) -> None:
                  "            batch = batch.contiguous()  # hand edit: inside the loop\n")
     # a changed hyperparameter default
     replace_once(train, "    beta2: float = 0.95\n", "    beta2: float = 0.99\n")
-    if delete_clipping:  # a deleted algorithm block (and the metric that used it)
-        text = train.read_text()
-        start, end = text.index(GRAD_CLIP_BLOCK_START), text.index(GRAD_CLIP_BLOCK_END) + len(GRAD_CLIP_BLOCK_END)
-        train.write_text(text[:start] + text[end:])
-        replace_once(train, '                metrics["grad_norm"] = grad_norm.item()\n', "")
+    if delete_clipping:  # a deleted algorithm: its fenced blocks (field, clipping, metric)
+        text, cuts = GRAD_CLIP_FENCE.subn("", train.read_text())
+        assert cuts == 3
+        train.write_text(text)
     # a new file, and a deleted template file
     (project / "sweep.toml").write_text("lr = 1e-3\n")
     (project / "tests" / "test_smoke.py").unlink()
@@ -207,7 +202,7 @@ def test_same_line_edit_gives_diff3_markers_and_can_be_redone(tmp_path: Path, ve
 
 def test_cli_upgrade_merges_into_the_installed_version_and_exits_0(tmp_path: Path) -> None:
     # An older release whose final message differs; the installed scaffold is the newer one.
-    old_template = make_template(tmp_path / "old", {"project/train.py.jinja": ('f"done: step', 'f"over: step')}, {})
+    old_template = make_template(tmp_path / "old", {"tasks/causal_lm/train.py.jinja": ('f"done: step', 'f"over: step')}, {})
     project = generate(tmp_path, TemplateRelease(old_template, "0.0.1"))
     make_hand_edits(project)
 
@@ -221,7 +216,7 @@ def test_cli_upgrade_merges_into_the_installed_version_and_exits_0(tmp_path: Pat
 
 
 def test_cli_conflict_exits_1_and_says_how_to_resolve(tmp_path: Path) -> None:
-    old_template = make_template(tmp_path / "old", {"project/train.py.jinja": ('f"done: step', 'f"over: step')}, {})
+    old_template = make_template(tmp_path / "old", {"tasks/causal_lm/train.py.jinja": ('f"done: step', 'f"over: step')}, {})
     project = generate(tmp_path, TemplateRelease(old_template, "0.0.1"))
     replace_once(project / "train.py", 'f"over: step', 'f"all over: step')
     commit_all(project, "same line as the template")
@@ -249,7 +244,7 @@ def test_dry_run_writes_nothing_and_shows_the_changes(tmp_path: Path, versions: 
 
 
 def test_cli_dry_run_reports_conflicts_without_writing(tmp_path: Path) -> None:
-    old_template = make_template(tmp_path / "old", {"project/train.py.jinja": ('f"done: step', 'f"over: step')}, {})
+    old_template = make_template(tmp_path / "old", {"tasks/causal_lm/train.py.jinja": ('f"done: step', 'f"over: step')}, {})
     project = generate(tmp_path, TemplateRelease(old_template, "0.0.1"))
     replace_once(project / "train.py", 'f"over: step', 'f"all over: step')
     commit_all(project, "same line as the template")
@@ -362,14 +357,16 @@ def test_remove_then_add_keeps_edits_and_restores_the_files(tmp_path: Path, vers
     assert files_of(project) == edited
 
 
-def test_remove_beside_a_user_deleted_neighbour_is_a_marked_conflict(tmp_path: Path, versions: Versions) -> None:
-    # The user deleted the grad_norm metric line; removing seq_length_warmup deletes the line
-    # right after it. git cannot tell these apart safely, so the merge must say so.
+def test_remove_beside_a_user_deleted_neighbour_merges_cleanly(tmp_path: Path, versions: Versions) -> None:
+    # The user deleted gradient clipping's fenced grad_norm metric; seq_length_warmup's metric
+    # is its own fenced block after a blank line, so removing it is no conflict (in 0.1.0 the two
+    # metric lines were adjacent and this was a 3-way conflict).
     project = generate(tmp_path, versions.old)
     make_hand_edits(project)
     removed = remove(project, "seq_length_warmup", versions.old)
-    assert removed.changes.conflicted == ["train.py"]
-    assert "|||||||" in (project / "train.py").read_text()
+    assert removed.changes.conflicted == []
+    train = (project / "train.py").read_text()
+    assert "seq_len\"]" not in train and "grad_norm" not in train and "hand edit: inside the loop" in train
 
 
 def test_add_with_hyperparameters_renders_them(tmp_path: Path, versions: Versions) -> None:
@@ -415,10 +412,12 @@ def test_cli_remove_then_add(tmp_path: Path) -> None:
 
 
 CATALOG = {
-    "a": Algorithm("a", "", (), (), (), ("b",)),
-    "b": Algorithm("b", "", (), (), (), ()),
-    "c": Algorithm("c", "", (), (), ("b",), ()),
+    "a": Algorithm("a", "", conflicts=("b",), tasks=("causal_lm",)),
+    "b": Algorithm("b", "", tasks=("causal_lm",)),
+    "c": Algorithm("c", "", requires=("b",), tasks=("causal_lm",)),
+    "d": Algorithm("d", "", tasks=("image_classification",)),
 }
+GPT = ModelFamily("gpt", "", ("tiny",), {})
 
 
 @pytest.mark.parametrize(
@@ -427,12 +426,13 @@ CATALOG = {
         ({"b": {}}, "a", "algorithms 'a' and 'b' conflict"),
         ({"a": {}}, "b", "algorithms 'a' and 'b' conflict"),
         ({}, "c", "algorithm 'c' requires 'b'; add it first: scaffold add b"),
-        ({}, "d", "unknown algorithm 'd'"),
+        ({}, "e", "unknown algorithm 'e'"),
+        ({}, "d", "algorithm 'd' does not apply to task 'causal_lm'"),
     ],
 )
 def test_add_refuses_conflicts_and_missing_requirements(current: dict, name: str, message: str) -> None:
     with pytest.raises(RecipeError, match=message):
-        add_algorithm(current, name, [], CATALOG)
+        add_algorithm(current, name, [], CATALOG, "causal_lm", GPT)
 
 
 def test_remove_refuses_what_another_algorithm_requires() -> None:
@@ -442,8 +442,8 @@ def test_remove_refuses_what_another_algorithm_requires() -> None:
 
 
 def test_add_keeps_catalog_order() -> None:
-    assert list(add_algorithm({"c": {}}, "b", [], CATALOG)) == ["b", "c"]
-    assert list(add_algorithm({"b": {}}, "c", [], CATALOG)) == ["b", "c"]
+    assert list(add_algorithm({"c": {}}, "b", [], CATALOG, "causal_lm", GPT)) == ["b", "c"]
+    assert list(add_algorithm({"b": {}}, "c", [], CATALOG, "causal_lm", GPT)) == ["b", "c"]
 
 
 # --- plain copier ----------------------------------------------------------------------------
@@ -544,3 +544,66 @@ def test_wheel_ships_the_bundle_only_when_built(tmp_path: Path) -> None:
     (source / "scaffold" / "template-history.bundle").write_bytes(b"bundle")
     names = wheel_names(tmp_path / "release")
     assert "scaffold/template-history.bundle" in names and "scaffold/templates/copier.yml" in names
+
+
+# --- projects generated by release 0.1.0 ---------------------------------------------------------
+
+RELEASE_0_1_0 = "b7878b8b46933427b12ce963cc72df17c6e35114"  # the commit tagged v0.1.0
+
+
+def release_from_git_history(commit: str, version: str, dest: Path) -> TemplateRelease:
+    """The templates/ folder of a past commit of this repository, published as `version`."""
+    found = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=REPO, capture_output=True)
+    if found.returncode != 0:
+        pytest.skip(f"this checkout's git history lacks release commit {commit[:7]} (a shallow clone?)")
+    archive = subprocess.run(["git", "archive", "--format=tar", commit, "templates"], cwd=REPO,
+                             capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    return TemplateRelease(dest / "templates", version)
+
+
+HAND_EDIT = (
+    "            batch = batch.to(env.device, non_blocking=True)\n",
+    "            batch = batch.to(env.device, non_blocking=True)  # hand edit\n",
+)
+
+
+def losses(project: Path, workdir: Path) -> list[tuple[float, float | None]]:
+    from projects import read_metrics, run_train
+
+    workdir.mkdir()
+    result = run_train(project, workdir, "--max_duration=6ba", "--eval_interval=3ba", "--run_name=r")
+    assert result.returncode == 0, result.stderr
+    return [(row["loss"], row.get("val_loss")) for row in read_metrics(workdir, "r")]
+
+
+def test_a_0_1_0_project_with_a_hand_edit_upgrades_to_task_packs_and_trains_the_same(tmp_path: Path) -> None:
+    """Release 0.1.0 (one template folder, algorithms named in it) -> today's task packs: the user's
+    edit survives, nothing conflicts, the files equal a fresh render plus the edit, and training
+    gives the same losses, bitwise."""
+    (tmp_path / "old-templates").mkdir()
+    old = release_from_git_history(RELEASE_0_1_0, "0.1.0", tmp_path / "old-templates")
+    new = TemplateRelease(template_dir(), __version__)
+    # 0.1.0's own answers for its gpt2-speedup golden project (this scaffold resolves recipes
+    # against today's packs, so the old project is rendered from its recorded answers).
+    recorded = subprocess.run(["git", "show", f"{RELEASE_0_1_0}:tests/golden/{RECIPE}/.copier-answers.yml"],
+                              cwd=REPO, capture_output=True, text=True, check=True).stdout
+    answers = {key: value for key, value in yaml.safe_load(recorded).items() if not key.startswith("_")}
+    project = tmp_path / "my-gpt"
+    render(answers, project, old)
+    commit_all(project, "generated by scaffold 0.1.0")
+    before = losses(project, tmp_path / "work-old")
+    replace_once(project / "train.py", HAND_EDIT[0], HAND_EDIT[1])
+    commit_all(project, "hand edit")
+
+    result = upgrade(project, new)
+
+    assert result.changes.conflicted == []
+    train = (project / "train.py").read_text()
+    assert HAND_EDIT[1] in train
+    fresh = generate_at(tmp_path / "fresh" / "my-gpt", new)
+    upgraded, expected = files_of(project), files_of(fresh)
+    assert upgraded.pop("train.py") == expected.pop("train.py").replace(*HAND_EDIT)
+    assert upgraded == expected
+    assert "task: causal_lm" in upgraded[".copier-answers.yml"]
+    assert losses(project, tmp_path / "work-new") == before

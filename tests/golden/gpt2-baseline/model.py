@@ -1,7 +1,9 @@
 """GPT-2 language model: pre-LayerNorm blocks, GELU MLP, tied input/output embeddings.
 
 Sizes follow the GPT-2 paper; `tiny` trains at several steps per second on 2 CPU cores.
-Positions are encoded by learned position embeddings, as in GPT-2.
+Positions are learned embeddings, as in GPT-2, unless an algorithm below replaces them.
+Algorithms that change the architecture are written in where they act, each fenced
+`# algorithm: NAME` ... `# end algorithm: NAME`.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None) -> torch.Tensor:
+        """Causal self-attention; `attn_bias`, if set, is added to the scores."""
         batch, seq, width = x.shape
         # (batch, seq, 3*width) -> three (batch, head, seq, head_dim) tensors
         q, k, v = (
@@ -81,8 +84,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attn_bias)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -119,8 +122,10 @@ class GPT(nn.Module):
         assert seq <= self.config.max_seq_len, f"sequence of {seq} > max_seq_len"
         position = torch.arange(seq, device=idx.device)
         x = self.wte(idx) + self.wpe(position)
+        # attn_bias: added to every layer's attention scores; None: plain causal.
+        attn_bias = None
         for block in self.blocks:
-            x = block(x)
+            x = block(x, attn_bias)
         return self.lm_head(self.ln_f(x))
 
     def num_params(self) -> int:

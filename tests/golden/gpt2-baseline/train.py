@@ -52,8 +52,11 @@ class Config:
     weight_decay: float = 0.1  # on weight matrices and embeddings
     beta1: float = 0.9
     beta2: float = 0.95
-    # algorithms
+
+    # algorithm: gradient_clipping
     gradient_clipping_max_norm: float = 1.0  # max global L2 norm
+    # end algorithm: gradient_clipping
+
     # evaluation, logging, checkpoints
     eval_interval: Time = Time.parse("100ba")  # validation loss every ...
     eval_batches: int = 8  # validation batches per evaluation
@@ -105,11 +108,11 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
             f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
             f"size {env.world_size}; pick a multiple of {env.world_size}"
         )
-    for name in ("lr_warmup",):
-        try:
-            as_fraction(getattr(cfg, name), cfg.max_duration)
-        except ValueError as error:
-            config.fail(f"{name}: {error}")
+    try:
+        as_fraction(cfg.lr_warmup, cfg.max_duration)
+    except ValueError as error:
+        config.fail(f"lr_warmup: {error}")
+
     dist.init_process_group(env, timeout=timedelta(seconds=cfg.dist_timeout))
     return env, parallel
 
@@ -332,7 +335,11 @@ def main() -> None:
                 metrics["loss"] = dist.reduce_sum(loss_sum).item() / num_tokens
                 metrics["lr"] = lr
                 metrics["microbatch_size"] = attempt.size
+
+                # algorithm: gradient_clipping
                 metrics["grad_norm"] = grad_norm.item()
+                # end algorithm: gradient_clipping
+
                 monitor.log(progress, **metrics)
             if progress.at_interval(cfg.save_interval, cfg.max_duration) or finished:
                 with monitor.paused():

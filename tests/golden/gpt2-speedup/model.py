@@ -1,7 +1,9 @@
 """GPT-2 language model: pre-LayerNorm blocks, GELU MLP, tied input/output embeddings.
 
 Sizes follow the GPT-2 paper; `tiny` trains at several steps per second on 2 CPU cores.
-Positions are encoded by ALiBi attention biases, not by position embeddings.
+Positions are learned embeddings, as in GPT-2, unless an algorithm below replaces them.
+Algorithms that change the architecture are written in where they act, each fenced
+`# algorithm: NAME` ... `# end algorithm: NAME`.
 """
 
 from __future__ import annotations
@@ -84,7 +86,8 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None) -> torch.Tensor:
+        """Causal self-attention; `attn_bias`, if set, is added to the scores."""
         batch, seq, width = x.shape
         # (batch, seq, 3*width) -> three (batch, head, seq, head_dim) tensors
         q, k, v = (
@@ -126,7 +129,7 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), attn_bias)
         return x + self.mlp(self.ln_2(x))
 
@@ -136,6 +139,11 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+
+        # algorithm: alibi
+        # No position embedding: the distance penalty on the scores encodes order.
+        # end algorithm: alibi
+
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -161,7 +169,12 @@ class GPT(nn.Module):
         """Token ids (batch, seq) -> next-token logits (batch, seq, vocab)."""
         seq = idx.shape[1]
         assert seq <= self.config.max_seq_len, f"sequence of {seq} > max_seq_len"
+
+        # algorithm: alibi
         x = self.wte(idx)
+        # end algorithm: alibi
+
+        # attn_bias: added to every layer's attention scores; None: plain causal.
 
         # algorithm: alibi
         # One bias for all layers, for this batch's length (no position embeddings).

@@ -52,10 +52,16 @@ class Config:
     weight_decay: float = 0.1  # on weight matrices and embeddings
     beta1: float = 0.9
     beta2: float = 0.95
-    # algorithms
+
+    # algorithm: gradient_clipping
+    gradient_clipping_max_norm: float = 1.0  # max global L2 norm
+    # end algorithm: gradient_clipping
+
+    # algorithm: seq_length_warmup
     seq_length_warmup_duration: Time = Time.parse("0.3dur")
     seq_length_warmup_min_len: int = 8  # length at step 0
-    gradient_clipping_max_norm: float = 1.0  # max global L2 norm
+    # end algorithm: seq_length_warmup
+
     # evaluation, logging, checkpoints
     eval_interval: Time = Time.parse("100ba")  # validation loss every ...
     eval_batches: int = 8  # validation batches per evaluation
@@ -107,16 +113,23 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
             f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
             f"size {env.world_size}; pick a multiple of {env.world_size}"
         )
-    for name in ("lr_warmup", "seq_length_warmup_duration"):
-        try:
-            as_fraction(getattr(cfg, name), cfg.max_duration)
-        except ValueError as error:
-            config.fail(f"{name}: {error}")
+    try:
+        as_fraction(cfg.lr_warmup, cfg.max_duration)
+    except ValueError as error:
+        config.fail(f"lr_warmup: {error}")
+
+    # algorithm: seq_length_warmup
+    try:
+        as_fraction(cfg.seq_length_warmup_duration, cfg.max_duration)
+    except ValueError as error:
+        config.fail(f"seq_length_warmup_duration: {error}")
     if not 1 <= cfg.seq_length_warmup_min_len <= cfg.seq_len:
         config.fail(
             f"seq_length_warmup_min_len={cfg.seq_length_warmup_min_len} must be "
             f"between 1 and seq_len={cfg.seq_len}"
         )
+    # end algorithm: seq_length_warmup
+
     dist.init_process_group(env, timeout=timedelta(seconds=cfg.dist_timeout))
     return env, parallel
 
@@ -368,8 +381,15 @@ def main() -> None:
                 metrics["loss"] = dist.reduce_sum(loss_sum).item() / num_tokens
                 metrics["lr"] = lr
                 metrics["microbatch_size"] = attempt.size
+
+                # algorithm: gradient_clipping
                 metrics["grad_norm"] = grad_norm.item()
+                # end algorithm: gradient_clipping
+
+                # algorithm: seq_length_warmup
                 metrics["seq_len"] = inputs.shape[1]
+                # end algorithm: seq_length_warmup
+
                 monitor.log(progress, **metrics)
             if progress.at_interval(cfg.save_interval, cfg.max_duration) or finished:
                 with monitor.paused():

@@ -1,0 +1,261 @@
+"""Task, model and algorithm packs: every algorithm renders alone on every task and model family it
+declares, trains, and sits exactly where its snippet file names say; undeclared combinations and
+clashing extension points are refused; an algorithm owns its whole footprint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import black
+import pytest
+
+from conftest import scaffold_cli
+from projects import project_modules
+from scaffold.catalog import (
+    EVENTS,
+    Algorithm,
+    CatalogError,
+    RecipeError,
+    catalog_order,
+    load_algorithms,
+    load_models,
+    load_recipe,
+    load_tasks,
+    resolve,
+)
+from scaffold.history import TemplateRelease
+from scaffold.jinja_black import BLACK_MODE
+from scaffold.paths import template_dir
+from scaffold.render import new_project
+
+TEMPLATE = template_dir()
+CATALOG = load_algorithms(TEMPLATE)
+TASKS = load_tasks(TEMPLATE)
+MODELS = load_models(TEMPLATE)
+# Two optimizer steps on a tiny batch: enough to run every event once and log every metric.
+TWO_STEPS = ["--max_duration=2ba", "--eval_interval=1ba", "--eval_batches=1", "--global_batch_size=4",
+             "--device_microbatch_size=2", "--save_interval=2ba", "--device=cpu"]
+
+
+def combinations() -> list[tuple[str, str, str]]:
+    """(algorithm, task, model family) for every pairing an algorithm declares."""
+    found = []
+    for name, spec in CATALOG.items():
+        for task in spec.tasks:
+            for family in TASKS[task].models:
+                if not spec.models or family in spec.models:
+                    found.append((name, task, family))
+    return found
+
+
+def recipe_for(tmp_path: Path, task: str, family: str, algorithms: list[str]) -> Path:
+    """A recipe with the task's defaults, the family's smallest preset and these algorithms
+    (plus what they require)."""
+    wanted = list(algorithms)
+    for name in algorithms:
+        wanted += [needed for needed in CATALOG[name].requires if needed not in wanted]
+    lines = ["[answers]", f"task = {task!r}", f"model_family = {family!r}",
+             f"model = {MODELS[family].presets[0]!r}"]
+    lines += [f"[algorithms.{name}]" for name in wanted]
+    path = tmp_path / "recipe.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def train_in_process(project: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> list[dict]:
+    """Run the generated train.py's main() in this process (no interpreter start-up per project)."""
+    workdir.mkdir(exist_ok=True)
+    monkeypatch.chdir(workdir)
+    with project_modules(project) as modules:
+        monkeypatch.setattr(sys, "argv", ["train.py", "--run_name=r", *TWO_STEPS, *args])
+        try:
+            modules["train"].main()
+        finally:
+            from runtime import dist
+
+            dist.shutdown()
+    return [json.loads(line) for line in (workdir / "runs" / "r" / "metrics.jsonl").read_text().splitlines()]
+
+
+def fenced_events(source: str, name: str) -> list[str]:
+    """Where each `# algorithm: name` fence of train.py sits: the event point it follows inside
+    main(), or the module-level section (config/checks/functions/imports) before main()."""
+    found, place = [], "module"
+    for line in source.splitlines():
+        stripped = line.strip()
+        if line.startswith("def main"):
+            place = "main"
+        elif stripped.startswith("# event: "):
+            place = stripped.removeprefix("# event: ")
+        elif stripped == f"# algorithm: {name}":
+            found.append(place)
+    return found
+
+
+def snippet_spots(name: str) -> set[str]:
+    """Spots named by the algorithm folder's files, read from the file names themselves."""
+    folder = TEMPLATE / "algorithms" / name
+    return {path.name.removesuffix(".py.jinja") for path in folder.glob("*.py.jinja")}
+
+
+# ---------------------------------------------------------------- the catalog is consistent
+
+
+def test_every_snippet_names_a_known_spot_and_every_model_point_exists() -> None:
+    for name, spec in CATALOG.items():
+        assert set(spec.spots) == snippet_spots(name), name
+        assert spec.tasks and set(spec.tasks) <= set(TASKS), name
+        assert (TEMPLATE / "algorithms" / name / "card.md").is_file(), f"{name} has no method card"
+        for family in {spot.split(".")[1] for spot in spec.spots if spot.startswith("model.")}:
+            assert family in MODELS, (name, family)
+            assert set(spec.model_points(family)) <= set(MODELS[family].extension_points), name
+
+
+def test_a_misnamed_snippet_is_a_catalog_error(tmp_path: Path) -> None:
+    template = tmp_path / "templates"
+    shutil.copytree(TEMPLATE, template)
+    (template / "algorithms" / "alibi" / "train.BATCH_BEGIN.py.jinja").write_text("pass\n")
+    with pytest.raises(CatalogError, match="train.BATCH_BEGIN.py.jinja: a snippet is named"):
+        load_algorithms(template)
+
+
+def test_cli_events_are_derived_from_snippet_file_names() -> None:
+    listing = scaffold_cli("algorithms")
+    assert listing.returncode == 0, listing.stderr
+    rows = {line.split()[0]: line for line in listing.stdout.splitlines()[1:] if line.strip()}
+    for name in CATALOG:
+        spots = snippet_spots(name)
+        expected = {spot.split(".")[1] for spot in spots if spot.split(".")[1] in EVENTS}
+        if any(spot.startswith("model.") for spot in spots):
+            expected.add("MODEL")
+        listed = {event for event in EVENTS if re.search(rf"\b{event}\b", rows[name])}
+        assert listed == expected, name
+
+
+def test_cli_lists_algorithms_for_a_task() -> None:
+    listing = scaffold_cli("algorithms", "--task", "causal_lm")
+    assert listing.returncode == 0 and "alibi" in listing.stdout
+    unknown = scaffold_cli("algorithms", "--task", "causal")
+    assert unknown.returncode == 2
+    assert unknown.stderr.strip().splitlines() == [
+        "error: unknown task 'causal' (did you mean 'causal_lm'?); tasks: " + ", ".join(TASKS)
+    ]
+
+
+def test_catalog_order_follows_declared_before_and_after() -> None:
+    algorithms = {
+        "mixup": Algorithm("mixup", ""),
+        "label_smoothing": Algorithm("label_smoothing", "", before=("mixup",)),
+        "selective_backprop": Algorithm("selective_backprop", "", before=("mixup", "label_smoothing")),
+        "ema": Algorithm("ema", "", after=("zloss",)),
+        "zloss": Algorithm("zloss", ""),
+    }
+    order = catalog_order(algorithms)
+    assert order.index("selective_backprop") < order.index("label_smoothing") < order.index("mixup")
+    assert order.index("zloss") < order.index("ema")
+    with pytest.raises(CatalogError, match="cycle"):
+        catalog_order({"a": Algorithm("a", "", before=("b",)), "b": Algorithm("b", "", before=("a",))})
+
+
+# ---------------------------------------------------------------- every algorithm alone
+
+
+@pytest.mark.parametrize(("name", "task", "family"), combinations())
+def test_every_algorithm_renders_alone_and_trains(
+    name: str, task: str, family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project = tmp_path / "p"
+    new_project(str(recipe_for(tmp_path, task, family, [name])), project, [], "p")
+    spec = CATALOG[name]
+    for path in project.rglob("*.py"):
+        source = path.read_text()
+        assert black.format_str(source, mode=BLACK_MODE) == source, f"{path.name} is not black-clean"
+        assert source.count(f"# algorithm: {name}\n") == source.count(f"# end algorithm: {name}\n")
+    train = (project / "train.py").read_text()
+    # one fence per train.* snippet: each train.<EVENT> one under its event marker, the
+    # imports/config/checks/functions ones before main(); metrics go where the task logs
+    places = fenced_events(train, name)
+    train_spots = [spot.split(".")[1] for spot in spec.spots if spot.startswith("train.")]
+    assert len(places) == len(train_spots)
+    for spot in train_spots:
+        if spot in EVENTS:
+            assert spot in places, (name, spot, places)
+    sections = [spot for spot in train_spots if spot not in EVENTS and spot != "metrics"]
+    assert places.count("module") == len(sections)
+    model = (project / "model.py").read_text()
+    assert model.count(f"# algorithm: {name}\n") == len(spec.model_points(family))
+
+    rows = train_in_process(project, tmp_path / "work", monkeypatch)
+    assert [row["step"] for row in rows if "loss" in row] == [1, 2]
+    assert all(math.isfinite(row["loss"]) for row in rows if "loss" in row)
+
+
+@pytest.mark.parametrize("algorithm", [name for name, spec in CATALOG.items()
+                                       if not any(spot.startswith("model.") for spot in spec.spots)])
+def test_deleting_an_algorithms_fences_by_hand_leaves_no_dangling_name(
+    algorithm: str, generated: dict[str, Path], project_copy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An algorithm owns its Config fields, checks, helpers and metrics: cut every one of its
+    fenced blocks out of train.py and the project still trains."""
+    recipe = next(r for r, p in generated.items() if f"# algorithm: {algorithm}\n" in (p / "train.py").read_text())
+    project = project_copy(generated[recipe])
+    train = project / "train.py"
+    fence = re.compile(rf"\n[ ]*# algorithm: {algorithm}\n.*?# end algorithm: {algorithm}\n", re.S)
+    text, cuts = fence.subn("\n", train.read_text())
+    assert cuts >= 2
+    train.write_text(text)
+    rows = train_in_process(project, tmp_path / "work", monkeypatch)
+    assert [row["step"] for row in rows if "loss" in row] == [1, 2]
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_an_undeclared_task_is_refused_by_name(tmp_path: Path) -> None:
+    """A second language-model task that no algorithm declares: every algorithm is refused on it."""
+    template = tmp_path / "templates"
+    shutil.copytree(TEMPLATE, template)
+    shutil.copytree(template / "tasks" / "causal_lm", template / "tasks" / "other_lm")
+    release = TemplateRelease(template, "9.9.9")
+    for name in CATALOG:
+        recipe = recipe_for(tmp_path, "other_lm", "gpt", [name])
+        dest = tmp_path / f"refused-{name}"
+        with pytest.raises(RecipeError) as refused:
+            new_project(str(recipe), dest, [], "p", release=release)
+        assert str(refused.value).startswith(f"algorithm '{name}' does not apply to task 'other_lm'")
+        assert not dest.exists() and not list(tmp_path.glob(f".refused-{name}.*"))
+
+
+def test_cli_refuses_a_model_family_the_task_does_not_take(tmp_path: Path) -> None:
+    dest = tmp_path / "p"
+    result = scaffold_cli("new", str(dest), "--set", "model_family=resnet")
+    assert result.returncode == 2 and not dest.exists()
+    assert result.stderr.strip().splitlines() == [
+        "error: answer 'model_family' = 'resnet' does not fit task 'causal_lm'; it takes: gpt"
+    ]
+
+
+def test_two_algorithms_replacing_one_extension_point_are_refused(tmp_path: Path) -> None:
+    template = tmp_path / "templates"
+    shutil.copytree(TEMPLATE, template)
+    shutil.copytree(template / "algorithms" / "alibi", template / "algorithms" / "alibi_copy")
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("[algorithms.alibi]\n[algorithms.alibi_copy]\n")
+    with pytest.raises(RecipeError, match="'alibi' and 'alibi_copy' both replace the 'attention' code"):
+        resolve(load_recipe(str(recipe), template), template, "p")
+
+
+def test_an_extension_point_the_family_lacks_is_refused(tmp_path: Path) -> None:
+    template = tmp_path / "templates"
+    shutil.copytree(TEMPLATE, template)
+    (template / "algorithms" / "alibi" / "model.gpt.rotary_cache.py.jinja").write_text("pass\n")
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("[algorithms.alibi]\n")
+    with pytest.raises(RecipeError, match="fills extension point 'rotary_cache', which model family 'gpt' lacks"):
+        resolve(load_recipe(str(recipe), template), template, "p")
