@@ -2,7 +2,8 @@
 
 `environment()` reads torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) and
 picks this rank's device; without them the script is a single process. `init_process_group()`
-then joins the job (nccl on CUDA, gloo on CPU) with a timeout, so a rank that died makes the
+then joins the job (nccl on CUDA, gloo on CPU; on one process only when FSDP or DDP needs a
+group) with a timeout, so a rank that died makes the
 others fail instead of waiting forever. `shutdown()` leaves the group on the way out, also
 after an error.
 """
@@ -66,15 +67,26 @@ def environment(device: str = "auto") -> DistEnv:
     )
 
 
-def init_process_group(env: DistEnv, timeout: timedelta = timedelta(minutes=10)) -> None:
-    """Join torchrun's process group (a no-op for a single process)."""
-    if env.world_size == 1 or torch_dist.is_initialized():
+def init_process_group(
+    env: DistEnv, timeout: timedelta = timedelta(minutes=10), required: bool = False
+) -> None:
+    """Join torchrun's process group.
+
+    A single process has none, unless `required`: FSDP and DDP need a group also on one
+    process (FSDP over a mesh of one rank is how one GPU fits a bigger model with CPU
+    offload, and how a job saved on N ranks resumes on one with the same command line).
+    That group of one lives in memory (a HashStore): no port, no file, no torchrun.
+    """
+    if torch_dist.is_initialized() or (env.world_size == 1 and not required):
         return
+    backend = "nccl" if env.device.type == "cuda" else "gloo"
+    options: dict[str, object] = {"timeout": timeout}
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
-        torch_dist.init_process_group("nccl", timeout=timeout, device_id=env.device)
-    else:
-        torch_dist.init_process_group("gloo", timeout=timeout)
+        options["device_id"] = env.device
+    if env.world_size == 1:
+        options.update(store=torch_dist.HashStore(), rank=0, world_size=1)
+    torch_dist.init_process_group(backend, **options)  # type: ignore[arg-type]
 
 
 def is_distributed() -> bool:

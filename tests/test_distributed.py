@@ -141,7 +141,6 @@ def fake_rank(world_size: int) -> dict[str, str]:
     [
         (3, ["--global_batch_size=8"], "global_batch_size=8 is not divisible by the world size 3"),
         (4, ["--sharding_strategy=HYBRID_SHARD", "--hybrid_shard_size=3"], "hybrid_shard_size (3)"),
-        (1, ["--parallelism=fsdp"], "needs several processes"),
         (2, ["--parallelism=none"], "unrelated copies"),
         (1, ["--precision=bf16"], "precision=bf16 is FSDP's mixed-precision policy"),
         (2, ["--cpu_offload=true"], "cpu_offload"),
