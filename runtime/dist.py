@@ -101,6 +101,24 @@ def reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def padded_share(batch: torch.Tensor, env: DistEnv) -> tuple[torch.Tensor, int]:
+    """This rank's rows of `batch`, padded so every rank gets as many; and how many are real.
+
+    The rows are split in contiguous shares of ceil(rows / world_size); a short share (the
+    last ranks', when the rows do not divide evenly) is padded at its end with copies of the
+    batch's first row. Every rank then runs the same number of forwards, which FSDP needs
+    (each forward all-gathers parameters: a rank with one forward fewer leaves the others
+    waiting until the timeout). Count only the first `real` rows' losses.
+    """
+    per_rank = -(-batch.shape[0] // env.world_size)
+    share = batch[env.rank * per_rank : (env.rank + 1) * per_rank]
+    real = share.shape[0]
+    if real < per_rank:
+        padding = batch[:1].expand(per_rank - real, *batch.shape[1:])
+        share = torch.cat([share, padding])
+    return share, real
+
+
 def barrier() -> None:
     if is_distributed():
         torch_dist.barrier()
