@@ -6,6 +6,11 @@ Accepted forms: --key=value, --key value, bare --flag for bool fields, and
 --config FILE.toml (a flat table of field names, applied first so that
 command-line values win). Values are converted by the field's type hint:
 str, int, float, bool, Time, Literal[...] and unions of these.
+
+Why not tyro: its errors are multi-line panels (only suppressible, not reformattable, so a
+bad value could not stay one `error:` line naming the key), its flags are --dashed-names
+with --flag/--no-flag booleans (`--compile=true` is refused), it reads no TOML file, and
+Time needs a custom constructor. Writing TOML is tomli-w's job (escaping, nan/inf, keys).
 """
 
 from __future__ import annotations
@@ -14,18 +19,17 @@ import dataclasses
 import difflib
 import inspect
 import io
-import math
 import os
-import re
 import sys
 import textwrap
 import tokenize
+import tomllib
 import types
 import typing
 from collections.abc import Sequence
 from typing import Any, Literal, TypeVar
 
-import tomllib
+import tomli_w
 
 from .time import Time, TimeError
 
@@ -364,45 +368,10 @@ def fail(message: str) -> typing.NoReturn:
 # ---------------------------------------------------------------- output
 
 
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
-
-
-def _toml_string(text: str) -> str:
-    out = []
-    for char in text:
-        if char in _TOML_ESCAPES:
-            out.append(_TOML_ESCAPES[char])
-        elif ord(char) < 0x20 or ord(char) == 0x7F:
-            # TOML basic strings forbid raw control characters
-            out.append(f"\\u{ord(char):04X}")
-        else:
-            out.append(char)
-    return '"' + "".join(out) + '"'
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)
-    if isinstance(value, Time):
-        return _toml_string(str(value))
-    if isinstance(value, str):
-        return _toml_string(value)
-    raise TypeError(f"cannot write {value!r} ({type(value).__name__}) to TOML")
-
-
 def to_toml(cfg: object) -> str:
     """The config as a flat TOML document that `--config` reads back to an equal config."""
-    lines = []
+    table: dict[str, Any] = {}
     for field in _init_fields(type(cfg)):
-        key = field.name if _BARE_KEY.fullmatch(field.name) else _toml_string(field.name)
-        lines.append(f"{key} = {_toml_value(getattr(cfg, field.name))}")
-    return "\n".join(lines) + "\n"
+        value = getattr(cfg, field.name)
+        table[field.name] = str(value) if isinstance(value, Time) else value
+    return tomli_w.dumps(table)

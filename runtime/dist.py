@@ -2,7 +2,8 @@
 
 `environment()` reads torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) and
 picks this rank's device; without them the script is a single process. `init_process_group()`
-then joins the job (nccl on CUDA, gloo on CPU) with a timeout, so a rank that died makes the
+then joins the job (nccl on CUDA, gloo on CPU; on one process only when FSDP or DDP needs a
+group) with a timeout, so a rank that died makes the
 others fail instead of waiting forever. `shutdown()` leaves the group on the way out, also
 after an error.
 """
@@ -66,15 +67,26 @@ def environment(device: str = "auto") -> DistEnv:
     )
 
 
-def init_process_group(env: DistEnv, timeout: timedelta = timedelta(minutes=10)) -> None:
-    """Join torchrun's process group (a no-op for a single process)."""
-    if env.world_size == 1 or torch_dist.is_initialized():
+def init_process_group(
+    env: DistEnv, timeout: timedelta = timedelta(minutes=10), required: bool = False
+) -> None:
+    """Join torchrun's process group.
+
+    A single process has none, unless `required`: FSDP and DDP need a group also on one
+    process (FSDP over a mesh of one rank is how one GPU fits a bigger model with CPU
+    offload, and how a job saved on N ranks resumes on one with the same command line).
+    That group of one lives in memory (a HashStore): no port, no file, no torchrun.
+    """
+    if torch_dist.is_initialized() or (env.world_size == 1 and not required):
         return
+    backend = "nccl" if env.device.type == "cuda" else "gloo"
+    options: dict[str, object] = {"timeout": timeout}
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
-        torch_dist.init_process_group("nccl", timeout=timeout, device_id=env.device)
-    else:
-        torch_dist.init_process_group("gloo", timeout=timeout)
+        options["device_id"] = env.device
+    if env.world_size == 1:
+        options.update(store=torch_dist.HashStore(), rank=0, world_size=1)
+    torch_dist.init_process_group(backend, **options)  # type: ignore[arg-type]
 
 
 def is_distributed() -> bool:
@@ -87,6 +99,24 @@ def reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if is_distributed():
         torch_dist.all_reduce(total, op=torch_dist.ReduceOp.SUM)
     return total
+
+
+def padded_share(batch: torch.Tensor, env: DistEnv) -> tuple[torch.Tensor, int]:
+    """This rank's rows of `batch`, padded so every rank gets as many; and how many are real.
+
+    The rows are split in contiguous shares of ceil(rows / world_size); a short share (the
+    last ranks', when the rows do not divide evenly) is padded at its end with copies of the
+    batch's first row. Every rank then runs the same number of forwards, which FSDP needs
+    (each forward all-gathers parameters: a rank with one forward fewer leaves the others
+    waiting until the timeout). Count only the first `real` rows' losses.
+    """
+    per_rank = -(-batch.shape[0] // env.world_size)
+    share = batch[env.rank * per_rank : (env.rank + 1) * per_rank]
+    real = share.shape[0]
+    if real < per_rank:
+        padding = batch[:1].expand(per_rank - real, *batch.shape[1:])
+        share = torch.cat([share, padding])
+    return share, real
 
 
 def barrier() -> None:

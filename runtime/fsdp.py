@@ -4,6 +4,9 @@
 - `none`: one process, the model as built.
 - `ddp`: DistributedDataParallel; every rank holds the whole model (same as FSDP's NO_SHARD).
 - `fsdp`: FSDP2, applied to each transformer block and then to the root, as torchtitan does.
+  On one process it is a mesh of one rank: nothing sharded, but the same code path, state
+  dict and checkpoints as on N ranks, and with `cpu_offload` the way one GPU fits a model
+  whose parameters and optimizer state do not.
   Strategies: FULL_SHARD (parameters resharded after forward, except the last block's, which
   backward needs at once), SHARD_GRAD_OP (kept gathered between forward and backward: more
   memory, fewer all-gathers), HYBRID_SHARD (2-D mesh: shard within groups of
@@ -61,9 +64,6 @@ def check(config: ParallelConfig, env: DistEnv) -> str | None:
         return f"sharding_strategy={config.sharding_strategy!r}; use one of {', '.join(STRATEGIES)}"
     if config.precision not in PRECISIONS:
         return f"precision={config.precision!r}; use one of {', '.join(PRECISIONS)}"
-    if config.parallelism != "none" and env.world_size == 1:
-        return (f"parallelism={config.parallelism} needs several processes; launch with "
-                "torchrun --nproc_per_node=N, or use --parallelism=none")
     if config.parallelism == "none" and env.world_size > 1:
         return (f"parallelism=none with {env.world_size} processes would train {env.world_size} "
                 "unrelated copies; use --parallelism=fsdp or ddp")

@@ -22,6 +22,16 @@ search (same world size). It is settled per sequence length: a longer batch than
 has succeeded (sequence-length warmup) is searched again, starting from the current size,
 so a size found on short sequences cannot crash the run later.
 
+Evaluation runs at the full sequence length, possibly before training has reached it:
+
+    for attempt in search.eval_attempts(seq_len=cfg.seq_len):
+        with attempt:                      # forwards only; the same agreement
+            ...microbatches of attempt.size...
+
+uses training's size where it is settled for sequences that long (forward and backward fit,
+so a forward fits), and otherwise searches a size of its own the same way, starting from
+training's, which it leaves alone.
+
 Agreement without hangs (several ranks)
 ---------------------------------------
 A rank that fails stops issuing the collectives FSDP and DDP would issue next; a peer that
@@ -68,17 +78,21 @@ One process: no votes; the error is caught and the batch retried.
 Fault injection (tests, rehearsals)
 -----------------------------------
 `SCAFFOLD_INJECT_OOM='ranks=1;above=4;phase=backward'` raises `torch.OutOfMemoryError` on
-ranks 1 whenever the microbatch size is above 4, in backward (after the last block's
+ranks 1 whenever a microbatch holds more than 4 rows, in backward (after the last block's
 backward, before its reduce-scatter). Keys: `ranks` (comma-separated ranks, or `all`;
-default all), `above` (an integer >= 0: sizes above it fail; 0 fails every size; default 0),
-`phase` (`forward`: after the first block's forward; or `backward`; default forward).
-A malformed value is a one-line error before training starts.
+default all), `above` (an integer >= 0: more rows than that fail; 0 fails every size),
+`tokens` (an integer: more token positions than that fail, rows x sequence length: memory
+that grows with the length, as under sequence-length warmup; either key, or both; neither
+is above=0), `phase` (`forward`: after the first block's forward; or `backward`; default
+forward). Sizes are read from the block's tensors, so any forward can fail (evaluation's
+too), as a real one can. A malformed value is a one-line error before training starts.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
@@ -121,8 +135,9 @@ class PeerOutOfMemory(RuntimeError):
 @dataclass(frozen=True)
 class Injection:
     ranks: frozenset[int] | None  # None: every rank
-    above: int
+    above: int | None  # rows per microbatch
     phase: str
+    tokens: int | None = None  # rows x sequence length
 
     @classmethod
     def parse(cls, text: str) -> Injection:
@@ -130,9 +145,9 @@ class Injection:
         values: dict[str, str] = {}
         for part in filter(None, (p.strip() for p in text.split(";"))):
             key, sep, value = (s.strip() for s in part.partition("="))
-            if not sep or key not in ("ranks", "above", "phase"):
-                raise ValueError(f"{INJECT_ENV}={text!r}: {part!r} is not ranks=..., above=... or "
-                                 "phase=...; e.g. 'ranks=1;above=4;phase=backward'")
+            if not sep or key not in ("ranks", "above", "tokens", "phase"):
+                raise ValueError(f"{INJECT_ENV}={text!r}: {part!r} is not ranks=..., above=..., "
+                                 "tokens=... or phase=...; e.g. 'ranks=1;above=4;phase=backward'")
             if key in values:
                 raise ValueError(f"{INJECT_ENV}={text!r}: {key} given twice")
             values[key] = value
@@ -143,27 +158,38 @@ class Injection:
             except ValueError:
                 raise ValueError(f"{INJECT_ENV}={text!r}: ranks must be comma-separated "
                                  "integers or all") from None
-        try:
-            above = int(values.get("above", "0"))
-        except ValueError:
-            raise ValueError(f"{INJECT_ENV}={text!r}: above must be an integer") from None
+        limits: dict[str, int | None] = {}
+        for key in ("above", "tokens"):
+            try:
+                limits[key] = int(values[key]) if key in values else None
+            except ValueError:
+                raise ValueError(f"{INJECT_ENV}={text!r}: {key} must be an integer") from None
+            if (limits[key] or 0) < 0:
+                raise ValueError(f"{INJECT_ENV}={text!r}: {key} must be >= 0")
+        if limits["above"] is None and limits["tokens"] is None:
+            limits["above"] = 0
         phase = values.get("phase", "forward")
-        if above < 0 or phase not in PHASES:
-            raise ValueError(f"{INJECT_ENV}={text!r}: above must be >= 0 and phase forward or "
-                             "backward")
-        return cls(ranks, above, phase)
+        if phase not in PHASES:
+            raise ValueError(f"{INJECT_ENV}={text!r}: phase must be forward or backward")
+        return cls(ranks, limits["above"], phase, limits["tokens"])
 
     @classmethod
     def from_env(cls) -> Injection | None:
         text = os.environ.get(INJECT_ENV, "").strip()
         return cls.parse(text) if text else None
 
-    def fire(self, rank: int, size: int, phase: str) -> None:
-        if phase == self.phase and size > self.above and (self.ranks is None or rank in self.ranks):
-            raise torch.OutOfMemoryError(
-                f"injected by {INJECT_ENV}: rank {rank}, microbatch size {size} > {self.above}, "
-                f"in {phase}"
-            )
+    def fire(self, rank: int, shape: torch.Size, phase: str) -> None:
+        """Raise for a block's tensor of `shape` (rows first, features last) if it is too big."""
+        size = shape[0]
+        tokens = math.prod(shape[:-1]) if len(shape) > 1 else size
+        if phase != self.phase or (self.ranks is not None and rank not in self.ranks):
+            return
+        if self.above is not None and size > self.above:
+            raise torch.OutOfMemoryError(f"injected by {INJECT_ENV}: rank {rank}, microbatch size "
+                                         f"{size} > {self.above}, in {phase}")
+        if self.tokens is not None and tokens > self.tokens:
+            raise torch.OutOfMemoryError(f"injected by {INJECT_ENV}: rank {rank}, {tokens} tokens "
+                                         f"per microbatch > {self.tokens}, in {phase}")
 
 
 def check(device_microbatch_size: int | str) -> str | None:
@@ -292,6 +318,7 @@ class Search:
         self.auto = device_microbatch_size == "auto"
         self.injection = Injection.from_env()
         self.settled_len = 0  # longest sequence that succeeded at self.size
+        self.eval_size, self.eval_settled_len = 0, 0  # evaluation's own, where training's is not settled
         self._attempt: Attempt | None = None
         self._handles: list[Any] = []
         if not self.auto:
@@ -318,23 +345,35 @@ class Search:
         if not self.auto or seq_len <= self.settled_len:
             yield Attempt(self, self.size, searching=False)
             return
-        self._install()
         fsdp.defer_gradient_sync(self.model, True)  # DDP: reduced by hand once it fits
         try:
-            while True:
-                attempt = Attempt(self, self.size, searching=True)
+            for attempt in self._search(self.size, seq_len, "the batch"):
                 yield attempt
                 if attempt.ok:
+                    self.size = attempt.size
                     self._settle(seq_len)
-                    return
-                if self.size == 1:
-                    self._give_up(seq_len)
-                self.size = halve(self.size)
-                self._log(f"microbatch size: out of memory, retrying the batch at {self.size}")
         finally:
-            if self.injection is None:
-                self._remove()
             fsdp.defer_gradient_sync(self.model, False)
+
+    def eval_attempts(self, seq_len: int) -> Iterator[Attempt]:
+        """Attempts at one evaluation pass (forwards only) over sequences of `seq_len`.
+
+        Training's size where it is settled for sequences this long; else (sequence-length
+        warmup found it on shorter ones) evaluation's own, searched from training's.
+        """
+        if not self.auto or seq_len <= self.settled_len:
+            yield Attempt(self, self.size, searching=False)
+        elif seq_len <= self.eval_settled_len:
+            yield Attempt(self, self.eval_size, searching=False)
+        else:
+            start = min(self.size, self.eval_size or self.size)
+            for attempt in self._search(start, seq_len, "the evaluation"):
+                yield attempt
+                if attempt.ok:
+                    self.eval_size, self.eval_settled_len = attempt.size, seq_len
+                    if attempt.size != self.size:
+                        self._log(f"microbatch size: {attempt.size} for evaluation (sequence "
+                                  f"length {seq_len}), {self.size} for training")
 
     def state_dict(self) -> dict[str, int]:
         """For checkpoint extras: the size found, for which sequence length and world size."""
@@ -344,6 +383,23 @@ class Search:
                 "microbatch_world_size": self.env.world_size}
 
     # ------------------------------------------------------------ internals
+
+    def _search(self, size: int, seq_len: int, what: str) -> Generator[Attempt, None, None]:
+        """Searching attempts from `size`, halved after each failure, until one succeeds."""
+        self._install()
+        try:
+            while True:
+                attempt = Attempt(self, size, searching=True)
+                yield attempt
+                if attempt.ok:
+                    return
+                if size == 1:
+                    self._give_up(seq_len)
+                size = halve(size)
+                self._log(f"microbatch size: out of memory, retrying {what} at {size}")
+        finally:
+            if self.injection is None:
+                self._remove()
 
     def _settle(self, seq_len: int) -> None:
         if isinstance(self.model, DistributedDataParallel):
@@ -398,10 +454,10 @@ class Search:
         if self._vote is not None and self._armed() is not None:
             self._vote.sync()
 
-    def _inject(self, phase: str) -> None:
-        attempt = self._attempt
-        if self.injection is not None and attempt is not None:
-            self.injection.fire(self.env.rank, attempt.size, phase)
+    def _inject(self, phase: str, value: Any) -> None:
+        tensors = [x for x in tree_flatten(value)[0] if isinstance(x, torch.Tensor)]
+        if self.injection is not None and tensors:
+            self.injection.fire(self.env.rank, tensors[0].shape, phase)
 
     def _install(self) -> None:
         if self._handles:
@@ -417,7 +473,7 @@ class Search:
         if self.injection is not None and self.blocks:
             first, last = self.blocks[0], self.blocks[-1]
             self._handles += [
-                first.register_forward_hook(lambda m, a, o: self._inject("forward")),
+                first.register_forward_hook(lambda m, a, o: self._inject("forward", o)),
                 last.register_forward_pre_hook(self._inject_inputs, with_kwargs=True),
             ]
 
@@ -433,9 +489,7 @@ class Search:
         return _through((args, kwargs), self._sync)
 
     def _inject_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        if self._attempt is None:
-            return None
-        return _through((args, kwargs), lambda: self._inject("backward"))
+        return _through((args, kwargs), lambda: self._inject("backward", (args, kwargs)))
 
     def _output_hook(self, is_root: bool) -> Callable[..., Any]:
         def before_backward() -> None:

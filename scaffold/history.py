@@ -2,10 +2,15 @@
 
 copier can only update a project from a git source whose history holds the version the
 project was made with (DESIGN §6). Every scaffold run makes sure `~/.cache/scaffold/
-template-history` exists and that the tag of the installed version points at a commit whose
-tree is exactly the installed `templates/` folder (a wheel's shipped bundle is fetched first
-when present; a development install snapshots itself). Projects record this path literally,
-with `~`, so they stay valid for every user and machine.
+template-history` exists and holds the installed `templates/` folder under a version tag (a
+wheel's shipped bundle is fetched first when present; a development install snapshots
+itself). Projects record this path literally, with `~`, so they stay valid for every user
+and machine.
+
+A version tag is never moved once it exists: projects record it as the merge base of every
+later update, so moving it would silently change what `scaffold upgrade` merges. A
+development install whose templates differ from its version's tag snapshots them under a
+PEP 440 local version instead, `0.2.0+dev.<tree hash>`, and renders under that.
 """
 
 from __future__ import annotations
@@ -76,26 +81,56 @@ def _tree_of(template: Path, repo: Path) -> str:
         index.unlink(missing_ok=True)
 
 
-def ensure_version(template: Path, version: str, bundle: Path | None = None) -> Path:
-    """Make tag `version` in the history repo point at exactly `template`'s files; return the repo."""
+def dev_version(version: str, tree: str) -> str:
+    """The local version of a development snapshot: `0.2.0+dev.0123456789ab` (its tree hash)."""
+    return f"{version}+dev.{tree[:12]}"
+
+
+def _tree_at(repo: Path, tag: str) -> str:
+    """The tree hash of a tag's commit ("" when there is no such tag)."""
+    return git("rev-parse", "--verify", "--quiet", f"refs/tags/{tag}^{{tree}}", cwd=repo, check=False)
+
+
+def _fetch_bundle(repo: Path, bundle: Path) -> None:
+    """Add the bundle's release tags that the history lacks; existing tags stay where they are."""
+    git("fetch", "--quiet", "--force", "--no-tags", str(bundle), "refs/tags/*:refs/scaffold-bundle/*", cwd=repo)
+    fetched = git("for-each-ref", "--format=%(refname:lstrip=2) %(objectname)", "refs/scaffold-bundle/", cwd=repo)
+    for line in fetched.splitlines():
+        tag, commit = line.split()
+        if not git("rev-parse", "--verify", "--quiet", f"refs/tags/{tag}", cwd=repo, check=False):
+            git("update-ref", f"refs/tags/{tag}", commit, "", cwd=repo)
+
+
+def ensure_version(template: Path, version: str, bundle: Path | None = None) -> str:
+    """Put `template`'s files into the history repo; return the version tag that holds them.
+
+    That is `version` when its tag holds exactly these files, or when there is no such tag
+    yet (a development install snapshots itself); otherwise, for a development install whose
+    templates differ from the tagged ones, `dev_version(version, tree)`. No tag is moved.
+    """
     repo = history_path()
     with _locked(repo):
         if not (repo / ".git").is_dir():
             repo.mkdir(parents=True, exist_ok=True)
             git("init", "--quiet", cwd=repo)
         if bundle is not None and bundle.is_file():
-            git("fetch", "--quiet", "--force", str(bundle), "refs/tags/*:refs/tags/*", cwd=repo)
+            _fetch_bundle(repo, bundle)
         tree = _tree_of(template, repo)
-        tagged = git("rev-parse", "--verify", "--quiet", f"refs/tags/{version}^{{tree}}", cwd=repo, check=False)
-        if tagged != tree:
-            parent = git("rev-parse", "--verify", "--quiet", f"refs/tags/{version}", cwd=repo, check=False)
-            commit = git(
-                "commit-tree", tree, *(["-p", parent] if parent else []),
-                "-m", f"scaffold template {version}",
-                cwd=repo, env=_GIT_ENV,
-            )
-            git("tag", "--force", version, commit, cwd=repo)
-    return repo
+        tagged = _tree_at(repo, version)
+        if tagged == tree:
+            return version
+        tag, parent = version, ""
+        if tagged:  # the release's templates differ from these: a development snapshot
+            tag, parent = dev_version(version, tree), f"refs/tags/{version}"
+            if _tree_at(repo, tag) == tree:
+                return tag
+        commit = git(
+            "commit-tree", tree, *(["-p", parent] if parent else []),
+            "-m", f"scaffold template {tag}",
+            cwd=repo, env=_GIT_ENV,
+        )
+        git("tag", tag, commit, cwd=repo)
+    return tag
 
 
 @dataclass(frozen=True)
@@ -110,7 +145,8 @@ class TemplateRelease:
     version: str
     bundle: Path | None = None  # the wheel's shipped history, fetched first when present
 
-    def prepare_history(self) -> Path:
+    def prepare_history(self) -> str:
+        """Make the history hold these templates; returns the version to render them under."""
         return ensure_version(self.template, self.version, self.bundle)
 
 

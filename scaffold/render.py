@@ -37,21 +37,23 @@ def check_destination(dest: Path) -> None:
                           "folder (scaffold never overwrites files)")
 
 
-def render(answers: dict[str, Any], dest: Path, release: TemplateRelease | None = None) -> None:
-    """Render the template at the release's version into `dest` (which must not exist yet)."""
+def render(answers: dict[str, Any], dest: Path, release: TemplateRelease | None = None) -> str:
+    """Render the release's templates into `dest` (which must not exist yet); returns the
+    template version the project records (a development install's may be `X.Y.Z+dev.HASH`)."""
     release = release or installed_release()
-    release.prepare_history()
+    version = release.prepare_history()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # copier's "dirty template" and similar notices
         copier.run_copy(
             HISTORY_SRC,
             str(dest),
             data=answers,
-            vcs_ref=release.version,
+            vcs_ref=version,
             defaults=True,
             unsafe=True,  # the template's black filter is a jinja extension
             quiet=True,
         )
+    return version
 
 
 def commit_all(project: Path, message: str) -> None:
@@ -84,9 +86,9 @@ def new_project(
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         project = staging / "project"
-        render(answers, project, release)
+        version = render(answers, project, release)
         commit_all(project, f"Generate {answers['project_name']} from recipe {recipe.name} "
-                            f"(scaffold {release.version})")
+                            f"(scaffold {version})")
         if dest.exists():
             dest.rmdir()  # empty (checked above); replaced atomically below
         os.replace(project, dest)

@@ -88,11 +88,14 @@ class UpdateResult:
 
 @dataclass(frozen=True)
 class ProjectState:
-    """A project that passed the preflight: its answers and the template version it records."""
+    """A project that passed the preflight: its answers, the template version it records, and
+    the version the installed templates are held under (the release's, or a development
+    install's `X.Y.Z+dev.HASH`)."""
 
     path: Path
     answers: dict[str, Any]
     version: str
+    target: str
 
 
 # --- preflight -------------------------------------------------------------------------------
@@ -157,6 +160,10 @@ def _recorded_version(project: Path, answers: dict[str, Any], history: Path) -> 
     version = str(version)
     if not has_version(history, version):
         known = ", ".join(sorted(known_versions(history), key=_sort_key)) or "none"
+        if "+dev." in version:
+            raise UpdateError(f"the project was generated with {version}, a development snapshot of scaffold's "
+                              f"templates that the template history does not hold (it has: {known}); run "
+                              "scaffold once from the development checkout that made it (it snapshots itself)")
         raise UpdateError(f"the project was generated with scaffold template version {version}, which the "
                           f"template history does not hold (it has: {known}); install a scaffold release "
                           f"that knows it (pip install 'scaffold>={version}')")
@@ -171,8 +178,10 @@ def _sort_key(version: str) -> tuple[int, Version | str]:
 
 
 def _is_newer(version: str, than: str) -> bool:
+    """Whether `version` is a later release than `than`. Local versions (development
+    snapshots, `0.2.0+dev.HASH`) count as their release: snapshots of one version have no order."""
     try:
-        return Version(version) > Version(than)
+        return Version(version).public != Version(than).public and Version(version) > Version(than)
     except InvalidVersion:
         return False  # not comparable: let copier decide
 
@@ -184,9 +193,9 @@ def preflight(project: Path, release: TemplateRelease) -> ProjectState:
     answers = _read_answers(project)
     _check_source(project, answers)
     _check_clean(project)
-    history = release.prepare_history()
-    version = _recorded_version(project, answers, history)
-    return ProjectState(project, answers, version)
+    target = release.prepare_history()
+    version = _recorded_version(project, answers, history_path())
+    return ProjectState(project, answers, version, target)
 
 
 # --- running copier --------------------------------------------------------------------------
@@ -301,14 +310,14 @@ def upgrade(project: Path, release: TemplateRelease | None = None, dry_run: bool
     """Merge the template changes between the project's version and `release` into the project."""
     release = release or installed_release()
     state = preflight(project, release)
-    if _is_newer(state.version, release.version):
+    if _is_newer(state.version, state.target):
         raise UpdateError(f"the project was generated with scaffold template {state.version}, newer than "
-                          f"this scaffold ({release.version}); upgrading would downgrade it: install "
-                          f"scaffold>={state.version} (pip install -U scaffold)")
-    if state.version == release.version:
-        return UpdateResult(state.path, state.version, release.version, FileChanges(), dry_run)
-    changes, diffstat = _update(state, release.version, {}, dry_run)
-    return UpdateResult(state.path, state.version, release.version, changes, dry_run, diffstat)
+                          f"this scaffold ({state.target}); upgrading would downgrade it: install "
+                          f"scaffold>={Version(state.version).public} (pip install -U scaffold)")
+    if state.version == state.target:
+        return UpdateResult(state.path, state.version, state.target, FileChanges(), dry_run)
+    changes, diffstat = _update(state, state.target, {}, dry_run)
+    return UpdateResult(state.path, state.version, state.target, changes, dry_run, diffstat)
 
 
 AlgorithmChange = Callable[

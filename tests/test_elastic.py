@@ -6,7 +6,8 @@ Launches are few and grouped (each torchrun start costs seconds on this machine)
 - a generated project (issue 4's "done when", smaller): 2 ranks to the end (the reference);
   2 ranks cut off after step 4, resumed on 2 ranks (bitwise equal losses and weights), and the
   same step-4 checkpoint resumed on 3 ranks to step 8 and on 1 process to the end (losses within
-  a justified tolerance); 2 ranks with `save_async` (bitwise equal: saving in the background
+  a justified tolerance), every launch with the same `--parallelism=fsdp` (on one process: FSDP
+  over a mesh of one rank); 2 ranks with `save_async` (bitwise equal: saving in the background
   changes nothing).
 - kill -9 at random moments (and inside a save, between data and marker): each restart resumes
   from the newest complete checkpoint, and the finished run equals an uninterrupted one bitwise.
@@ -109,9 +110,10 @@ def test_saved_state_comes_back_bitwise_on_any_world_size(tmp_path: Path) -> Non
 
 def test_generated_project_resumes_bitwise_and_elastically(generated: dict[str, Path], tmp_path: Path,
                                                           corpus: Path) -> None:
-    """Issue 4's done-when: 2 ranks to step 4, then 3 ranks to step 8, then 1 rank to the end."""
+    """Issue 4's done-when: 2 ranks to step 4, then 3 ranks to step 8, then 1 rank to the end,
+    all with the same command line (`--parallelism=fsdp` included, also on one process)."""
     train = generated["gpt2-speedup"] / "train.py"
-    common = [*SMALL, *ELASTIC, f"--data={corpus}"]
+    common = [*SMALL, *ELASTIC, f"--data={corpus}", "--parallelism=fsdp"]
     ok(torchrun(2, train, *common, "--run_name=ref", cwd=tmp_path))
     reference = trajectory(tmp_path, "ref")
     assert [step for step, *_ in reference] == list(range(1, 13))
@@ -136,6 +138,7 @@ def test_generated_project_resumes_bitwise_and_elastically(generated: dict[str, 
     assert "RNG re-seeded from (seed, step, rank)" in three.stdout
     one = ok(python(train, *common, "--run_name=elastic", cwd=tmp_path))
     assert "at step 8 (saved on 3 rank(s), now 1)" in one.stdout
+    assert "parallelism: fsdp, 1 process(es)" in one.stdout
     elastic = trajectory(tmp_path, "elastic")
     assert [step for step, *_ in elastic] == list(range(1, 13))  # each step logged once
     assert elastic[:4] == reference[:4]

@@ -45,9 +45,12 @@ def test_injection_parsing() -> None:
     assert parsed == microbatch.Injection(frozenset({1}), 4, "backward")
     assert microbatch.Injection.parse(" ranks = 0,2 ; ") == microbatch.Injection(frozenset({0, 2}), 0, "forward")
     assert microbatch.Injection.parse("ranks=all;above=3").ranks is None
+    assert microbatch.Injection.parse("tokens=64") == microbatch.Injection(None, None, "forward", 64)
+    assert microbatch.Injection.parse("above=2;tokens=64").above == 2
     for bad, words in [("rank=1", "'rank=1' is not ranks="), ("ranks=a", "ranks must be"),
                        ("above=x", "above must be an integer"), ("above=-1", "above must be >= 0"),
-                       ("phase=step", "phase forward or backward"), ("above=1;above=2", "above given twice")]:
+                       ("tokens=-5", "tokens must be >= 0"),
+                       ("phase=step", "phase must be forward or backward"), ("above=1;above=2", "above given twice")]:
         with pytest.raises(ValueError, match=words):
             microbatch.Injection.parse(bad)
 
@@ -133,6 +136,50 @@ def test_injected_oom_one_process_gives_the_fixed_size_gradients(phase: str, mon
     assert all(torch.equal(p.grad, r.grad) for p, r in zip(model.parameters(), reference.parameters()))
 
 
+def test_injection_reads_rows_and_tokens_from_the_tensor() -> None:
+    both = microbatch.Injection.parse("above=4;tokens=64")
+    both.fire(0, torch.Size([4, 16, 8]), "forward")  # 4 rows of 16 positions: fits
+    both.fire(0, torch.Size([4, 32, 8]), "backward")  # another phase: not this injection's
+    for shape, words in [((4, 17, 8), "68 tokens per microbatch > 64"), ((5, 2, 8), "microbatch size 5 > 4")]:
+        with pytest.raises(torch.OutOfMemoryError, match=words):
+            both.fire(0, torch.Size(shape), "forward")
+    microbatch.Injection.parse("ranks=1;tokens=1").fire(0, torch.Size([9, 9, 8]), "forward")  # rank 0 spared
+
+
+def test_evaluation_searches_its_own_size_where_training_is_not_settled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Training settled at 8 on sequences of 2 (warmup); evaluation at length 8 must not
+    reuse 8 blindly: memory for 64 tokens per microbatch, so evaluation halves to 2."""
+    monkeypatch.setenv(microbatch.INJECT_ENV, "tokens=16")
+    model, logged = Toy(), []
+    search = microbatch.Search(model, model.blocks, CPU, "auto", per_rank_batch=8, log=logged.append)
+
+    def run(attempts, length: int) -> list[int]:
+        sizes = []
+        for attempt in attempts:
+            with attempt:
+                sizes.append(attempt.size)
+                for micro in torch.zeros(8, length, 8).split(attempt.size):
+                    model(micro)
+        return sizes
+
+    assert run(search.attempts(seq_len=2), 2) == [8]  # 16 tokens: fits
+    with torch.no_grad():
+        assert run(search.eval_attempts(seq_len=8), 8) == [8, 4, 2]
+        assert run(search.eval_attempts(seq_len=8), 8) == [2]  # found once, then reused
+    assert search.size == 8 and search.eval_size == 2  # training's size is its own
+    assert "microbatch size: out of memory, retrying the evaluation at 4" in logged
+    assert run(search.attempts(seq_len=8), 8) == [8, 4, 2]  # training reaches full length
+    with torch.no_grad():
+        assert run(search.eval_attempts(seq_len=8), 8) == [2]  # training's size, settled there
+    # Fixed sizes are never searched: an OOM in evaluation propagates, with advice.
+    fixed = microbatch.Search(Toy(), [], CPU, 8, per_rank_batch=8)
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        for attempt in fixed.eval_attempts(seq_len=8):
+            with attempt:
+                raise torch.OutOfMemoryError("simulated")
+    assert "--device_microbatch_size" in "".join(raised.value.__notes__)
+
+
 def test_no_size_fits_exits_with_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(microbatch.INJECT_ENV, "above=0;phase=backward")
     with pytest.raises(SystemExit, match="out of memory at every device_microbatch_size down to 1"):
@@ -166,7 +213,12 @@ def test_one_rank_oom_in_forward_or_backward_settles_everywhere_and_trains_as_fi
     parallelism: str, nproc: int, generated: dict[str, Path], tmp_path: Path
 ) -> None:
     """OOM on one rank only (forward in one run, backward in another): no hang, every rank
-    settles on the same size, and the final weights equal a run with that size from the start."""
+    settles on the same size, and the final weights equal a run with that size from the start.
+
+    On one and two ranks also: evaluation at full length after every step while the sequence
+    length warms up (8, 16, 24 of 32); memory for 48 tokens per microbatch on the last rank.
+    Training settles at 6 rows on length 8; evaluation must find 1 row at length 32 (all ranks
+    agreeing), not crash at 6, and give the val_loss of a run with size 1 throughout."""
     common = [*SMALL, f"--parallelism={parallelism}"]
     victim_fwd, victim_bwd = nproc - 1, max(nproc - 2, 0)
     plan = [
@@ -176,8 +228,23 @@ def test_one_rank_oom_in_forward_or_backward_settles_everywhere_and_trains_as_fi
         {"name": "bwd", "inject": f"ranks={victim_bwd};above={FOUND};phase=backward",
          "args": [*common, "--run_name=bwd", "--device_microbatch_size=auto"]},
     ]
+    warming = [*(a for a in common if not a.startswith("--eval_interval")), "--eval_interval=1ba",
+               "--seq_length_warmup_duration=1dur"]
+    if nproc <= 2:
+        plan += [
+            {"name": "eval", "inject": f"ranks={nproc - 1};tokens=48",
+             "args": [*warming, "--run_name=eval", "--device_microbatch_size=auto"]},
+            {"name": "evalref", "inject": "", "args": [*warming, "--run_name=evalref", "--device_microbatch_size=1"]},
+        ]
     result = launch(generated["gpt2-speedup"], tmp_path, nproc, plan)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    if nproc <= 2:
+        evaluated, reference = read_metrics(tmp_path, "eval"), read_metrics(tmp_path, "evalref")
+        assert [r["seq_len"] for r in evaluated] == [8, 16, 24]
+        assert [r["val_loss"] for r in evaluated] == pytest.approx([r["val_loss"] for r in reference], rel=1e-5)
+        assert [r["loss"] for r in evaluated] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
+        log = (tmp_path / "runs" / "eval" / "log.txt").read_text()
+        assert "retrying the evaluation at 1" in log and "1 for evaluation (sequence length 32)" in log
     fixed = final_params(tmp_path, "fixed")
     for name in ("fwd", "bwd"):
         settled = [json.loads((tmp_path / "out" / f"{name}-rank{r}.json").read_text())["settled"]

@@ -24,7 +24,7 @@ import yaml
 from conftest import REPO, scaffold_cli
 from scaffold import __version__
 from scaffold.catalog import Algorithm, ModelFamily, RecipeError, add_algorithm, remove_algorithm
-from scaffold.history import TemplateRelease, ensure_version, git
+from scaffold.history import TemplateRelease, dev_version, ensure_version, git, history_path
 from scaffold.paths import template_dir
 from scaffold.render import commit_all, new_project, render
 from scaffold.upgrade import UpdateError, add, remove, upgrade
@@ -265,6 +265,68 @@ def test_upgrade_at_the_same_version_changes_nothing(tmp_path: Path, versions: V
     result = upgrade(project, versions.old)
     assert result.changes.empty and result.old_version == result.new_version == "0.1.0"
     assert snapshot(project) == before
+
+
+# --- development installs --------------------------------------------------------------------
+
+
+def tag_commit(version: str) -> str:
+    return git("rev-parse", f"refs/tags/{version}^{{commit}}", cwd=history_path())
+
+
+def test_a_development_install_never_moves_a_release_tag(tmp_path: Path) -> None:
+    """Tag 0.1.0 holds tree A; a development install of 0.1.0 with tree B gets 0.1.0+dev.<B>."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder, text in ((a, "one\n"), (b, "two\n")):
+        folder.mkdir()
+        (folder / "copier.yml").write_text(text)
+    assert ensure_version(a, "0.1.0") == "0.1.0"
+    released = tag_commit("0.1.0")
+
+    snapshot = ensure_version(b, "0.1.0")
+
+    history = history_path()
+    tree_b = git("rev-parse", f"{snapshot}^{{tree}}", cwd=history)
+    assert snapshot == dev_version("0.1.0", tree_b) and re.fullmatch(r"0\.1\.0\+dev\.[0-9a-f]{12}", snapshot)
+    assert tag_commit("0.1.0") == released  # the release tag did not move
+    assert git("show", "0.1.0:copier.yml", cwd=history) == "one"
+    assert git("show", f"{snapshot}:copier.yml", cwd=history) == "two"
+    assert git("rev-parse", f"{snapshot}^", cwd=history) == released  # history reads as 0.1.0, then the snapshot
+    # Idempotent, and the release's own files still map to the release.
+    tags = git("tag", "--list", cwd=history)
+    assert ensure_version(b, "0.1.0") == snapshot and ensure_version(a, "0.1.0") == "0.1.0"
+    assert git("tag", "--list", cwd=history) == tags
+    # A release bundle that disagrees adds its other tags but does not move an existing one either.
+    bundle = tmp_path / "release.bundle"
+    _load_build_script().build_bundle(_release_repo(tmp_path / "release"), bundle)
+    assert ensure_version(b, "0.1.0", bundle) == snapshot
+    assert tag_commit("0.1.0") == released and git("show", "0.2.0:copier.yml", cwd=history) == "two"
+
+
+def test_development_snapshots_upgrade_add_and_remove(tmp_path: Path, versions: Versions) -> None:
+    """A project of release 0.1.0 upgrades to a development install of 0.1.0 with other templates."""
+    project = generate(tmp_path, versions.old)
+    make_hand_edits(project, delete_clipping=False)
+    development = TemplateRelease(versions.new.template, "0.1.0")
+
+    result = upgrade(project, development)
+
+    assert result.old_version == "0.1.0" and result.new_version.startswith("0.1.0+dev.")
+    train = (project / "train.py").read_text()
+    assert NEW_LINE in train and "hand edit: inside the loop" in train and "beta2: float = 0.99" in train
+    assert f"_commit: {result.new_version}" in (project / ".copier-answers.yml").read_text()
+    assert result.changes.conflicted == [] and result.changes.added == [ADDED_FILE]
+    commit_all(project, "upgraded to the development snapshot")
+    assert upgrade(project, development).changes.empty  # already there
+    # add/remove re-render at the project's (development) version
+    removed = remove(project, "seq_length_warmup", development)
+    assert removed.old_version == removed.new_version == result.new_version
+    assert removed.changes.conflicted == [] and "seq_length_warmup" not in (project / "train.py").read_text()
+    assert NEW_LINE in (project / "train.py").read_text()
+    # the release 0.1.0 is older than nothing here: going back to it is an update, not a downgrade
+    commit_all(project, "no warmup")
+    back = upgrade(project, versions.old)
+    assert back.new_version == "0.1.0" and OLD_LINE in (project / "train.py").read_text()
 
 
 # --- refusals --------------------------------------------------------------------------------
@@ -508,7 +570,8 @@ def test_release_bundle_is_reproducible_and_holds_each_release(tmp_path: Path) -
     template = tmp_path / "installed"
     template.mkdir()
     (template / "copier.yml").write_text("two\n")
-    history = ensure_version(template, "0.2.0", first)
+    assert ensure_version(template, "0.2.0", first) == "0.2.0"
+    history = history_path()
     for version in ("0.1.0", "0.2.0"):
         assert git("rev-parse", f"{version}^{{tree}}", cwd=history) == git("rev-parse", f"v{version}:templates", cwd=repo)
     assert git("rev-parse", "0.2.0^", cwd=history) == git("rev-parse", "0.1.0", cwd=history)

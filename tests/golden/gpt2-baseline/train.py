@@ -113,7 +113,11 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     except ValueError as error:
         config.fail(f"lr_warmup: {error}")
 
-    dist.init_process_group(env, timeout=timedelta(seconds=cfg.dist_timeout))
+    # FSDP and DDP need a process group, on one process too (a group of one rank).
+    needs_group = parallel.parallelism != "none"
+    dist.init_process_group(
+        env, timedelta(seconds=cfg.dist_timeout), required=needs_group
+    )
     return env, parallel
 
 
@@ -133,22 +137,35 @@ def evaluate(
     batches: list[torch.Tensor],
     cfg: Config,
     env: dist.DistEnv,
-    microbatch_size: int,
+    microbatching: microbatch.Search,
 ) -> float:
     """Mean next-token loss over the validation batches, at the full sequence length.
 
     Each rank scores its share of every batch; the loss sums are added over ranks.
+    Every rank runs the same number of forwards (under FSDP each one all-gathers the
+    weights): a share short of rows is padded with copies of a row, left out of the sum.
     """
     model.eval()
-    loss_sum = torch.zeros((), device=env.device)
-    for batch in batches:
-        share = batch.tensor_split(env.world_size)[env.rank].to(env.device)
-        for micro in share.split(microbatch_size):
-            with torch.autocast(env.device.type, torch.bfloat16, enabled=is_amp(cfg)):
-                logits = model(micro[:, :-1])
-            loss_sum += F.cross_entropy(
-                logits.flatten(0, 1).float(), micro[:, 1:].flatten(), reduction="sum"
-            )
+    shares = [dist.padded_share(batch, env) for batch in batches]  # (rows, real rows)
+    # auto: training's microbatch size may have been found on shorter (warmed-up)
+    # sequences; out of memory on any rank halves evaluation's size on every rank.
+    for attempt in microbatching.eval_attempts(seq_len=cfg.seq_len):
+        with attempt:
+            loss_sum = torch.zeros((), device=env.device)
+            for share, real in shares:
+                for start in range(0, len(share), attempt.size):
+                    micro = share[start : start + attempt.size].to(env.device)
+                    with torch.autocast(
+                        env.device.type, torch.bfloat16, enabled=is_amp(cfg)
+                    ):
+                        logits = model(micro[:, :-1])
+                    # Padding rows come last: count the first real - start rows only.
+                    keep = max(real - start, 0)
+                    loss_sum += F.cross_entropy(
+                        logits[:keep].flatten(0, 1).float(),
+                        micro[:keep, 1:].flatten(),
+                        reduction="sum",
+                    )
     model.train()
     num_tokens = sum(batch.shape[0] for batch in batches) * cfg.seq_len
     return dist.reduce_sum(loss_sum).item() / num_tokens
@@ -330,7 +347,7 @@ def main() -> None:
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
-                    metrics["val_loss"] = evaluate(model, val, cfg, env, attempt.size)
+                    metrics["val_loss"] = evaluate(model, val, cfg, env, microbatching)
             if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
                 metrics["loss"] = dist.reduce_sum(loss_sum).item() / num_tokens
                 metrics["lr"] = lr

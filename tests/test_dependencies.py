@@ -1,0 +1,78 @@
+"""Every third-party package that `scaffold/` or `runtime/` imports is a declared dependency.
+
+An import that only works because another dependency happens to pull the package in (rich
+through typer, plumbum through copier) breaks the day that dependency drops it. Imports are
+read with `ast`, so nothing is executed; an import at module level must be in
+`[project] dependencies`, one nested in a function or a `try` (an optional feature) may be
+in an optional extra instead.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+FIRST_PARTY = {"scaffold", "runtime"}
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requirement_name(requirement: str) -> str:
+    return _normalize(re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", requirement).group(0))
+
+
+def imports(path: Path) -> list[tuple[str, bool, int]]:
+    """(top-level module, imported at module level, line) for each absolute import in a file."""
+    tree = ast.parse(path.read_text(), str(path))
+    found: list[tuple[str, bool, int]] = []
+
+    def visit(node: ast.AST, nested: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                found.extend((alias.name.split(".")[0], not nested, child.lineno) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                found.append((child.module.split(".")[0], not nested, child.lineno))
+            inner = nested or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Try))
+            visit(child, inner)
+
+    visit(tree, False)
+    return found
+
+
+def distribution(module: str) -> str:
+    """The distribution that provides an import name (the import name when none is installed)."""
+    providers = metadata.packages_distributions().get(module, [module])
+    return _normalize(providers[0])
+
+
+def test_third_party_imports_are_declared() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    required = {_requirement_name(r) for r in project["dependencies"]}
+    optional = {_requirement_name(r) for group in project.get("optional-dependencies", {}).values() for r in group}
+    undeclared = []
+    for package in ("scaffold", "runtime"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            for module, top_level, line in imports(path):
+                if module in sys.stdlib_module_names or module in FIRST_PARTY or module == "__future__":
+                    continue
+                name = distribution(module)
+                if name in required or (not top_level and name in optional):
+                    continue
+                where = "dependencies" if top_level else "dependencies or an optional extra"
+                undeclared.append(f"{path.relative_to(REPO)}:{line} imports {module} ({name}), not in {where}")
+    assert not undeclared, "\n".join(undeclared)
+
+
+def test_the_check_sees_nested_and_from_imports(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text("import os.path\nfrom rich.table import Table\nfrom . import x\n"
+                      "def f():\n    import tomli_w\ntry:\n    import yaml\nexcept ImportError:\n    pass\n")
+    assert imports(source) == [("os", True, 1), ("rich", True, 2), ("tomli_w", False, 5), ("yaml", False, 7)]
+    assert distribution("yaml") == "pyyaml"
