@@ -1,9 +1,5 @@
 """Saving and resuming a run: the `Checkpointer` the loop holds, and `load` of one checkpoint.
 
-A save writes, into `step-<N>/`: DCP shards of every state entry, each rank's
-`rng-rank<R>.pt` (tensors only), rank 0's `train_state.json` (progress, world size, extras,
-origin), and last, after every rank finished, the marker `COMPLETE`.
-
 Asynchronous save (`async_save=True`): the state is copied to CPU memory (DCP's stager makes
 real copies, so training may change the parameters at once), then written by a background
 thread that talks over the Checkpointer's own gloo process group (the training group must not
@@ -97,27 +93,11 @@ class Resumed:
         return [*self.notes, first]
 
 
-@dataclass
-class _Pending:
-    """An asynchronous save in flight."""
-
-    path: Path
-    future: Future
-    finisher: threading.Thread | None = None  # rank 0: marks complete, rotates
-    errors: list[BaseException] = field(default_factory=list)
-
-
 class Checkpointer:
-    """One run's checkpoints in `folder`: resume at the start, save at intervals, wait at the end.
-
-        checkpointer = Checkpointer(folder, keep=2, async_save=False)
-        resumed = checkpointer.resume(state, progress, load_path=..., seed=...)  # None: fresh
-        checkpointer.save(state, progress, extra={...})
-        checkpointer.close()  # an asynchronous save in flight: finished and marked complete
-
-    `state` maps names to modules, optimizers and objects with state dicts (see `contents.py`);
-    keep-last-`keep` rotation (0: all). It owns the asynchronous save in flight, the process
-    group those saves talk over, and the `load_path` the run started from (its origin).
+    """One run's checkpoints in `folder`: `resume()` at the start, `save()` at intervals,
+    `close()` at the end; the newest `keep` are kept (0: all). It owns the asynchronous save in
+    flight, the process group those saves talk over, and the `load_path` the run started from.
+    `state` maps names to modules, optimizers and objects with state dicts (see `contents`).
     """
 
     def __init__(self, folder: Path | str, *, keep: int = 0, async_save: bool = False) -> None:
@@ -125,7 +105,7 @@ class Checkpointer:
         self.keep = keep
         self.async_save = async_save
         self.origin: str | None = None  # carried into every checkpoint of this run
-        self._pending: _Pending | None = None
+        self._pending: tuple[Path, Future] | None = None  # an asynchronous save in flight
         # Made collectively here (every rank builds the Checkpointer at the same point).
         self._group = torch_dist.new_group(backend="gloo") if async_save and dist.is_distributed() else None
 
@@ -142,7 +122,6 @@ class Checkpointer:
           progress stay fresh, and the RNG is left as seeded.
         Returns None for a fresh start. Raises CheckpointError (nothing on disk is changed).
         """
-        contents.check(state)
         layout.remove_incomplete(self.folder)
         own = layout.latest(self.folder) if autoresume else None
         notes = []
@@ -202,14 +181,11 @@ class Checkpointer:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             if self.async_save:
-                future = dcp.async_save(saved, storage_writer=writer, process_group=self._group,
-                                        no_dist=no_dist)
-                self._pending = _Pending(path, future)
+                written = dcp.async_save(saved, storage_writer=writer, process_group=self._group,
+                                         no_dist=no_dist)
                 if dist.rank() == 0:
-                    self._pending.finisher = threading.Thread(
-                        target=self._finish_when_written, args=(self._pending, progress.batch),
-                        name="checkpoint-finish")
-                    self._pending.finisher.start()
+                    written = self._finish_after(written, path, progress.batch)
+                self._pending = (path, written)
                 return path
             dcp.save(saved, storage_writer=writer, no_dist=no_dist)
         dist.barrier()  # every rank's shards are on disk before the marker
@@ -223,30 +199,35 @@ class Checkpointer:
         layout.mark_complete(path, step)
         layout.rotate(self.folder, self.keep, path)
 
-    def _finish_when_written(self, pending: _Pending, step: int) -> None:
-        try:
-            pending.future.result()  # every rank's data is written (DCP's gather)
-            self._finish(pending.path, step)
-        except BaseException as error:  # noqa: BLE001 - DCP's error is a BaseException
-            pending.errors.append(error)
+    def _finish_after(self, written: Future, path: Path, step: int) -> Future:
+        """Rank 0, in the background: `_finish` once DCP has gathered every rank's write results."""
+        done: Future = Future()
+
+        def finish() -> None:
+            try:
+                written.result()
+                self._finish(path, step)
+                done.set_result(None)
+            except BaseException as error:  # noqa: BLE001 - DCP's error is a BaseException
+                done.set_exception(error)
+
+        threading.Thread(target=finish, name="checkpoint-finish").start()
+        return done
 
     def wait(self) -> None:
         """Wait for an asynchronous save in flight to be written and marked complete (all ranks)."""
         if self._pending is None:
             return
-        pending, self._pending = self._pending, None
-        errors = list(pending.errors)
+        (path, done), self._pending = self._pending, None
+        error = None
         try:
-            pending.future.result()
-        except BaseException as error:  # noqa: BLE001
-            errors.append(error)
-        if pending.finisher is not None:
-            pending.finisher.join()
-            errors += pending.errors
+            done.result()
+        except BaseException as exc:  # noqa: BLE001
+            error = exc
         # Over the save group, also a barrier: the marker is there for everyone.
-        if dist.any_rank(bool(errors), self._group):
-            what = reading.describe(errors[0]) if errors else "failed on another rank"
-            raise CheckpointError(f"asynchronous save of {pending.path} failed: {what[:2000]}")
+        if dist.any_rank(error is not None, self._group):
+            what = reading.describe(error) if error else "failed on another rank"
+            raise CheckpointError(f"asynchronous save of {path} failed: {what[:2000]}")
 
     def close(self) -> None:
         """Finish a save in flight, then release the process group asynchronous saves used."""

@@ -9,6 +9,7 @@ state dict (tensors, numbers, strings; no pickled objects).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,18 +25,6 @@ from torch.distributed.checkpoint.state_dict import (
 from runtime.checkpoint.layout import CheckpointError
 
 
-def check(state: dict[str, Any]) -> None:
-    """Every entry can be saved; a TypeError names the one that cannot."""
-    for name, value in state.items():
-        if not (isinstance(value, (nn.Module, torch.optim.Optimizer))
-                or callable(getattr(value, "state_dict", None))
-                and callable(getattr(value, "load_state_dict", None))):
-            raise TypeError(f"state[{name!r}] is a {type(value).__name__}: checkpoints hold modules, "
-                            "optimizers and objects with state_dict() and load_state_dict()")
-        if isinstance(value, torch.optim.Optimizer):
-            _module_of(state, name)
-
-
 def _module_of(state: dict[str, Any], name: str) -> nn.Module:
     params = {id(p) for group in state[name].param_groups for p in group["params"]}
     for value in state.values():
@@ -45,16 +34,19 @@ def _module_of(state: dict[str, Any], name: str) -> nn.Module:
 
 
 def state_dicts(state: dict[str, Any]) -> dict[str, Any]:
-    """The state dict of every entry, as DCP saves (or loads into) it."""
-    check(state)
+    """The state dict of every entry, as DCP saves (or loads into) it; TypeError for an entry
+    that cannot be saved."""
     result = {}
     for name, value in state.items():
         if isinstance(value, nn.Module):
             result[name] = get_model_state_dict(value)
         elif isinstance(value, torch.optim.Optimizer):
             result[name] = get_optimizer_state_dict(_module_of(state, name), value)
-        else:
+        elif callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
             result[name] = value.state_dict()
+        else:
+            raise TypeError(f"state[{name!r}] is a {type(value).__name__}: checkpoints hold modules, "
+                            "optimizers and objects with state_dict() and load_state_dict()")
     return result
 
 
@@ -71,7 +63,7 @@ def restore(state: dict[str, Any], loaded: dict[str, Any]) -> None:
             value.load_state_dict(loaded[name])
 
 
-def check_saved(path: Any, metadata: Metadata, state: dict[str, Any], loaded: dict[str, Any]) -> None:
+def check_saved(path: Path, metadata: Metadata, state: dict[str, Any], loaded: dict[str, Any]) -> None:
     """The checkpoint holds every entry, and each module's keys and shapes: all differences named
     (DCP reports only the first, and not unexpected keys)."""
     saved_names = sorted({key.split(".", 1)[0] for key in metadata.state_dict_metadata})

@@ -1,8 +1,8 @@
-"""Checkpoint folders on disk: `step-<N>/` folders, the COMPLETE marker, rotation, train_state.json.
-
+"""Checkpoints on disk. `<folder>/step-<N>/` holds DCP shards of every state entry, each rank's
+`rng-rank<R>.pt`, rank 0's `train_state.json` (progress, world size, extras, the `load_path` the
+run started from) and, written last by rank 0 after every rank finished, the marker `COMPLETE`.
 A folder without the marker is an interrupted save: it is never loaded and is deleted on the
-next start. `train_state.json` holds the progress, the saver's world size, the extras and the
-`load_path` the run started from (its origin).
+next start.
 """
 
 from __future__ import annotations
