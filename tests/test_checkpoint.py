@@ -615,3 +615,36 @@ def test_state_entries_that_cannot_be_saved_are_named(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"state\['optimizer'\] optimizes parameters of no module"):
         checkpointer.save({"optimizer": optimizer}, progress)
     assert not tmp_path.joinpath("step-0").exists()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_writer_thread_that_fails_fails_the_save(saved: dict, monkeypatch: pytest.MonkeyPatch,
+                                                   async_save: bool) -> None:
+    """DCP's extra writer threads die silently (torch 2.13): their files are left out of the
+    metadata and the save "succeeds". Such a checkpoint must never be marked complete (nor
+    push a good one out by rotation)."""
+    import threading
+
+    from torch.distributed.checkpoint import filesystem
+
+    write = filesystem._write_files_from_queue
+    took = threading.Event()
+
+    def disk_full_in_extra_thread(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if threading.current_thread().name.endswith("(disk_full_in_extra_thread)"):  # DCP's 2nd writer
+            args[1].get()  # takes a file's items off the queue, writes nothing
+            took.set()
+            raise OSError(28, "No space left on device")
+        took.wait(10)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(filesystem, "_write_files_from_queue", disk_full_in_extra_thread)
+    model, optimizer, progress = saved["model"], saved["optimizer"], saved["progress"]
+    train(model, optimizer, progress, 1)
+    checkpointer = checkpoint.Checkpointer(saved["folder"], keep=1, async_save=async_save)
+    with pytest.raises(CheckpointError, match=r"step-8: \d+ items were not written"):
+        checkpointer.save(state(model, optimizer), progress)
+        checkpointer.wait()
+    assert not checkpoint.is_complete(saved["folder"] / "step-8")
+    assert checkpoint.latest(saved["folder"]) == saved["path"]  # step-7 kept

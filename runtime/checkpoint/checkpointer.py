@@ -189,13 +189,19 @@ class Checkpointer:
                 return path
             dcp.save(saved, storage_writer=writer, no_dist=no_dist)
         dist.barrier()  # every rank's shards are on disk before the marker
+        error = None
         if dist.rank() == 0:
-            self._finish(path, progress.batch)
-        dist.barrier()
+            try:
+                self._finish(path, progress.batch)
+            except CheckpointError as exc:
+                error = exc
+        if dist.any_rank(error is not None):  # also a barrier: the marker is there for everyone
+            raise error or CheckpointError(f"the save of {path} failed on rank 0")
         return path
 
     def _finish(self, path: Path, step: int) -> None:
         """Rank 0, after every rank's data is on disk: the marker, then rotation."""
+        reading.check_written(path)
         layout.mark_complete(path, step)
         layout.rotate(self.folder, self.keep, path)
 

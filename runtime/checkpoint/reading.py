@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from runtime import dist
@@ -116,6 +116,25 @@ def check_files(path: Path, metadata: Metadata) -> None:
         actual = file.stat().st_size
         if actual < size:
             raise damaged(path, f"{file} is truncated ({actual:,} bytes; the metadata needs {size:,})")
+
+
+def check_written(path: Path) -> None:
+    """Every item the metadata lists was written: DCP drops a failed extra writer thread's files
+    from the metadata without an error (torch 2.13), and such a save must not be marked complete."""
+    metadata = read_metadata(path)
+    written = {(index.fqn, None if index.offset is None else tuple(index.offset))
+               for index in metadata.storage_data}
+
+    def items(fqn: str, meta: Any) -> list[tuple]:
+        if isinstance(meta, TensorStorageMetadata):  # one item per non-empty chunk (shard)
+            return [(fqn, tuple(chunk.offsets)) for chunk in meta.chunks if chunk.sizes.numel()]
+        return [(fqn, None)]
+
+    lost = [fqn for fqn, meta in metadata.state_dict_metadata.items()
+            if any(item not in written for item in items(fqn, meta))]
+    if lost:
+        raise CheckpointError(f"{path}: {len(lost)} items were not written (first: {lost[0]}); "
+                              "a writer failed: check the disk (space, permissions)")
 
 
 def describe(error: BaseException) -> str:
