@@ -208,12 +208,15 @@ def main() -> None:
     # optimizer, progress and RNG, saved on any number of ranks. The batch order is a
     # function of progress (the global sample cursor): nothing is replayed.
     progress = Progress(batches_per_epoch=train_batches.batches_per_epoch)
-    save_folder = Path(cfg.save_folder or run_dir / "checkpoints")
+    state = {"model": model, "optimizer": optimizer}  # what a checkpoint holds
+    checkpointer = checkpoint.Checkpointer(
+        cfg.save_folder or run_dir / "checkpoints",
+        keep=cfg.save_num_checkpoints_to_keep,
+        async_save=cfg.save_async,
+    )
     try:
-        resumed = checkpoint.resume(
-            save_folder,
-            model,
-            optimizer,
+        resumed = checkpointer.resume(
+            state,
             progress,
             load_path=cfg.load_path,
             weights_only=cfg.load_weights_only,
@@ -336,15 +339,7 @@ def main() -> None:
                 monitor.log(progress, **metrics)
             if progress.at_interval(cfg.save_interval, cfg.max_duration) or finished:
                 with monitor.paused():
-                    checkpoint.save(
-                        save_folder,
-                        model,
-                        optimizer,
-                        progress,
-                        extra=microbatching.state_dict(),
-                        keep=cfg.save_num_checkpoints_to_keep,
-                        async_save=cfg.save_async,
-                    )
+                    checkpointer.save(state, progress, extra=microbatching.state_dict())
             if finished:
                 break
 
@@ -352,7 +347,7 @@ def main() -> None:
 
     # event: FIT_END
 
-    checkpoint.wait()  # an async save in flight: finished and marked complete
+    checkpointer.close()  # an async save in flight: finished and marked complete
     monitor.info(
         f"done: step {progress.batch}, {progress.token:,} tokens; outputs in {run_dir}"
     )
