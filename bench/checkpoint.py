@@ -97,11 +97,13 @@ def single_process(args: argparse.Namespace, root: Path) -> dict[str, float]:
     progress = Progress(batches_per_epoch=1000)
     results: dict[str, float] = {"params": n}
     step = [0]
+    state = {"model": model, "optimizer": optimizer}
+    checkpointer = checkpoint.Checkpointer(root / "dcp", keep=1)
 
     def dcp_save() -> None:
         step[0] += 1
         progress.batch = step[0]
-        checkpoint.save(root / "dcp", model, optimizer, progress, keep=1)
+        checkpointer.save(state, progress)
 
     def torch_save() -> None:
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, root / "plain.pt")
@@ -114,8 +116,9 @@ def single_process(args: argparse.Namespace, root: Path) -> dict[str, float]:
     results["dcp_save"], results["torch_save"] = alternating(sync_after(dcp_save), torch_save, args.saves)
     fresh, fresh_optimizer = build(args.params)
     path = checkpoint.latest(root / "dcp")
-    results["dcp_load"] = best(lambda: checkpoint.load(path, fresh, fresh_optimizer,
-                                                       Progress(batches_per_epoch=1000)), args.repeat)
+    fresh_state = {"model": fresh, "optimizer": fresh_optimizer}
+    results["dcp_load"] = best(lambda: checkpoint.load(path, fresh_state, Progress(batches_per_epoch=1000)),
+                               args.repeat)
 
     def torch_load() -> None:
         state = torch.load(root / "plain.pt", weights_only=True)
@@ -129,10 +132,11 @@ def single_process(args: argparse.Namespace, root: Path) -> dict[str, float]:
     def stall(async_save: bool) -> float:
         step[0] += 1
         progress.batch = step[0]
+        saver = checkpoint.Checkpointer(root / "dcp", keep=1, async_save=async_save)
         start = time.perf_counter()
-        checkpoint.save(root / "dcp", model, optimizer, progress, keep=1, async_save=async_save)
+        saver.save(state, progress)
         blocked = time.perf_counter() - start
-        checkpoint.wait()
+        saver.close()
         return blocked
 
     results["stall_sync"] = min(stall(False) for _ in range(args.repeat))
@@ -148,14 +152,15 @@ def worker(args: argparse.Namespace) -> None:
     try:
         root = Path(args.dir)
         model, optimizer = build(args.params, env)
+        state = {"model": model, "optimizer": optimizer}
         progress = Progress(batches_per_epoch=1000)
         if args.worker == "save":
             progress.batch = 1
-            checkpoint.save(root / "sharded", model, optimizer, progress)
+            checkpoint.Checkpointer(root / "sharded").save(state, progress)
         else:
             dist.barrier()
             start = time.perf_counter()
-            checkpoint.load(root / "sharded" / "step-1", model, optimizer, progress)
+            checkpoint.load(root / "sharded" / "step-1", state, progress)
             elapsed = torch.tensor([time.perf_counter() - start])
             if dist.is_distributed():  # the slowest rank's time
                 torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)

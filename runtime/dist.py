@@ -93,6 +93,16 @@ def is_distributed() -> bool:
     return torch_dist.is_available() and torch_dist.is_initialized()
 
 
+def rank() -> int:
+    """This process's rank in the job (0 for a single process)."""
+    return torch_dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    """The number of processes in the job (1 for a single process)."""
+    return torch_dist.get_world_size() if is_distributed() else 1
+
+
 def reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """The sum of `tensor` over all ranks (a copy; the input is left alone)."""
     total = tensor.detach().clone()
@@ -122,6 +132,16 @@ def padded_share(batch: torch.Tensor, env: DistEnv) -> tuple[torch.Tensor, int]:
 def barrier() -> None:
     if is_distributed():
         torch_dist.barrier()
+
+
+def any_rank(flag: bool, group: torch_dist.ProcessGroup | None = None) -> bool:
+    """True on every rank if `flag` is true on any rank (also a barrier over `group`)."""
+    if not is_distributed():
+        return flag
+    device = "cuda" if torch_dist.get_backend(group) == "nccl" else "cpu"
+    value = torch.tensor([float(flag)], device=device)
+    torch_dist.all_reduce(value, op=torch_dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
 
 
 def print0(*args: object, **kwargs: object) -> None:

@@ -4,8 +4,10 @@
     torchrun --nproc_per_node=3 elastic_worker.py load DIR   # load both into FSDP2 and compare
     python elastic_worker.py load DIR                         # the same on one process
 
-`save` also writes the full (consolidated) model and optimizer state that was saved, as the
-reference; `load` compares what it loaded with it, bitwise, and exits 1 naming any difference.
+The state saved is the loop's `{"model", "optimizer"}` plus an EMA of the model (a second,
+equally sharded module, as an algorithm would add). The DDP run saves asynchronously. `save`
+also writes the full (consolidated) state that was saved, as the reference; `load` compares
+what it loaded with it, bitwise, and exits 1 naming any difference.
 """
 
 from __future__ import annotations
@@ -46,17 +48,20 @@ class Tiny(nn.Module):
         return self.lm_head(x)
 
 
-def build(env: dist.DistEnv, parallelism: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(env: dist.DistEnv, parallelism: str, seed: int) -> dict:
+    """The checkpointed state: model, optimizer and an EMA of the model (sharded alike)."""
     torch.manual_seed(seed)
-    model = Tiny()
-    model = fsdp.parallelize(model, model.blocks, env, fsdp.ParallelConfig(parallelism=parallelism))
+    model, ema = Tiny(), Tiny()
+    config = fsdp.ParallelConfig(parallelism=parallelism)
+    model, ema = (fsdp.parallelize(m, m.blocks, env, config) for m in (model, ema))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    return model, optimizer
+    return {"model": model, "optimizer": optimizer, "ema": ema}
 
 
-def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    return {"model": get_model_state_dict(model, options=FULL),
-            "optimizer": get_optimizer_state_dict(model, optimizer, options=FULL)}
+def full_state(state: dict) -> dict:
+    return {"model": get_model_state_dict(state["model"], options=FULL),
+            "optimizer": get_optimizer_state_dict(state["model"], state["optimizer"], options=FULL),
+            "ema": get_model_state_dict(state["ema"], options=FULL)}
 
 
 def differences(a: object, b: object, where: str = "") -> list[str]:
@@ -81,7 +86,8 @@ def main() -> None:
     try:
         if mode == "save":
             for parallelism in ("fsdp", "ddp"):
-                model, optimizer = build(env, parallelism, seed=0)
+                state = build(env, parallelism, seed=0)
+                model, optimizer = state["model"], state["optimizer"]
                 progress = Progress(batches_per_epoch=10)
                 gen = torch.Generator().manual_seed(1)
                 for _ in range(3):
@@ -90,19 +96,24 @@ def main() -> None:
                     model(share).float().pow(2).mean().backward()
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
+                    with torch.no_grad():
+                        for average, param in zip(state["ema"].parameters(), model.parameters()):
+                            average.lerp_(param, 0.25)
                     progress.advance(samples=idx.shape[0], tokens=idx.numel())
-                checkpoint.save(root / parallelism, model, optimizer, progress)
-                reference = full_state(model, optimizer)
+                checkpointer = checkpoint.Checkpointer(root / parallelism, async_save=parallelism == "ddp")
+                checkpointer.save(state, progress)
+                reference = full_state(state)
+                checkpointer.close()
                 if env.rank == 0:
                     torch.save(reference, root / f"{parallelism}-reference.pt")
         else:
             failures = []
             parallelism = "fsdp" if env.world_size > 1 else "none"
             for saved in ("fsdp", "ddp"):
-                model, optimizer = build(env, parallelism, seed=123)  # other initial weights
+                state = build(env, parallelism, seed=123)  # other initial weights
                 progress = Progress(batches_per_epoch=10)
-                checkpoint.load(root / saved / "step-3", model, optimizer, progress)
-                loaded = full_state(model, optimizer)
+                checkpoint.load(root / saved / "step-3", state, progress)
+                loaded = full_state(state)
                 if env.rank == 0:
                     reference = torch.load(root / f"{saved}-reference.pt", weights_only=True)
                     failures += [f"{saved} -> {parallelism}: {d}" for d in differences(reference, loaded)]

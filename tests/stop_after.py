@@ -5,7 +5,7 @@
     python stop_after.py kill:N path/to/train.py ...   # SIGKILL inside save N: data, no marker
 
 Like a job whose allocation ends: the run is cut off after a save, and the next launch
-(any number of ranks) resumes it. `runtime.checkpoint.save` is wrapped; nothing else changes.
+(any number of ranks) resumes it. `Checkpointer.save` is wrapped; nothing else changes.
 With `kill:N` the process kills itself (-9) after every rank's shards of step N are on disk
 and before the COMPLETE marker is written: the worst moment for a checkpoint to look whole.
 """
@@ -19,29 +19,29 @@ import runtime.checkpoint as checkpoint
 
 KILL = sys.argv[1].startswith("kill:")
 STOP = f"step-{int(sys.argv[1].removeprefix('kill:'))}"
-_save = checkpoint.save
-_finish = checkpoint._finish
+_save = checkpoint.Checkpointer.save
+_finish = checkpoint.Checkpointer._finish
 
 
-def finish_or_die(folder, path, *args, **kwargs):
+def finish_or_die(self, path, *args, **kwargs):
     if path.name == STOP:
         os.kill(os.getpid(), signal.SIGKILL)
-    return _finish(folder, path, *args, **kwargs)
+    return _finish(self, path, *args, **kwargs)
 
 
-def save_then_stop(*args, **kwargs):
-    path = _save(*args, **kwargs)
+def save_then_stop(self, *args, **kwargs):
+    path = _save(self, *args, **kwargs)
     if path.name == STOP:
-        checkpoint.wait()
+        self.wait()
         sys.stdout.flush()
         os._exit(0)
     return path
 
 
 if KILL:
-    checkpoint._finish = finish_or_die
+    checkpoint.Checkpointer._finish = finish_or_die
 else:
-    checkpoint.save = save_then_stop
+    checkpoint.Checkpointer.save = save_then_stop
 sys.argv = sys.argv[2:]
 sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -46,6 +46,11 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, progress: Progress
         progress.advance(samples=6, tokens=24)
 
 
+def state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """What the generated loop checkpoints (the model alone: a weights-only load)."""
+    return {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
+
+
 def same_params(a: nn.Module, b: nn.Module) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -64,7 +69,7 @@ def saved(tmp_path: Path) -> dict:
     for group in optimizer.param_groups:
         group["lr"] = 3e-3  # as a schedule would: a fresh optimizer (lr=1e-2) must take this value
     folder = tmp_path / "checkpoints"
-    path = checkpoint.save(folder, model, optimizer, progress, extra={"microbatch": 3, "note": "x"})
+    path = checkpoint.Checkpointer(folder).save(state(model, optimizer), progress, extra={"microbatch": 3, "note": "x"})
     next_rand = torch.rand(8)
     return {"folder": folder, "path": path, "model": model, "optimizer": optimizer,
             "progress": progress, "next_rand": next_rand}
@@ -88,7 +93,7 @@ def test_load_restores_model_optimizer_progress_rng_bitwise(saved: dict) -> None
     progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
     torch.manual_seed(12345)  # any RNG state; load must bring back the saved one
 
-    extra = checkpoint.load(saved["path"], model, optimizer, progress, seed=0)
+    extra = checkpoint.load(saved["path"], state(model, optimizer), progress, seed=0)
 
     assert extra == {"microbatch": 3, "note": "x", "rng_restored": True, "world_size": 1}
     assert torch.equal(torch.rand(8), saved["next_rand"])
@@ -116,7 +121,7 @@ def test_load_restores_model_optimizer_progress_rng_bitwise(saved: dict) -> None
 
 def test_load_weights_only(saved: dict) -> None:
     model, optimizer = build(seed=1)
-    extra = checkpoint.load(saved["path"], model, None, None)
+    extra = checkpoint.load(saved["path"], state(model))
     assert same_params(model, saved["model"])
     assert extra["microbatch"] == 3 and extra["rng_restored"] is True
     assert not optimizer.state  # untouched
@@ -164,22 +169,23 @@ def test_rotation_keeps_newest_complete(tmp_path: Path) -> None:
     folder = tmp_path / "checkpoints"
     model, optimizer = build()
     progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
+    checkpointer = checkpoint.Checkpointer(folder, keep=2)
     for _ in range(4):
         train(model, optimizer, progress, 1)
-        checkpoint.save(folder, model, optimizer, progress, keep=2)
+        checkpointer.save(state(model, optimizer), progress)
     assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-4"]
 
     # An interrupted save (no marker) must not count as one of the kept two.
     make_dir(folder, "step-5", complete=False)
     train(model, optimizer, progress, 2)
     assert progress.batch == 6
-    checkpoint.save(folder, model, optimizer, progress, keep=2)
+    checkpointer.save(state(model, optimizer), progress)
     complete = sorted(p.name for p in folder.iterdir() if checkpoint.is_complete(p))
     assert complete == ["step-4", "step-6"]
 
     # keep=0 keeps everything.
     train(model, optimizer, progress, 1)
-    checkpoint.save(folder, model, optimizer, progress, keep=0)
+    checkpoint.Checkpointer(folder, keep=0).save(state(model, optimizer), progress)
     assert sorted(p.name for p in folder.iterdir() if checkpoint.is_complete(p)) == ["step-4", "step-6", "step-7"]
 
 
@@ -189,11 +195,11 @@ def test_saving_same_step_twice_is_a_noop(saved: dict) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    again = checkpoint.save(saved["folder"], model, optimizer, progress, extra={"note": "changed"})
+    again = checkpoint.Checkpointer(saved["folder"]).save(state(model, optimizer), progress, extra={"note": "changed"})
     assert again == saved["path"]
     assert snapshot(saved["path"]) == before
     fresh, _ = build(seed=1)
-    assert checkpoint.load(again, fresh, None, None)["note"] == "x"
+    assert checkpoint.load(again, state(fresh))["note"] == "x"
     assert not same_params(fresh, model)  # the first save's weights, not the changed ones
 
 
@@ -204,10 +210,10 @@ def test_load_without_marker_names_the_path(saved: dict) -> None:
     (saved["path"] / MARKER).unlink()
     model, optimizer = build(seed=1)
     with pytest.raises(CheckpointError, match="not a complete checkpoint") as info:
-        checkpoint.load(saved["path"], model, optimizer, None)
+        checkpoint.load(saved["path"], state(model, optimizer))
     assert str(saved["path"]) in str(info.value)
     with pytest.raises(CheckpointError, match="step-999"):
-        checkpoint.load(saved["folder"] / "step-999", model, optimizer, None)
+        checkpoint.load(saved["folder"] / "step-999", state(model, optimizer))
 
 
 @pytest.mark.parametrize("keep_bytes", [0.5, 0.0])
@@ -219,7 +225,7 @@ def test_truncated_shard_raises_and_deletes_nothing(saved: dict, keep_bytes: flo
     before = snapshot(path)
     model, optimizer = build(seed=1)
     with pytest.raises(CheckpointError) as info:
-        checkpoint.load(path, model, optimizer, Progress(batches_per_epoch=BATCHES_PER_EPOCH))
+        checkpoint.load(path, state(model, optimizer), Progress(batches_per_epoch=BATCHES_PER_EPOCH))
     message = str(info.value)
     assert str(path) in message and "Traceback" not in message
     assert len(message) < 2500
@@ -232,7 +238,7 @@ def test_missing_metadata_raises(saved: dict) -> None:
     (saved["path"] / ".metadata").unlink()
     model, optimizer = build(seed=1)
     with pytest.raises(CheckpointError, match=r"\.metadata"):
-        checkpoint.load(saved["path"], model, optimizer, None)
+        checkpoint.load(saved["path"], state(model, optimizer))
     assert not same_params(model, saved["model"])
 
 
@@ -250,7 +256,7 @@ def test_other_model_names_the_mismatch(saved: dict, kwargs: dict, expected: lis
         model, optimizer = build(seed=1, **kwargs)
         before = {k: v.clone() for k, v in model.state_dict().items()}
         with pytest.raises(CheckpointError, match="different model") as info:
-            checkpoint.load(saved["path"], model, optimizer if optimizer_too else None, None)
+            checkpoint.load(saved["path"], state(model, optimizer if optimizer_too else None))
         for text in expected:
             assert text in str(info.value)
         assert str(saved["path"]) in str(info.value)
@@ -275,7 +281,7 @@ def test_damaged_train_state_raises(saved: dict, damage) -> None:
     for progress in (Progress(batches_per_epoch=BATCHES_PER_EPOCH), None):
         model, optimizer = build(seed=1)
         with pytest.raises(CheckpointError, match=TRAIN_STATE):
-            checkpoint.load(saved["path"], model, optimizer, progress)
+            checkpoint.load(saved["path"], state(model, optimizer), progress)
         assert not same_params(model, saved["model"])  # rejected before anything was restored
         if progress is not None:
             assert progress.batch == 0
@@ -285,7 +291,7 @@ def test_other_batches_per_epoch_raises_before_restoring(saved: dict) -> None:
     model, optimizer = build(seed=1)
     progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH + 1)
     with pytest.raises(CheckpointError, match="batches_per_epoch"):
-        checkpoint.load(saved["path"], model, optimizer, progress)
+        checkpoint.load(saved["path"], state(model, optimizer), progress)
     assert not same_params(model, saved["model"]) and progress.batch == 0
 
 
@@ -295,7 +301,7 @@ def test_other_batches_per_epoch_raises_before_restoring(saved: dict) -> None:
 def next_rand_after_load(path: Path, seed: int, noise: int) -> tuple[torch.Tensor, bool]:
     model, optimizer = build(seed=1)
     torch.manual_seed(noise)  # a different RNG state before each load
-    extra = checkpoint.load(path, model, optimizer, Progress(batches_per_epoch=BATCHES_PER_EPOCH), seed=seed)
+    extra = checkpoint.load(path, state(model, optimizer), Progress(batches_per_epoch=BATCHES_PER_EPOCH), seed=seed)
     return torch.rand(8), extra["rng_restored"]
 
 
@@ -339,7 +345,7 @@ def test_metadata_naming_other_classes_is_refused(saved: dict, tmp_path: Path) -
     metadata.write_bytes(pickle.dumps(Boom(str(flag))))
     model, optimizer = build(seed=1)
     with pytest.raises(CheckpointError, match=r"\.metadata.*not allowed in checkpoint metadata"):
-        checkpoint.load(saved["path"], model, optimizer, None)
+        checkpoint.load(saved["path"], state(model, optimizer))
     with pytest.raises(CheckpointError, match="not allowed"):
         checkpoint.export_safetensors(saved["path"], tmp_path / "out.safetensors")
     assert not flag.exists()
@@ -360,7 +366,7 @@ def test_non_tensor_entries_load_with_weights_only(saved: dict, tmp_path: Path) 
         (evil / name).write_bytes((saved["path"] / name).read_bytes())
     fresh, fresh_optimizer = build(seed=1)
     with pytest.raises(CheckpointError, match="__0_0.distcp is unreadable .*not plain data; refused"):
-        checkpoint.load(evil, fresh, fresh_optimizer, None)
+        checkpoint.load(evil, state(fresh, fresh_optimizer))
     assert not flag.exists()
 
 
@@ -369,7 +375,7 @@ def test_truncated_shard_is_named(saved: dict) -> None:
     shard.write_bytes(shard.read_bytes()[:100])
     model, optimizer = build(seed=1)
     with pytest.raises(CheckpointError, match=f"{shard} is truncated"):
-        checkpoint.load(saved["path"], model, optimizer, None)
+        checkpoint.load(saved["path"], state(model, optimizer))
 
 
 # ---------------------------------------------------------------- async save
@@ -379,26 +385,28 @@ def test_async_save_copies_the_state_and_marks_after_writing(saved: dict) -> Non
     model, optimizer, progress = saved["model"], saved["optimizer"], saved["progress"]
     train(model, optimizer, progress, 1)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
-    path = checkpoint.save(saved["folder"], model, optimizer, progress, keep=1, async_save=True)
+    checkpointer = checkpoint.Checkpointer(saved["folder"], keep=1, async_save=True)
+    path = checkpointer.save(state(model, optimizer), progress)
     with torch.no_grad():  # training goes on at once: the checkpoint must not see this
         for p in model.parameters():
             p.add_(1.0)
-    checkpoint.wait()
+    checkpointer.wait()
     assert checkpoint.is_complete(path) and path.name == "step-8"
     assert sorted(p.name for p in saved["folder"].iterdir()) == ["step-8"]  # rotated after the marker
     fresh, _ = build(seed=1)
-    checkpoint.load(path, fresh, None, None)
+    checkpoint.load(path, state(fresh))
     assert all(torch.equal(expected[k], v) for k, v in fresh.state_dict().items())
-    checkpoint.wait()  # nothing in flight: a no-op
+    checkpointer.wait()  # nothing in flight: a no-op
 
 
 def test_next_save_waits_for_async_save(saved: dict) -> None:
     model, optimizer, progress = saved["model"], saved["optimizer"], saved["progress"]
+    checkpointer = checkpoint.Checkpointer(saved["folder"], async_save=True)
     for _ in range(2):
         train(model, optimizer, progress, 1)
-        checkpoint.save(saved["folder"], model, optimizer, progress, async_save=True)
+        checkpointer.save(state(model, optimizer), progress)
     assert checkpoint.is_complete(saved["folder"] / "step-8")  # waited for by the second save
-    checkpoint.wait()
+    checkpointer.wait()
     assert checkpoint.latest(saved["folder"]) == saved["folder"] / "step-9"
 
 
@@ -408,12 +416,14 @@ def test_next_save_waits_for_async_save(saved: dict) -> None:
 def fresh_resume(folder: Path, **kwargs):
     model, optimizer = build(seed=1)
     progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
-    return checkpoint.resume(folder, model, optimizer, progress, **kwargs), model, optimizer, progress
+    checkpointer = checkpoint.Checkpointer(folder)
+    resumed = checkpointer.resume(state(model, optimizer), progress, **kwargs)
+    return resumed, model, optimizer, progress, checkpointer
 
 
 def test_resume_autoresumes_and_cleans_up(saved: dict) -> None:
     make_dir(saved["folder"], "step-9", complete=False)
-    resumed, model, _, progress = fresh_resume(saved["folder"])
+    resumed, model, _, progress, _ = fresh_resume(saved["folder"])
     assert resumed.path == saved["path"] and resumed.step == 7 and progress.batch == 7
     assert resumed.rng_restored and resumed.describe() == [f"resumed from {saved['path']} at step 7"]
     assert not (saved["folder"] / "step-9").exists()
@@ -437,14 +447,15 @@ def test_load_path_weights_only_then_restart_continues(saved: dict, tmp_path: Pa
     """A fine-tune starts from load_path; restarted after a preemption it continues itself."""
     run_dir = tmp_path / "finetune"
     for source in (saved["path"], saved["folder"], saved["folder"].parent):  # step, checkpoints, run
-        resumed, model, optimizer, progress = fresh_resume(run_dir, load_path=str(source), weights_only=True)
+        resumed, model, optimizer, progress, checkpointer = fresh_resume(run_dir, load_path=str(source),
+                                                                         weights_only=True)
         assert resumed.path == saved["path"] and resumed.weights_only
         assert same_params(model, saved["model"]) and progress.batch == 0 and not optimizer.state
         assert resumed.describe()[-1].startswith("loaded model weights from")
     train(model, optimizer, progress, 2)
-    checkpoint.save(run_dir, model, optimizer, progress)
+    checkpointer.save(state(model, optimizer), progress)  # records where this run started
     # The same command again: this run's own checkpoint, not the weights it started from.
-    resumed, again, _, progress = fresh_resume(run_dir, load_path=str(saved["folder"].parent),
+    resumed, again, _, progress, _ = fresh_resume(run_dir, load_path=str(saved["folder"].parent),
                                                weights_only=True)
     assert resumed.path == run_dir / "step-2" and progress.batch == 2 and not resumed.weights_only
     assert "continuing this run" in resumed.describe()[0]
@@ -475,7 +486,7 @@ def test_export_safetensors_with_tied_weights(tmp_path: Path) -> None:
     optimizer.step()
     progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
     progress.advance(samples=1, tokens=2)
-    checkpoint.save(tmp_path / "run" / "checkpoints", model, optimizer, progress)
+    checkpoint.Checkpointer(tmp_path / "run" / "checkpoints").save(state(model, optimizer), progress)
     info = checkpoint.export_safetensors(tmp_path / "run", tmp_path / "model.safetensors")
     assert info["step"] == 1 and info["tensors"] == 2
     weights = load_file(tmp_path / "model.safetensors")
@@ -488,3 +499,152 @@ def test_export_safetensors_with_tied_weights(tmp_path: Path) -> None:
         assert handle.metadata()["step"] == "1"
     with pytest.raises(CheckpointError, match="does not exist"):
         checkpoint.export_safetensors(tmp_path / "nowhere", tmp_path / "x.safetensors")
+
+
+# ---------------------------------------------------------------- the Checkpointer object
+
+
+def test_checkpointers_share_no_save_in_flight_and_no_origin(saved: dict, tmp_path: Path) -> None:
+    """Two runs in one process: run A started from a load_path and saves asynchronously (its
+    write fails), run B is fresh and saves synchronously. B neither waits for nor inherits
+    A's failed save, and B's checkpoint does not claim A's origin."""
+    a = checkpoint.Checkpointer(tmp_path / "a", async_save=True)
+    model, optimizer = build(seed=1)
+    progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
+    assert a.resume(state(model, optimizer), progress, load_path=str(saved["path"])) is not None
+    b = checkpoint.Checkpointer(tmp_path / "b")
+    (tmp_path / "a" / "step-7" / ".metadata.tmp").mkdir(parents=True)  # A's write fails here
+    a.save(state(model, optimizer), progress)
+    b_path = b.save(state(model, optimizer), progress)
+    assert checkpoint.is_complete(b_path)
+    assert json.loads((b_path / TRAIN_STATE).read_text())["origin"] is None
+    with pytest.raises(CheckpointError, match=r"asynchronous save of .*a/step-7 failed: .*\.metadata\.tmp"):
+        a.wait()
+    assert not checkpoint.is_complete(tmp_path / "a" / "step-7")
+    a.close()  # nothing left in flight
+
+
+def test_checkpoint_modules_hold_no_mutable_state() -> None:
+    """No `global` rebinding and no module-level value that can change (constants only)."""
+    import ast
+    import inspect
+    import pkgutil
+    import re
+    import types
+
+    from runtime import dist
+
+    immutable = (int, float, str, bytes, type(None), re.Pattern, type, types.ModuleType,
+                 types.FunctionType, types.BuiltinFunctionType)
+
+    def frozen(value: object) -> bool:
+        if isinstance(value, (tuple, frozenset)):
+            return all(frozen(item) for item in value)
+        return isinstance(value, immutable) or type(value).__module__ in ("typing", "__future__")
+
+    names = [f"{checkpoint.__name__}.{info.name}" for info in pkgutil.iter_modules(getattr(checkpoint, "__path__", []))]
+    modules = [checkpoint, dist, *(__import__(name, fromlist=["_"]) for name in names)]
+    assert len(modules) >= 6, names  # the package's modules were found
+    for module in modules:
+        tree = ast.parse(inspect.getsource(module))
+        assert not [node for node in ast.walk(tree) if isinstance(node, ast.Global)], module.__name__
+        mutable = [name for name, value in vars(module).items()
+                   if not name.startswith("__") and not frozen(value)]
+        assert not mutable, f"{module.__name__}: {mutable}"
+
+
+class Counter:
+    """Not a module or an optimizer: anything with state_dict() and load_state_dict()."""
+
+    def __init__(self) -> None:
+        self.count, self.label = torch.zeros(2), ""
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "label": self.label}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.count, self.label = state_dict["count"], state_dict["label"]
+
+
+def full_state(seed: int) -> dict:
+    model, optimizer = build(seed=seed)
+    ema, _ = build(seed=seed + 10)  # as an EMA of the model would be: a second module
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    return {"model": model, "optimizer": optimizer, "ema": ema, "scheduler": scheduler, "counter": Counter()}
+
+
+def test_extra_state_entries_are_saved_and_resumed(tmp_path: Path) -> None:
+    saved, progress = full_state(seed=0), Progress(batches_per_epoch=BATCHES_PER_EPOCH)
+    for _ in range(3):
+        train(saved["model"], saved["optimizer"], progress, 1)
+        saved["scheduler"].step()
+    saved["counter"].count += torch.tensor([1.0, 2.0])
+    saved["counter"].label = "three steps"
+    path = checkpoint.Checkpointer(tmp_path).save(saved, progress)
+
+    loaded = full_state(seed=1)
+    resumed = checkpoint.Checkpointer(tmp_path).resume(loaded, Progress(batches_per_epoch=BATCHES_PER_EPOCH))
+    assert resumed.path == path and resumed.step == 3
+    assert same_params(loaded["ema"], saved["ema"]) and same_params(loaded["model"], saved["model"])
+    assert loaded["scheduler"].state_dict() == saved["scheduler"].state_dict()
+    assert loaded["optimizer"].param_groups[0]["lr"] == saved["optimizer"].param_groups[0]["lr"] == 5e-3
+    assert torch.equal(loaded["counter"].count, torch.tensor([1.0, 2.0]))
+    assert loaded["counter"].label == "three steps"
+
+    # Weights only (a fine-tune): every module's weights, nothing else.
+    fine_tune = full_state(seed=1)
+    checkpoint.Checkpointer(tmp_path / "ft").resume(fine_tune, Progress(batches_per_epoch=BATCHES_PER_EPOCH),
+                                                   load_path=str(path), weights_only=True)
+    assert same_params(fine_tune["ema"], saved["ema"]) and not fine_tune["optimizer"].state
+    assert fine_tune["scheduler"].last_epoch == 0 and fine_tune["counter"].label == ""
+
+    # A checkpoint saved without the EMA entry cannot fill it: named, nothing restored.
+    checkpoint.Checkpointer(tmp_path / "plain").save(state(saved["model"], saved["optimizer"]), progress)
+    later = full_state(seed=1)
+    with pytest.raises(CheckpointError, match=r"step-3 holds no ema, scheduler, counter \(it holds model, optimizer\)"):
+        checkpoint.load(tmp_path / "plain" / "step-3", later)
+    assert not same_params(later["model"], saved["model"])
+
+
+def test_state_entries_that_cannot_be_saved_are_named(tmp_path: Path) -> None:
+    model, optimizer = build()
+    checkpointer = checkpoint.Checkpointer(tmp_path)
+    progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
+    with pytest.raises(TypeError, match=r"state\['step'\] is a int"):
+        checkpointer.save({"model": model, "step": 3}, progress)
+    with pytest.raises(TypeError, match=r"state\['optimizer'\] optimizes parameters of no module"):
+        checkpointer.save({"optimizer": optimizer}, progress)
+    assert not tmp_path.joinpath("step-0").exists()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_writer_thread_that_fails_fails_the_save(saved: dict, monkeypatch: pytest.MonkeyPatch,
+                                                   async_save: bool) -> None:
+    """DCP's extra writer threads die silently (torch 2.13): their files are left out of the
+    metadata and the save "succeeds". Such a checkpoint must never be marked complete (nor
+    push a good one out by rotation)."""
+    import threading
+
+    from torch.distributed.checkpoint import filesystem
+
+    write = filesystem._write_files_from_queue
+    took = threading.Event()
+
+    def disk_full_in_extra_thread(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if threading.current_thread().name.endswith("(disk_full_in_extra_thread)"):  # DCP's 2nd writer
+            args[1].get()  # takes a file's items off the queue, writes nothing
+            took.set()
+            raise OSError(28, "No space left on device")
+        took.wait(10)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(filesystem, "_write_files_from_queue", disk_full_in_extra_thread)
+    model, optimizer, progress = saved["model"], saved["optimizer"], saved["progress"]
+    train(model, optimizer, progress, 1)
+    checkpointer = checkpoint.Checkpointer(saved["folder"], keep=1, async_save=async_save)
+    with pytest.raises(CheckpointError, match=r"step-8: \d+ items were not written"):
+        checkpointer.save(state(model, optimizer), progress)
+        checkpointer.wait()
+    assert not checkpoint.is_complete(saved["folder"] / "step-8")
+    assert checkpoint.latest(saved["folder"]) == saved["path"]  # step-7 kept

@@ -1,8 +1,9 @@
 """Elastic, crash-safe checkpoints, end to end: torchrun on CPU (gloo) and generated projects.
 
 Launches are few and grouped (each torchrun start costs seconds on this machine):
-- runtime level: saved on 2 ranks (FSDP2 and DDP), loaded on 3 ranks (FSDP2) and 1 process:
-  the model and AdamW state equal the saved state bitwise.
+- runtime level: saved on 2 ranks (FSDP2, and DDP with an asynchronous save), loaded on 3 ranks
+  (FSDP2) and 1 process: the model, AdamW and an extra state entry (an EMA module) equal the
+  saved state bitwise.
 - a generated project (issue 4's "done when", smaller): 2 ranks to the end (the reference);
   2 ranks cut off after step 4, resumed on 2 ranks (bitwise equal losses and weights), and the
   same step-4 checkpoint resumed on 3 ranks to step 8 and on 1 process to the end (losses within
@@ -96,9 +97,9 @@ def weights(workdir: Path, run: str, step: int) -> dict[str, torch.Tensor]:
 
 
 def test_saved_state_comes_back_bitwise_on_any_world_size(tmp_path: Path) -> None:
-    """FSDP2 and DDP on 2 ranks -> FSDP2 on 3 ranks and one process: model and AdamW state exact."""
+    """FSDP2 and DDP on 2 ranks -> FSDP2 on 3 ranks and one process: model, AdamW and EMA exact."""
     ok(torchrun(2, WORKER, "save", tmp_path, cwd=tmp_path))
-    assert (tmp_path / "fsdp" / "step-3" / "COMPLETE").is_file()
+    assert all((tmp_path / run / "step-3" / "COMPLETE").is_file() for run in ("fsdp", "ddp"))
     assert sorted(p.name for p in (tmp_path / "fsdp" / "step-3").glob("rng-rank*.pt")) == [
         "rng-rank0.pt", "rng-rank1.pt"]
     assert "identical on 3 rank(s) (fsdp)" in ok(torchrun(3, WORKER, "load", tmp_path, cwd=tmp_path)).stdout

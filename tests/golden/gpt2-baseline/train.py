@@ -208,8 +208,6 @@ def main() -> None:
     # Shard or replicate for the launch: FSDP2 per block then the root, DDP, or nothing.
     model = fsdp.parallelize(model, model.blocks, env, parallel)
 
-    # event: OPTIMIZER
-
     # Decay weight matrices and embeddings; biases and LayerNorm gains stay undecayed.
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(
@@ -223,17 +221,24 @@ def main() -> None:
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
     )
+    # What a checkpoint holds; an algorithm with state of its own (EMA weights, say)
+    # adds an entry at OPTIMIZER, before the resume below restores all of it.
+    state = {"model": model, "optimizer": optimizer}
+
+    # event: OPTIMIZER
 
     # Resume: load_path, else this run's newest complete checkpoint, restores model,
     # optimizer, progress and RNG, saved on any number of ranks. The batch order is a
     # function of progress (the global sample cursor): nothing is replayed.
     progress = Progress(batches_per_epoch=train_batches.batches_per_epoch)
-    save_folder = Path(cfg.save_folder or run_dir / "checkpoints")
+    checkpointer = checkpoint.Checkpointer(
+        cfg.save_folder or run_dir / "checkpoints",
+        keep=cfg.save_num_checkpoints_to_keep,
+        async_save=cfg.save_async,
+    )
     try:
-        resumed = checkpoint.resume(
-            save_folder,
-            model,
-            optimizer,
+        resumed = checkpointer.resume(
+            state,
             progress,
             load_path=cfg.load_path,
             weights_only=cfg.load_weights_only,
@@ -360,15 +365,7 @@ def main() -> None:
                 monitor.log(progress, **metrics)
             if progress.at_interval(cfg.save_interval, cfg.max_duration) or finished:
                 with monitor.paused():
-                    checkpoint.save(
-                        save_folder,
-                        model,
-                        optimizer,
-                        progress,
-                        extra=microbatching.state_dict(),
-                        keep=cfg.save_num_checkpoints_to_keep,
-                        async_save=cfg.save_async,
-                    )
+                    checkpointer.save(state, progress, extra=microbatching.state_dict())
             if finished:
                 break
 
@@ -376,7 +373,7 @@ def main() -> None:
 
     # event: FIT_END
 
-    checkpoint.wait()  # an async save in flight: finished and marked complete
+    checkpointer.close()  # an async save in flight: finished and marked complete
     monitor.info(
         f"done: step {progress.batch}, {progress.token:,} tokens; outputs in {run_dir}"
     )

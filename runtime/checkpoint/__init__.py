@@ -1,0 +1,29 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): world-size independent, complete or absent.
+
+    checkpointer = checkpoint.Checkpointer(folder, keep=2, async_save=False)
+    state = {"model": model, "optimizer": optimizer}  # add entries: an EMA model, a scheduler
+    resumed = checkpointer.resume(state, progress, load_path=..., seed=...)  # None: fresh start
+    checkpointer.save(state, progress, extra={...})  # step-<N>/, COMPLETE once every rank wrote
+    checkpointer.close()  # an asynchronous save in flight: finished and marked complete
+    checkpoint.export_safetensors(run_or_checkpoint, "model.safetensors")  # no process group
+
+One concern per module: `layout` (step folders, the COMPLETE marker, rotation,
+train_state.json), `reading` (loading without executing pickles), `contents` (what is saved:
+the `state` dict's modules, optimizers and state-dict objects), `checkpointer` (save, resume,
+the asynchronous save in flight), `export` (safetensors for inference).
+"""
+
+from runtime.checkpoint.checkpointer import Checkpointer, Resumed, load
+from runtime.checkpoint.export import export_safetensors
+from runtime.checkpoint.layout import (
+    MARKER,
+    TRAIN_STATE,
+    CheckpointError,
+    is_complete,
+    latest,
+    remove_incomplete,
+    resolve,
+)
+
+__all__ = ("MARKER", "TRAIN_STATE", "CheckpointError", "Checkpointer", "Resumed", "export_safetensors",
+           "is_complete", "latest", "load", "remove_incomplete", "resolve")

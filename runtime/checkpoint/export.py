@@ -1,0 +1,47 @@
+"""Export for inference: a checkpoint's model weights as one safetensors file, no process group."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from runtime.checkpoint import layout, reading
+from runtime.checkpoint.layout import CheckpointError
+
+
+def export_safetensors(source: Path | str, out_file: Path | str) -> dict[str, Any]:
+    """Consolidate a checkpoint's model weights into one safetensors file.
+
+    `source` is a step-<N> folder, or a run or checkpoints folder (its newest complete
+    checkpoint). Shards saved on any number of ranks are assembled into full tensors. Tied
+    weights (GPT-2's `lm_head.weight` is `wte.weight`) are saved under each name as separate
+    copies, so `model.load_state_dict(safetensors.torch.load_file(out))` works unchanged
+    (and re-ties them: both names load into the one shared parameter). The file's metadata
+    records the source checkpoint and its step. Returns a summary dict.
+    """
+    from safetensors.torch import save_file
+
+    path = layout.resolve(source)
+    metadata = reading.read_metadata(path)
+    reading.check_files(path, metadata)
+    weights = {
+        key.removeprefix("model."): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    if not weights:
+        raise CheckpointError(f"{path} holds no model weights")
+    reading.load({"model": weights}, path, no_dist=True)
+    step = int(layout.read_train_state(path)["progress"]["batch"])
+    out = Path(out_file)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp),
+              metadata={"checkpoint": str(path), "step": str(step), "format": "pt"})
+    os.replace(tmp, out)
+    return {"checkpoint": path, "step": step, "tensors": len(weights),
+            "numel": sum(v.numel() for v in weights.values()), "file": out}
