@@ -375,11 +375,12 @@ def resolve(recipe: Recipe, template: Path, project_name: str) -> dict[str, Any]
     if task not in tasks:
         raise RecipeError(f"answer 'task' = {task!r} is not a task pack{_suggest(task, list(tasks))}; "
                           f"known tasks: {', '.join(tasks)}")
-    family = answers.setdefault("model_family", questions["model_family"]["default"])
+    # Defaults follow the task: its first model family, then that family's first preset.
+    family = answers.setdefault("model_family", tasks[task].models[0])
     if family not in tasks[task].models:
         raise RecipeError(f"answer 'model_family' = {family!r} does not fit task '{task}'; it takes: "
                           f"{', '.join(tasks[task].models)}")
-    preset = answers.setdefault("model", questions["model"]["default"])
+    preset = answers.setdefault("model", models[family].presets[0])
     if preset not in models[family].presets:
         raise RecipeError(f"answer 'model' = {preset!r} is not a {family} preset"
                           f"{_suggest(str(preset), list(models[family].presets))}; presets: "

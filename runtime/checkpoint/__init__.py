@@ -14,6 +14,7 @@ the asynchronous save in flight), `export` (safetensors for inference).
 """
 
 from runtime.checkpoint.checkpointer import Checkpointer, Resumed, load
+from runtime.checkpoint.compat import resume, save, wait  # scaffold 0.1.0 projects, until upgraded
 from runtime.checkpoint.export import export_safetensors
 from runtime.checkpoint.layout import (
     MARKER,
@@ -26,4 +27,4 @@ from runtime.checkpoint.layout import (
 )
 
 __all__ = ("MARKER", "TRAIN_STATE", "CheckpointError", "Checkpointer", "Resumed", "export_safetensors",
-           "is_complete", "latest", "load", "remove_incomplete", "resolve")
+           "is_complete", "latest", "load", "remove_incomplete", "resolve", "resume", "save", "wait")
