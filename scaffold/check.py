@@ -84,6 +84,7 @@ class PyFile:
     blocks: list[Block] = field(default_factory=list)
     fence_errors: list[tuple[str, str]] = field(default_factory=list)  # (algorithm, what is wrong)
     config_fields: list[str] | None = None  # None: no `class Config` here
+    scopes: list[tuple[int, int, str]] = field(default_factory=list)  # (def line, last line, "GPT.forward")
     syntax_error: str = ""
 
 
@@ -151,6 +152,7 @@ def read_py(path: str, source: str) -> PyFile:
     collector = _Collector()
     MetadataWrapper(module, unsafe_skip_copy=True).visit(collector)
     found.config_fields = collector.config_fields
+    found.scopes = [(first - 1, last, name) for first, last, _, name in collector.scopes]
     open_: tuple[str, int] | None = None
     last_event = ""
     for line, column, text in sorted(collector.comments):
@@ -474,15 +476,25 @@ def check(project: Path) -> Report:
 # --- the diff ----------------------------------------------------------------------------------
 
 
+def _scope_at(line: int, file: PyFile) -> str:
+    inside = [(first, name) for first, last, name in file.scopes if first <= line <= last]
+    return max(inside)[1] if inside else ""
+
+
 def _label(line: int, file: PyFile | None) -> str:
-    """What a line belongs to: an algorithm block, else the event above it, else the file's top."""
+    """What a line belongs to: an algorithm block, else the event above it in the same function,
+    else its class or function ("module level" outside them)."""
     if file is None:
         return "file"
     for block in file.blocks:
         if block.start <= line <= block.end:
             return f"algorithm {block.algorithm}"
-    events = [name for name, at in file.events if at <= line]
-    return f"event {events[-1]}" if events else "top of file"
+    scope = _scope_at(line, file)
+    top = scope.split(".")[0]
+    events = [name for name, at in file.events if at <= line and _scope_at(at, file).split(".")[0] == top]
+    if events and top:
+        return f"event {events[-1]}"
+    return scope or "module level"
 
 
 def diff_texts(relpath: str, old: str, new: str) -> list[tuple[str, str]]:

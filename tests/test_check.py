@@ -121,7 +121,7 @@ def test_an_edited_block_is_reported_and_diffed_under_its_algorithm(project: Pat
     assert "-            grad_norm = fsdp.clip_grad_norm_(" in text
     assert "+            grad_norm = 2 * fsdp.clip_grad_norm_(" in text
     # an edit outside every block is grouped under the code above it (the Config class here)
-    assert "+    beta2: float = 0.99" in text and "=== train.py: top of file" in lines
+    assert "+    beta2: float = 0.99" in text and "=== train.py: Config" in lines
     assert sum(line.startswith("@@") for line in lines) == 2
 
 
