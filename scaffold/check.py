@@ -450,8 +450,12 @@ def pristine_render(answers: dict[str, Any], version: str) -> Iterator[Path]:
         dest = Path(scratch) / "project"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            copier.run_copy(HISTORY_SRC, str(dest), data=data, vcs_ref=version, defaults=True,
-                            unsafe=True, quiet=True)
+            try:
+                copier.run_copy(HISTORY_SRC, str(dest), data=data, vcs_ref=version, defaults=True,
+                                unsafe=True, quiet=True)
+            except Exception as error:  # copier's and jinja's errors share no base class
+                raise CheckError(f"template {version} cannot render this project's answers ({" ".join(str(error).split())}); "
+                                 f"restore {ANSWERS_FILE} from git history") from None
         yield dest
 
 

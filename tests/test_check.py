@@ -93,6 +93,21 @@ def test_cli_check_and_diff_of_an_unedited_project(generated: dict[str, Path]) -
     assert result.returncode == 0 and result.stdout == "", result.stdout + result.stderr
 
 
+def test_cli_check_of_a_folder_that_is_no_project_exits_2(tmp_path: Path) -> None:
+    for command in ("check", "diff"):
+        result = scaffold_cli(command, str(tmp_path))
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+        assert "has no .copier-answers.yml" in result.stderr
+
+
+def test_an_answer_the_template_cannot_render_is_one_clear_error(project: Path) -> None:
+    replace_once(project / ".copier-answers.yml", "    alibi: {}\n", "    no_such_algorithm: {}\n")
+    result = scaffold_cli("check", str(project))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "cannot render this project's answers" in result.stderr and result.stderr.count("\n") == 1
+
+
 def test_fences_are_comments_not_text_in_strings() -> None:
     source = ('"""Docs:\n# algorithm: fake\n"""\n\n\ndef f():\n    # event: INIT\n\n'
               '    # algorithm: real\n    x = "# end algorithm: real"\n    # end algorithm: real\n    return x\n')
