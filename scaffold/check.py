@@ -454,7 +454,7 @@ def pristine_render(answers: dict[str, Any], version: str) -> Iterator[Path]:
                 copier.run_copy(HISTORY_SRC, str(dest), data=data, vcs_ref=version, defaults=True,
                                 unsafe=True, quiet=True)
             except Exception as error:  # copier's and jinja's errors share no base class
-                raise CheckError(f"template {version} cannot render this project's answers ({" ".join(str(error).split())}); "
+                raise CheckError(f"template {version} cannot render this project's answers ({' '.join(str(error).split())}); "
                                  f"restore {ANSWERS_FILE} from git history") from None
         yield dest
 
