@@ -37,8 +37,8 @@ EVENT = re.compile(r"#\s*event:\s*(\S+)\s*$")
 ANSWERS_FILE = ".copier-answers.yml"
 
 # Statuses of an algorithm in the table.
-INTACT, EDITED, MOVED, DELETED, BROKEN, DUPLICATED, UNLISTED = (
-    "intact", "edited", "moved", "deleted", "fence broken", "duplicated", "not in answers")
+INTACT, EDITED, MOVED, DELETED, BROKEN, DUPLICATED, UNLISTED, UNREADABLE = (
+    "intact", "edited", "moved", "deleted", "fence broken", "duplicated", "not in answers", "unreadable")
 
 
 class CheckError(RuntimeError):
@@ -329,8 +329,8 @@ def _compare_algorithm(name: str, pristine: list[Block], user: list[Block], brok
 def _pair(pristine: list[Block], user: list[Block]) -> list[tuple[Block, Block]]:
     """Pair each of the user's blocks with a pristine one: same text first, then in order."""
     if len(pristine) == len(user):
-        texts = sorted(b.text for b in pristine) == sorted(b.text for b in user)
-        if not texts:
+        same_texts = sorted(b.text for b in pristine) == sorted(b.text for b in user)
+        if not same_texts:
             return list(zip(pristine, user))
     free = list(pristine)
     pairs: list[tuple[Block, Block]] = []
@@ -371,6 +371,7 @@ def compare(project: Path, pristine_root: Path, answers: dict[str, Any], version
     user_blocks: dict[str, list[Block]] = {name: [] for name in listed}
     broken: dict[str, list[str]] = {}
     files: list[tuple[PyFile, PyFile | None]] = []
+    unreadable: dict[str, str] = {}  # algorithm -> a file of it that does not parse
     paths = sorted(set(_py_files(pristine_root)) | set(_project_py_files(project)))
     for relpath in paths:
         pristine_path = pristine_root / relpath
@@ -378,6 +379,8 @@ def compare(project: Path, pristine_root: Path, answers: dict[str, Any], version
         user = _read_user(project, relpath)
         if user is not None and user.syntax_error:
             report.problems.append(f"{user.syntax_error}; fix it (conflict markers left from a merge?)")
+            for block in pristine.blocks if pristine else []:
+                unreadable.setdefault(block.algorithm, relpath)
             continue
         if pristine is None:  # a file of the user's: only fences in it matter
             pristine = PyFile(relpath, [])
@@ -390,7 +393,10 @@ def compare(project: Path, pristine_root: Path, answers: dict[str, Any], version
             broken.setdefault(name, []).append(what)
     for name in listed:
         mine, theirs = pristine_blocks.get(name, []), user_blocks.get(name, [])
-        state = _compare_algorithm(name, mine, theirs, broken.get(name, []))
+        if name in unreadable:
+            state = AlgorithmState(name, UNREADABLE, f"{unreadable[name]} does not parse")
+        else:
+            state = _compare_algorithm(name, mine, theirs, broken.get(name, []))
         report.algorithms.append(replace(state, blocks=f"{len(theirs)}/{len(mine)}"))
     for name in sorted(set(user_blocks) | set(broken) - set(listed)):
         if name in listed:

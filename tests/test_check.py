@@ -24,6 +24,7 @@ from scaffold.check import (
     INTACT,
     MOVED,
     UNLISTED,
+    UNREADABLE,
     Report,
     check,
     diff,
@@ -244,7 +245,7 @@ PROBLEMS = [
     (_markers_swapped, None, None, "the marker `# event: EPOCH_END` is out of order"),
     (_field_renamed, "gradient_clipping", EDITED, "Config field `gradient_clipping_max_norm`, which algorithm "
      "gradient_clipping reads, is missing (removed or renamed)"),
-    (_conflict_left, None, None, "train.py does not parse (line"),
+    (_conflict_left, "gradient_clipping", UNREADABLE, "train.py does not parse (line"),
 ]
 PROBLEM_IDS = ["duplicated", "end-fence-deleted", "start-fence-misspelt", "fences-crossed", "marker-removed",
                "markers-swapped", "field-renamed", "conflict-markers"]
