@@ -507,39 +507,58 @@ def _label(line: int, file: PyFile | None) -> str:
     return scope or "module level"
 
 
+CONTEXT = 3  # lines of context around a change, as in `git diff`
+
+
+def _change_label(op: tuple[str, int, int, int, int], old_file: PyFile | None, new_file: PyFile | None) -> str:
+    """Name a change by where it is: an algorithm block it touches (in the pristine file, else in
+    the user's), else the event point or class/function of the pristine line above it."""
+    _, i1, i2, j1, j2 = op
+    if old_file is None and new_file is None:
+        return "file"
+    touched = [_label(i + 1, old_file) for i in range(i1, i2)] + [_label(j + 1, new_file) for j in range(j1, j2)]
+    block = next((label for label in touched if label.startswith("algorithm ")), None)
+    if block:
+        return block
+    return _label(i1 + 1 if i2 > i1 else max(i1, 1), old_file) if old_file else touched[0]
+
+
 def diff_texts(relpath: str, old: str, new: str) -> list[tuple[str, str]]:
-    """(label, unified hunk) pairs, one per hunk, each labelled by the block or event it falls in."""
+    """(label, unified hunk) pairs: changes next to each other under the same label share a hunk;
+    changes under different labels get hunks of their own."""
     old_lines, new_lines = old.splitlines(), new.splitlines()
     is_py = relpath.endswith(".py")
     old_file = read_py(relpath, old) if is_py and old else None
     new_file = read_py(relpath, new) if is_py and new else None
+    ops = difflib.SequenceMatcher(None, old_lines, new_lines, autojunk=False).get_opcodes()
+    segments: list[tuple[str, list[tuple[str, int, int, int, int]]]] = []
+    for op in ops:
+        if op[0] == "equal":
+            continue
+        label = _change_label(op, old_file, new_file)
+        if segments and segments[-1][0] == label and op[1] - segments[-1][1][-1][2] <= 2 * CONTEXT:
+            segments[-1][1].append(op)
+        else:
+            segments.append((label, [op]))
     hunks: list[tuple[str, str]] = []
-    matcher = difflib.SequenceMatcher(None, old_lines, new_lines, autojunk=False)
-    for group in matcher.get_grouped_opcodes(3):
-        first_old, last_old = group[0][1], group[-1][2]
-        first_new, last_new = group[0][3], group[-1][4]
-        changed = [op for op in group if op[0] != "equal"]
-        labels = []
-        for tag, i1, i2, j1, j2 in changed:
-            # the pristine location names it (a deleted block), else the user's (an added one)
-            if i2 > i1 and old_file is not None:
-                label = next((_label(i + 1, old_file) for i in range(i1, i2)
-                              if _label(i + 1, old_file).startswith("algorithm")), _label(i1 + 1, old_file))
-            elif new_file is not None and j2 > j1:
-                label = next((_label(j + 1, new_file) for j in range(j1, j2)
-                              if _label(j + 1, new_file).startswith("algorithm")), _label(i1, old_file))
-            else:
-                label = _label(i1, old_file) if old_file else "file"
-            if label not in labels:
-                labels.append(label)
-        lines = [f"@@ -{first_old + 1},{last_old - first_old} +{first_new + 1},{last_new - first_new} @@"]
-        for tag, i1, i2, j1, j2 in group:
-            if tag == "equal":
-                lines.extend(" " + line for line in old_lines[i1:i2])
-                continue
+    previous_end = 0  # where the last hunk's changes ended (old lines): context never reaches back over them
+    for index, (label, changes) in enumerate(segments):
+        first, last = changes[0], changes[-1]
+        following = segments[index + 1][1][0][1] if index + 1 < len(segments) else len(old_lines)
+        before = min(CONTEXT, first[1] - previous_end)
+        after = min(CONTEXT, following - last[2])
+        old_start, new_start = first[1] - before, first[3] - before
+        old_end, new_end = last[2] + after, last[4] + after
+        lines = [f"@@ -{old_start + 1},{old_end - old_start} +{new_start + 1},{new_end - new_start} @@"]
+        lines.extend(" " + line for line in old_lines[old_start:first[1]])
+        for k, (tag, i1, i2, j1, j2) in enumerate(changes):
+            if k:  # the unchanged lines between two changes of this hunk
+                lines.extend(" " + line for line in old_lines[changes[k - 1][2]:i1])
             lines.extend("-" + line for line in old_lines[i1:i2])
             lines.extend("+" + line for line in new_lines[j1:j2])
-        hunks.append((", ".join(labels), "\n".join(lines)))
+        lines.extend(" " + line for line in old_lines[last[2]:old_end])
+        hunks.append((label, "\n".join(lines)))
+        previous_end = last[2]
     return hunks
 
 
@@ -566,7 +585,7 @@ def diff(project: Path) -> list[str]:
             for label, hunk in diff_texts(relpath, old, new):
                 grouped.setdefault(label, []).append(hunk)
             for label, hunks in grouped.items():
-                out.append(f"=== {relpath}: {label}")
+                out.append(f"=== {relpath}" if label == "file" else f"=== {relpath}: {label}")
                 out.append(f"--- pristine/{relpath} (template {version})")
                 out.append(f"+++ {relpath}")
                 out.extend(hunks)

@@ -28,6 +28,7 @@ from scaffold.check import (
     Report,
     check,
     diff,
+    diff_texts,
     read_py,
 )
 from scaffold.history import TemplateRelease
@@ -139,6 +140,17 @@ def test_an_edited_block_is_reported_and_diffed_under_its_algorithm(project: Pat
     # an edit outside every block is grouped under the code above it (the Config class here)
     assert "+    beta2: float = 0.99" in text and "=== train.py: Config" in lines
     assert sum(line.startswith("@@") for line in lines) == 2
+
+
+def test_diff_gives_each_event_its_own_hunk() -> None:
+    old = ("def main():\n    # event: A\n\n    a = 1\n    b = 2\n    # event: B\n\n    c = 3\n"
+           "    # algorithm: x\n    d = 4\n    # end algorithm: x\n")
+    new = old.replace("a = 1", "a = 10").replace("c = 3", "c = 30").replace("d = 4", "d = 40")
+    hunks = diff_texts("train.py", old, new)
+    assert [label for label, _ in hunks] == ["event A", "event B", "algorithm x"]
+    assert hunks[0][1].splitlines() == ["@@ -1,7 +1,7 @@", " def main():", "     # event: A", " ",
+                                        "-    a = 1", "+    a = 10", "     b = 2", "     # event: B", " "]
+    assert "+    d = 40" in hunks[2][1] and "+    c = 30" not in hunks[2][1]
 
 
 def test_a_deleted_algorithm_and_a_partly_deleted_one(project: Path) -> None:
