@@ -586,9 +586,11 @@ def diff(project: Path) -> list[str]:
                 grouped.setdefault(label, []).append(hunk)
             for label, hunks in grouped.items():
                 out.append(f"=== {relpath}" if label == "file" else f"=== {relpath}: {label}")
-                out.append(f"--- pristine/{relpath} (template {version})")
-                out.append(f"+++ {relpath}")
+                out.append(f"--- a/{relpath}")
+                out.append(f"+++ b/{relpath}")
                 out.extend(hunks)
+    if out:
+        out.insert(0, f"# your changes (b/) against the files template {version} renders from {ANSWERS_FILE} (a/)")
     return out
 
 

@@ -9,6 +9,7 @@ Each test edits a copy of a project generated once per session (conftest's `gene
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import RECIPES, scaffold_cli
+from scaffold import __version__
 from scaffold.check import (
     BROKEN,
     DELETED,
@@ -29,6 +31,8 @@ from scaffold.check import (
     check,
     diff,
     diff_texts,
+    pristine_render,
+    read_answers,
     read_py,
 )
 from scaffold.history import TemplateRelease
@@ -140,6 +144,27 @@ def test_an_edited_block_is_reported_and_diffed_under_its_algorithm(project: Pat
     # an edit outside every block is grouped under the code above it (the Config class here)
     assert "+    beta2: float = 0.99" in text and "=== train.py: Config" in lines
     assert sum(line.startswith("@@") for line in lines) == 2
+
+
+def test_the_diff_applied_to_the_pristine_render_gives_the_users_files(project: Path, tmp_path: Path) -> None:
+    edit(project, "            grad_norm = fsdp.clip_grad_norm_(\n", "            grad_norm = 2 * fsdp.clip_grad_norm_(\n")
+    edit(project, 'metrics["grad_norm"] = grad_norm.item()', 'metrics["grad_norm"] = grad_norm.item() * 1')
+    edit(project, "            # event: BATCH_END\n\n", "            # event: BATCH_END\n\n            pass\n")
+    edit(project, "    beta2: float = 0.95\n", "    beta2: float = 0.99\n")
+    (project / "README.md").write_text((project / "README.md").read_text() + "My notes.\n")
+    commit_all(project, "edits")
+    result = scaffold_cli("diff", str(project))
+    assert result.returncode == 0, result.stderr
+    headers = [line for line in result.stdout.splitlines() if line.startswith("===")]
+    assert headers == ["=== README.md", "=== train.py: Config", "=== train.py: algorithm gradient_clipping",
+                       "=== train.py: event BATCH_END"]
+    with pristine_render(read_answers(project), __version__) as pristine:
+        shutil.copytree(pristine, tmp_path / "pristine")
+    (tmp_path / "changes.patch").write_text(result.stdout)
+    subprocess.run(["git", "init", "--quiet"], cwd=tmp_path / "pristine", check=True)
+    subprocess.run(["git", "apply", str(tmp_path / "changes.patch")], cwd=tmp_path / "pristine", check=True)
+    for name in ("train.py", "README.md"):
+        assert (tmp_path / "pristine" / name).read_text() == (project / name).read_text()
 
 
 def test_diff_gives_each_event_its_own_hunk() -> None:
