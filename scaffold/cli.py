@@ -147,16 +147,68 @@ def add(
 def remove(
     algorithm: Annotated[str, typer.Argument(help="An algorithm in the project.")],
     project: Annotated[Path, typer.Argument(help="The project folder (a clean git work tree).")] = Path("."),
+    force: Annotated[
+        bool, typer.Option("--force", help="Remove the algorithm's blocks even where you edited or moved them.")
+    ] = False,
 ) -> None:
-    """Remove an algorithm from a project: its code is merged out, your edits are kept."""
+    """Remove an algorithm from a project: its code is merged out, your other edits are kept."""
     from scaffold.upgrade import UpdateError
     from scaffold.upgrade import remove as run_remove
 
     try:
-        result = run_remove(project, algorithm)
+        result = run_remove(project, algorithm, force=force)
     except (UpdateError, HistoryError) as error:
         raise _fail(str(error)) from None
     _report(result, f"removed {algorithm} from {project}")
+
+
+@app.command()
+def check(
+    project: Annotated[Path, typer.Argument(help="The project folder.")] = Path("."),
+) -> None:
+    """Check your edits against the generated code: event markers, algorithm fences, Config fields.
+
+    Exits 0 when `upgrade`, `add` and `remove` can proceed, 1 (with the reasons) when they cannot.
+    """
+    from scaffold.check import CheckError
+    from scaffold.check import check as run_check
+
+    try:
+        report = run_check(project)
+    except (CheckError, HistoryError) as error:
+        raise _fail(str(error)) from None
+    table = Table("algorithm", "status", "blocks", "where", box=None, show_edge=False)
+    for state in report.algorithms:
+        table.add_row(state.name, state.status, state.blocks or "-", state.detail or "-")
+    out.print(f"{project} (template {report.version})", markup=False)
+    out.print(table)
+    markers = [m for m in report.markers if m.status != "present"]
+    present = len(report.markers) - len(markers)
+    out.print(f"event markers: {present} of {len(report.markers)} in place", markup=False)
+    for marker in markers:
+        out.print(f"  {marker.path}: {marker.name} {marker.status}", markup=False)
+    if report.problems:
+        for problem in report.problems:
+            err.print(f"problem: {problem}", markup=False)
+        err.print("upgrade, add and remove refuse until these are fixed", markup=False)
+        raise typer.Exit(1)
+    out.print("ok: upgrade, add and remove can proceed", markup=False)
+
+
+@app.command()
+def diff(
+    project: Annotated[Path, typer.Argument(help="The project folder.")] = Path("."),
+) -> None:
+    """Show your changes against the code your template version generated, per algorithm and event."""
+    from scaffold.check import CheckError
+    from scaffold.check import diff as run_diff
+
+    try:
+        lines = run_diff(project)
+    except (CheckError, HistoryError) as error:
+        raise _fail(str(error)) from None
+    for line in lines:
+        out.print(line, markup=False, highlight=False)
 
 
 @app.command()

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import copier
 import yaml
@@ -47,6 +47,9 @@ from scaffold.history import (
     known_versions,
 )
 from scaffold.render import installed_release
+
+if TYPE_CHECKING:
+    from scaffold.check import Report
 
 ANSWERS_FILE = ".copier-answers.yml"
 CONFLICT_START = "<<<<<<< "
@@ -186,6 +189,22 @@ def _is_newer(version: str, than: str) -> bool:
         return False  # not comparable: let copier decide
 
 
+def check_code(state: ProjectState) -> "Report":
+    """`scaffold check` on a project that passed the preflight; refuses on what it cannot work around."""
+    from scaffold.check import CheckError, compare, pristine_render
+
+    try:
+        with pristine_render(state.answers, state.version) as pristine:
+            report = compare(state.path, pristine, state.answers, state.version)
+    except CheckError as error:
+        raise UpdateError(str(error)) from None
+    if report.problems:
+        more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
+        raise UpdateError(f"{report.problems[0]}{more}; nothing was changed: `scaffold check` lists what "
+                          "to fix, `scaffold diff` shows your changes")
+    return report
+
+
 def preflight(project: Path, release: TemplateRelease) -> ProjectState:
     """Every check that can refuse, in the order a user fixes them; writes nothing to the project."""
     project = project.expanduser().absolute()
@@ -316,6 +335,7 @@ def upgrade(project: Path, release: TemplateRelease | None = None, dry_run: bool
                           f"scaffold>={Version(state.version).public} (pip install -U scaffold)")
     if state.version == state.target:
         return UpdateResult(state.path, state.version, state.target, FileChanges(), dry_run)
+    check_code(state)
     changes, diffstat = _update(state, state.target, {}, dry_run)
     return UpdateResult(state.path, state.version, state.target, changes, dry_run, diffstat)
 
@@ -325,8 +345,18 @@ AlgorithmChange = Callable[
 ]
 
 
-def _change_algorithms(project: Path, release: TemplateRelease | None, change: AlgorithmChange) -> UpdateResult:
-    """Re-render the project at its current version with new `algorithms` answers from `change`."""
+def _change_algorithms(
+    project: Path,
+    release: TemplateRelease | None,
+    change: AlgorithmChange,
+    blockers: Callable[["Report"], list[str]] = lambda report: [],
+    after: Callable[[Path], None] = lambda path: None,
+) -> UpdateResult:
+    """Re-render the project at its current version with new `algorithms` answers from `change`.
+
+    `blockers` names what in the checked code stops this change (nothing is written then);
+    `after` tidies the merged files before they are classified.
+    """
     release = release or installed_release()
     state = preflight(project, release)
     history = history_path()
@@ -351,25 +381,52 @@ def _change_algorithms(project: Path, release: TemplateRelease | None, change: A
         algorithms = change(current, catalog, task, family)
     except RecipeError as error:
         raise UpdateError(str(error)) from None
-    changes, _ = _update(state, copier.VcsRef.CURRENT, {"algorithms": algorithms}, dry_run=False)
-    return UpdateResult(state.path, state.version, state.version, changes)
+    report = check_code(state)
+    reasons = blockers(report)
+    if reasons:
+        raise UpdateError("\n".join(reasons))
+    _update(state, copier.VcsRef.CURRENT, {"algorithms": algorithms}, dry_run=False)
+    after(state.path)
+    return UpdateResult(state.path, state.version, state.version, file_changes(state.path))
 
 
 def add(project: Path, algorithm: str, overrides: Sequence[str] = (), release: TemplateRelease | None = None) -> UpdateResult:
     """Add an algorithm (its hyperparameters from `param=value` overrides) and merge it into the files."""
+    from scaffold.check import add_blockers
+
     return _change_algorithms(
         project,
         release,
         lambda current, catalog, task, family: add_algorithm(
             current, algorithm, list(overrides), catalog, task, family
         ),
+        lambda report: add_blockers(report, algorithm),
     )
 
 
-def remove(project: Path, algorithm: str, release: TemplateRelease | None = None) -> UpdateResult:
-    """Remove an algorithm and merge its removal into the files."""
+def remove(project: Path, algorithm: str, release: TemplateRelease | None = None, force: bool = False) -> UpdateResult:
+    """Remove an algorithm and merge its removal into the files.
+
+    A block of the algorithm the user edited or moved would survive a 3-way merge as a conflict
+    or as dangling code: without `force` that is refused (the message shows the block); with it,
+    the algorithm's fenced blocks are removed whatever they hold.
+    """
+    from scaffold.check import drop_algorithm, remove_blockers
+
+    def blockers(report: "Report") -> list[str]:
+        reasons = remove_blockers(report, algorithm)
+        if not reasons or force:
+            return []
+        return [f"you changed {algorithm}'s code, so removing it would drop your edits:", *reasons,
+                f"nothing was changed; to remove it anyway: scaffold remove {algorithm} --force "
+                "(git keeps your version in the last commit)"]
+
     return _change_algorithms(
-        project, release, lambda current, catalog, *_: remove_algorithm(current, algorithm, catalog)
+        project,
+        release,
+        lambda current, catalog, *_: remove_algorithm(current, algorithm, catalog),
+        blockers,
+        (lambda path: drop_algorithm(path, algorithm)) if force else (lambda path: None),
     )
 
 
