@@ -9,6 +9,8 @@ multi-process composition are `slow`.
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from projects import project_modules, read_metrics, run_train
+from projects import checkout_env, project_modules, read_metrics, run_train
 from runtime import fsdp
 from runtime.dist import DistEnv
 
@@ -117,14 +119,18 @@ def test_compile_under_fsdp2_with_checkpointing_and_auto_microbatching_matches_e
 ) -> None:
     """2 ranks, FSDP2 + activation checkpointing + auto microbatching + sequence-length
     warmup: compiled and eager runs take the same steps (fp32 tolerance)."""
-    from test_distributed import torchrun
-
     project = generated["gpt2-speedup"]
-    common = ("--activation_checkpointing=true", "--device_microbatch_size=auto")
-    eager = torchrun(project, tmp_path, 2, *common, "--compile=false", "--run_name=eager", timeout=900)
-    assert eager.returncode == 0, eager.stderr[-3000:]
-    compiled = torchrun(project, tmp_path, 2, *common, "--compile=true", "--run_name=compiled", timeout=900)
-    assert compiled.returncode == 0, compiled.stderr[-3000:]
-    losses = [[r["loss"] for r in read_metrics(tmp_path, name)] for name in ("eager", "compiled")]
-    assert len(losses[0]) == 4
-    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+
+    def launch(name: str, compile_: bool) -> list[float]:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                   str(project / "train.py"), "--device=cpu", "--seq_len=32", "--global_batch_size=8",
+                   "--device_microbatch_size=auto", "--activation_checkpointing=true",
+                   "--max_duration=4ba", "--eval_interval=4ba", "--eval_batches=1", "--dist_timeout=300",
+                   f"--compile={str(compile_).lower()}", f"--run_name={name}"]
+        result = subprocess.run(command, cwd=tmp_path, env=checkout_env(), capture_output=True, text=True,
+                                timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return [r["loss"] for r in read_metrics(tmp_path, name)]
+
+    eager, compiled = launch("eager", False), launch("compiled", True)
+    assert len(eager) == 4 and compiled == pytest.approx(eager, rel=1e-4)
