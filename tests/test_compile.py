@@ -134,3 +134,32 @@ def test_compile_under_fsdp2_with_checkpointing_and_auto_microbatching_matches_e
 
     eager, compiled = launch("eager", False), launch("compiled", True)
     assert len(eager) == 4 and compiled == pytest.approx(eager, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_alibi_flex_attention_inside_compiled_blocks_matches_the_dense_bias(
+    generated: dict[str, Path], monkeypatch
+) -> None:
+    """CUDA's default: compiled blocks taking FlexAttention's block mask. Forward only (the
+    CPU has no FlexAttention backward), two lengths (the mask's shape changes).
+
+    Dynamo captures the blocks with the BlockMask as an input and the compiled
+    flex_attention inlined; the graphs run through AOTAutograd without inductor: inductor's
+    CPU template for flex_attention rejects the strided q/k/v views inside a block
+    ("NoValidChoicesError", torch 2.13), a CPU-only limit (CUDA uses the Triton template)."""
+    original = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: original(fn, backend="aot_eager", **kw))
+    with project_modules(generated["gpt2-speedup"]) as found:
+        model_module = found["model"]
+        torch.manual_seed(0)
+        config = model_module.GPTConfig(vocab_size=256, max_seq_len=64, n_layer=2, n_head=4, n_embd=64)
+        dense = model_module.GPT(config)
+        flex = copy.deepcopy(dense)
+        fsdp.parallelize(flex, flex.blocks, ONE_PROCESS, fsdp.ParallelConfig(compile=True))
+        generator = torch.Generator().manual_seed(3)
+        inputs = [torch.randint(0, 256, (2, seq), generator=generator) for seq in (40, 64)]
+        with torch.no_grad():
+            expected = [dense(idx) for idx in inputs]  # the CPU's path: dense bias, SDPA
+            monkeypatch.setattr(model_module, "alibi_uses_flex", lambda device, dropout: True)
+            for idx, logits in zip(inputs, expected):
+                torch.testing.assert_close(flex(idx), logits, atol=1e-5, rtol=1e-5)
