@@ -3,8 +3,13 @@
 Both do the same work: the same model, data, seed, AdamW, gradient accumulation over the same
 microbatches, gradient clipping and LR schedule. The generated loop runs as shipped (progress,
 metrics.jsonl and log every step), with evaluation and checkpoints out of the timed steps.
-Where Lightning is installed (optional), its Trainer runs the same work as a third column.
-Runs alternate A B A B ... in one invocation; each reports its median step time after warmup.
+A third column is an outside reference: nanoGPT's training step re-implemented in this file
+(its model code, its `get_batch` sampling random windows from a fresh memmap of `train.bin`
+each call with the next batch fetched during the last microbatch, its `configure_optimizers`,
+`get_lr` and clipping, `loss.item()` every step as at its default `log_interval=1`), on the
+same sizes, data (the stdlib bytes written as `train.bin`), hyperparameters and allocator.
+Where Lightning is installed (optional), its Trainer runs the same work as a fourth column.
+Runs alternate A B C ... in one invocation; each reports its median step time after warmup.
 
     python bench/overhead.py [--rounds 3] [--steps 60]
 """
@@ -17,6 +22,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from _common import ALLOCATOR, bench_env, generate, median, scratch, train
 
@@ -63,6 +70,143 @@ for step in range(steps):
     times.append(time.perf_counter() - start)
 print(json.dumps(times))
 '''
+
+
+# nanoGPT's train.py step (karpathy/nanoGPT, model.py + train.py), re-implemented for this bench:
+# the same module structure and arithmetic, without the parts that do not run here (DDP, the
+# fp16 GradScaler, which is a no-op for fp32, evaluation, checkpoints). Bias on, as in nanoGPT's
+# GPTConfig default, so the parameter count equals the generated model's.
+NANOGPT_LOOP = r"""
+import json, math, sys, time
+import numpy as np, torch, torch.nn as nn, torch.nn.functional as F
+data_path, (n_layer, n_head, n_embd) = sys.argv[1], map(int, sys.argv[2].split(","))
+block_size, total_batch, batch_size, max_iters = map(int, sys.argv[3:7])
+learning_rate, min_lr, warmup_iters, weight_decay, grad_clip = 2e-3, 2e-4, max(1, max_iters // 20), 0.1, 1.0
+gradient_accumulation_steps = total_batch // batch_size
+# bench/gpu.py adds: device, compile (0/1), vocabulary size (bf16 autocast and TF32 on CUDA).
+device, compile, vocab_size = (sys.argv[7:10] + ["cpu", "0", "256"][len(sys.argv[7:10]):])
+compile, vocab_size, dropout, bias = compile == "1", int(vocab_size), 0.0, True
+device_type = "cuda" if "cuda" in device else "cpu"
+torch.backends.cuda.matmul.allow_tf32 = True
+ctx = torch.autocast(device_type, torch.bfloat16, enabled=device_type == "cuda")
+
+class LayerNorm(nn.Module):
+    def __init__(self, ndim, bias):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+    def forward(self, input):
+        return F.layer_norm(input, self.weight.shape, self.weight, self.bias, 1e-5)
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.resid_dropout = nn.Dropout(dropout)
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(n_embd, dim=2)
+        k = k.view(B, T, n_head, C // n_head).transpose(1, 2)
+        q = q.view(B, T, n_head, C // n_head).transpose(1, 2)
+        v = v.view(B, T, n_head, C // n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln_1, self.attn = LayerNorm(n_embd, bias), CausalSelfAttention()
+        self.ln_2, self.mlp = LayerNorm(n_embd, bias), MLP()
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+class GPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab_size, n_embd), wpe=nn.Embedding(block_size, n_embd),
+            drop=nn.Dropout(dropout), h=nn.ModuleList([Block() for _ in range(n_layer)]),
+            ln_f=LayerNorm(n_embd, bias)))
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+        for pn, p in self.named_parameters():
+            if pn.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    def forward(self, idx, targets):
+        pos = torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+    def configure_optimizers(self):
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), fused=device_type == "cuda")
+
+def get_batch():
+    data = np.memmap(data_path, dtype=np.uint16, mode="r")  # recreated every call, as nanoGPT does
+    ix = torch.randint(len(data) - block_size, (batch_size,))
+    x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in ix])
+    y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])
+    if device_type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x, y
+
+def get_lr(it):
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    ratio = (it - warmup_iters) / (max_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+
+torch.manual_seed(1337)
+model = GPT().to(device)
+optimizer = model.configure_optimizers()
+if compile:
+    model = torch.compile(model)
+X, Y = get_batch()
+times = []
+for iter_num in range(max_iters):
+    t0 = time.perf_counter()
+    for param_group in optimizer.param_groups:
+        param_group["lr"] = get_lr(iter_num)
+    for micro_step in range(gradient_accumulation_steps):
+        with ctx:
+            logits, loss = model(X, Y)
+            loss = loss / gradient_accumulation_steps
+        X, Y = get_batch()  # the next batch, fetched while (on a GPU) the forward runs
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    lossf = loss.item() * gradient_accumulation_steps  # waits for the GPU: honest timing
+    times.append(time.perf_counter() - t0)
+print(json.dumps(times))
+print(json.dumps(sum(p.numel() for p in model.parameters())))
+"""
 
 
 # The same work under Lightning's Trainer (when installed): a dataloader of microbatches,
@@ -133,6 +277,26 @@ def raw_step_ms(project: Path, preset: str, seq_len: int, batch: int, micro: int
     return 1000 * median(json.loads(result.stdout)[WARMUP_STEPS:])
 
 
+def nanogpt_step_ms(data_path: Path, preset: str, seq_len: int, batch: int, micro: int, steps: int) -> float:
+    sizes = {"tiny": "4,4,128", "small": "6,6,384"}[preset]  # as model.py's PRESETS
+    result = subprocess.run(
+        [sys.executable, "-c", NANOGPT_LOOP, str(data_path), sizes, str(seq_len), str(batch), str(micro),
+         str(steps)],
+        env=bench_env(), capture_output=True, text=True, check=True,
+    )
+    return 1000 * median(json.loads(result.stdout.splitlines()[0])[WARMUP_STEPS:])
+
+
+def write_train_bin(project: Path, root: Path) -> Path:
+    """The default data (stdlib source bytes) as nanoGPT's uint16 train.bin."""
+    sys.path.insert(0, str(project))
+    from data import load_tokens  # the generated project's data.py
+
+    path = root / "train.bin"
+    load_tokens("").train.astype(np.uint16).tofile(path)
+    return path
+
+
 def generated_step_ms(project: Path, workdir: Path, run: str, preset: str, seq_len: int, batch: int,
                       micro: int, steps: int) -> float:
     records = train(project, workdir, run, f"--model={preset}", f"--seq_len={seq_len}",
@@ -157,25 +321,29 @@ def main() -> None:
     }
     print(f"allocator: {' '.join(f'{k}={v}' for k, v in ALLOCATOR.items())}; torch threads: default")
     with_lightning = importlib.util.find_spec("lightning") is not None  # optional, never required
-    print(f"{'size':8} {'round':>5} {'raw ms/step':>12} {'generated ms/step':>18}"
+    train_bin = write_train_bin(project, root)
+    print(f"{'size':8} {'round':>5} {'raw ms/step':>12} {'generated ms/step':>18} {'nanoGPT ms/step':>16}"
           + (f" {'lightning ms/step':>18}" if with_lightning else ""))
-    ratios = {}
+    ratios, nano_ratios = {}, {}
     for size, (preset, seq_len, batch, micro, steps) in sizes.items():
-        raw, gen, lit = [], [], []
+        raw, gen, nano, lit = [], [], [], []
         for round_ in range(args.rounds):
             raw.append(raw_step_ms(project, preset, seq_len, batch, micro, steps))
             gen.append(generated_step_ms(project, root, f"{size}-{round_}", preset, seq_len, batch, micro, steps))
+            nano.append(nanogpt_step_ms(train_bin, preset, seq_len, batch, micro, steps))
             if with_lightning:
                 lit.append(lightning_step_ms(project, preset, seq_len, batch, micro, steps))
-            print(f"{size:8} {round_:5d} {raw[-1]:12.2f} {gen[-1]:18.2f}"
+            print(f"{size:8} {round_:5d} {raw[-1]:12.2f} {gen[-1]:18.2f} {nano[-1]:16.2f}"
                   + (f" {lit[-1]:18.2f}" if lit else ""), flush=True)
-        # steps/s ratio = raw time / generated time
+        # steps/s ratio = reference time / generated time
         ratios[size] = median(raw) / median(gen)
-        print(f"{size:8} {'median':>5} {median(raw):12.2f} {median(gen):18.2f}"
+        nano_ratios[size] = median(nano) / median(gen)
+        print(f"{size:8} {'median':>5} {median(raw):12.2f} {median(gen):18.2f} {median(nano):16.2f}"
               + (f" {median(lit):18.2f}" if lit else "")
-              + f"   generated/raw steps_per_s = {ratios[size]:.3f}"
+              + f"   generated/raw steps_per_s = {ratios[size]:.3f}, generated/nanoGPT = {nano_ratios[size]:.3f}"
               + (f", lightning/raw = {median(raw) / median(lit):.3f}" if lit else ""))
-    print(f"overhead: generated/raw steps_per_s = {ratios['tiny']:.2f} (tiny), {ratios['larger']:.2f} (larger)")
+    print(f"overhead: generated/raw steps_per_s = {ratios['tiny']:.2f} (tiny), {ratios['larger']:.2f} (larger); "
+          f"generated/nanoGPT = {nano_ratios['tiny']:.2f} (tiny), {nano_ratios['larger']:.2f} (larger)")
 
 
 if __name__ == "__main__":

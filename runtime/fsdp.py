@@ -17,6 +17,24 @@ bf16, gradients reduced in fp32 into fp32 master weights. (`amp_bf16`, autocast,
 here: it is a context manager in the loop.) Activation checkpointing recomputes each block's
 activations in backward instead of storing them; it is applied in place, so parameter and
 state-dict names do not change.
+
+Compilation is regional: each block's `forward` is replaced, in place, by its
+`torch.compile`d version (torchtitan compiles per block too). The module tree, parameter
+names and checkpoint keys stay as they were (compiling the whole model would add an
+`_orig_mod.` prefix), the blocks share one compiled graph (they run the same code), and the
+hooks on each block (activation checkpointing, FSDP2's all-gather and reduce-scatter,
+runtime.microbatch's votes) stay outside the compiled code, so they neither break the graph
+nor trigger recompilation when they are installed or removed.
+
+Recompilation is bounded by dynamo's automatic dynamic shapes: the first call compiles for
+its exact shapes; the first call where the batch (or the sequence) dimension differs compiles
+once more with that dimension symbolic, and that graph serves every later size. So
+sequence-length warmup (lengths 8, 16, ... seq_len) and the halving microbatch search cost
+one extra compile each, not one per length (a microbatch of 1 sample adds one more: dynamo
+specializes sizes 0 and 1). Measured in tests/test_compile.py: at most 5 training graphs
+over lengths 8..64 and microbatches 4, 2, 1, all made in the first two lengths; evaluation
+(no grad) adds its own. The recompile limit
+(torch._dynamo.config.recompile_limit, 8) is not reached.
 """
 
 from __future__ import annotations
@@ -47,6 +65,7 @@ class ParallelConfig:
     activation_checkpointing: bool = False
     cpu_offload: bool = False
     hybrid_shard_size: int = 0  # ranks per shard group; 0 = torchrun's LOCAL_WORLD_SIZE
+    compile: bool = False  # torch.compile each block in place (regional compilation)
 
 
 def resolve_parallelism(requested: str, world_size: int) -> str:
@@ -54,6 +73,20 @@ def resolve_parallelism(requested: str, world_size: int) -> str:
     if requested == "auto":
         return "fsdp" if world_size > 1 else "none"
     return requested
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    """`auto`: bf16 autocast on CUDA (tensor cores), fp32 on the CPU."""
+    if requested == "auto":
+        return "amp_bf16" if device.type == "cuda" else "fp32"
+    return requested
+
+
+def resolve_compile(requested: bool | str, device: torch.device) -> bool:
+    """`auto`: compile on CUDA, where fused kernels repay the compile time; not on the CPU."""
+    if requested == "auto":
+        return device.type == "cuda"
+    return bool(requested)
 
 
 def check(config: ParallelConfig, env: DistEnv) -> str | None:
@@ -87,11 +120,14 @@ def parallelize(
     env: DistEnv,
     config: ParallelConfig,
 ) -> nn.Module:
-    """Apply activation checkpointing and FSDP2 or DDP; returns the module to train."""
+    """Apply activation checkpointing, compilation and FSDP2 or DDP, in that order (as
+    torchtitan does); returns the module to train."""
     blocks = list(blocks)
     if config.activation_checkpointing:
         for block in blocks:
             activation_checkpoint(block)
+    if config.compile:
+        compile_blocks(blocks)
     if config.parallelism == "none":
         return model
     if config.parallelism == "ddp" or config.sharding_strategy == "NO_SHARD":
@@ -115,6 +151,16 @@ def parallelize(
         fully_shard(block, reshard_after_forward=reshard and i < len(blocks) - 1, **options)
     fully_shard(model, reshard_after_forward=reshard, **options)
     return model
+
+
+def compile_blocks(blocks: Iterable[nn.Module]) -> None:
+    """Regional compilation: each block's forward becomes its compiled version, in place.
+
+    Only `forward` is compiled, not the module's call: hooks on the block run outside the
+    compiled code. Names and state-dict keys do not change.
+    """
+    for block in blocks:
+        block.forward = torch.compile(block.forward)  # type: ignore[method-assign]
 
 
 def sync_gradients(model: nn.Module, enabled: bool) -> None:

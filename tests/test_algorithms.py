@@ -64,6 +64,38 @@ def test_alibi_attention_matches_a_manual_softmax(speedup) -> None:
     torch.testing.assert_close(actual, attention.proj(manual), rtol=1e-5, atol=1e-5)
 
 
+def test_alibi_flex_attention_forward_matches_the_explicit_bias(speedup, monkeypatch) -> None:
+    """CUDA's path (FlexAttention, ALiBi score_mod, causal block mask) against the CPU's
+    (SDPA with the dense bias). FlexAttention runs forward only on the CPU (no backward),
+    eagerly here: the compiled kernel is CUDA's concern (bench/gpu.py)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    model = speedup["model"]
+    monkeypatch.setattr(model, "fused_flex_attention", flex_attention)
+    generator = torch.Generator().manual_seed(0)
+    for heads, seq in ((4, 16), (12, 200)):  # 200: not a multiple of the 128-token block
+        q, k, v = (torch.randn(2, heads, seq, 32, generator=generator) for _ in range(3))
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=model.alibi_bias(heads, seq))
+        flex = model.alibi_flex_attention(q, k, v, model.causal_block_mask(seq, torch.device("cpu")))
+        torch.testing.assert_close(flex, expected, atol=1e-5, rtol=1e-5)
+    # The whole model: forcing the CUDA path on the CPU gives the same logits.
+    torch.manual_seed(0)
+    gpt = model.GPT(model.GPTConfig(vocab_size=256, max_seq_len=64, n_layer=2, n_head=4, n_embd=64))
+    idx = torch.randint(0, 256, (2, 40), generator=generator)
+    with torch.no_grad():
+        dense = gpt(idx)
+        monkeypatch.setattr(model, "alibi_uses_flex", lambda device, dropout: True)
+        fused = gpt(idx)
+    torch.testing.assert_close(fused, dense, atol=1e-5, rtol=1e-5)
+
+
+def test_alibi_uses_flex_on_cuda_without_dropout_only(speedup) -> None:
+    uses_flex = speedup["model"].alibi_uses_flex
+    assert uses_flex(torch.device("cuda", 0), 0.0)
+    assert not uses_flex(torch.device("cuda", 0), 0.1) and not uses_flex(torch.device("cpu"), 0.0)
+
+
 def test_alibi_model_has_no_position_embeddings(speedup, baseline) -> None:
     def build(modules):
         model = modules["model"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -97,3 +99,83 @@ def test_training_on_a_user_text_file(generated: dict[str, Path], tmp_path: Path
     records = read_metrics(tmp_path, "fox")
     val = [r["val_loss"] for r in records if "val_loss" in r]
     assert val[-1] < val[0] < 6.0  # a repetitive text is learned fast
+
+
+def nanogpt_char_data(folder: Path, text: str) -> dict:
+    """nanoGPT's shakespeare_char layout: train.bin, val.bin (uint16) and meta.pkl."""
+    chars = sorted(set(text))
+    meta = {"vocab_size": len(chars), "itos": dict(enumerate(chars)),
+            "stoi": {c: i for i, c in enumerate(chars)}}
+    ids = np.array([meta["stoi"][c] for c in text], dtype=np.uint16)
+    split = int(0.9 * len(ids))
+    ids[:split].tofile(folder / "train.bin")
+    ids[split:].tofile(folder / "val.bin")
+    (folder / "meta.pkl").write_bytes(pickle.dumps(meta))
+    return meta
+
+
+class Payload:
+    """A pickle that runs code when loaded by pickle.load (creates a file)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.marker),))
+
+
+def test_meta_pkl_gives_the_vocabulary(data, tmp_path: Path) -> None:
+    meta = nanogpt_char_data(tmp_path, "to be or not to be, that is the question. " * 50)
+    tokens = data.load_tokens(str(tmp_path / "train.bin"))
+    assert tokens.vocab_size == meta["vocab_size"] == 15 and "meta.pkl" in tokens.source
+    # --vocab_size overrides it (and meta.pkl is not read); too small for the ids: refused.
+    assert data.load_tokens(str(tmp_path / "train.bin"), vocab_size=64).vocab_size == 64
+    with pytest.raises(ValueError, match="holds token id 14; use --vocab_size=15"):
+        data.load_tokens(str(tmp_path / "train.bin"), vocab_size=10)
+    # A meta.pkl too small for the ids, or without vocab_size: named, with the fix.
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 5}))
+    with pytest.raises(ValueError, match="says vocab_size=5 but the data holds token id 14"):
+        data.load_tokens(str(tmp_path / "train.bin"))
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"itos": {0: "a"}}))
+    with pytest.raises(ValueError, match="no positive integer vocab_size"):
+        data.load_tokens(str(tmp_path / "train.bin"))
+    # Without meta.pkl: GPT-2's vocabulary, padded to a multiple of 64.
+    (tmp_path / "meta.pkl").unlink()
+    assert data.load_tokens(str(tmp_path / "train.bin")).vocab_size == 50304
+    np.array([0, 60_000] * 50, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    assert data.load_tokens(str(tmp_path / "train.bin")).vocab_size == 60_032  # 938 * 64
+
+
+def test_a_meta_pkl_that_would_run_code_is_refused(data, tmp_path: Path) -> None:
+    nanogpt_char_data(tmp_path, "abcdefgh" * 100)
+    marker = tmp_path / "pwned"
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(ValueError, match=r"meta.pkl: refused \(it names posix.mkdir\)"):
+        data.load_tokens(str(tmp_path / "train.bin"))
+    assert not marker.exists()
+    (tmp_path / "meta.pkl").write_bytes(b"\x80\x04garbage")  # truncated: refused too
+    with pytest.raises(ValueError, match="meta.pkl: refused"):
+        data.load_tokens(str(tmp_path / "train.bin"))
+
+
+def test_training_honours_meta_pkl_and_refuses_a_bad_one(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "chars"
+    data_dir.mkdir()
+    nanogpt_char_data(data_dir, "the quick brown fox jumps over the lazy dog. " * 400)
+    args = (f"--data={data_dir / 'train.bin'}", "--seq_len=32", "--global_batch_size=4",
+            "--max_duration=2ba", "--eval_batches=1")
+    result = run_train(generated["gpt2-baseline"], tmp_path, *args, "--run_name=chars")
+    assert result.returncode == 0, result.stderr
+    log = (tmp_path / "runs" / "chars" / "log.txt").read_text()
+    assert "vocabulary from" in log
+    # tiny preset with 29 tokens: the embeddings are 29 x 128, not 50304 x 128.
+    params = int(log.split("model: tiny, ")[1].split(" parameters")[0].replace(",", ""))
+    assert params < 900_000
+    marker = tmp_path / "pwned"
+    (data_dir / "meta.pkl").write_bytes(pickle.dumps(Payload(marker)))
+    result = run_train(generated["gpt2-baseline"], tmp_path, *args, "--run_name=evil")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "refused (it names posix.mkdir)" in result.stderr
+    assert not marker.exists() and not (tmp_path / "runs" / "evil").exists()
