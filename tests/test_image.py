@@ -276,7 +276,7 @@ def reference(project: Path, tmp_path_factory: pytest.TempPathFactory) -> list[t
 @pytest.mark.parametrize(
     ("nproc", "args", "inject"),
     [
-        (2, ["--parallelism=fsdp"], ""),
+        (2, ["--parallelism=fsdp", "--device_microbatch_size=6"], ""),
         (3, ["--parallelism=ddp"], ""),
         (2, ["--parallelism=fsdp", "--device_microbatch_size=auto"], "ranks=1;above=2;phase=backward"),
     ],
@@ -287,7 +287,8 @@ def test_distributed_runs_equal_one_process(nproc: int, args: list[str], inject:
     """Per-step losses, validation loss and top-1 equal one process's (ghost BatchNorm makes
     the step independent of the split); with an injected OOM the size halves 6 -> 4 -> 2."""
     env = {"SCAFFOLD_INJECT_OOM": inject} if inject else None
-    result = ok(torchrun(nproc, project / "train.py", *DIST, *args, "--run_name=dist", cwd=tmp_path, env=env))
+    launch = [*small(*args), "--max_duration=4ba", "--eval_interval=2ba", "--run_name=dist"]
+    result = ok(torchrun(nproc, project / "train.py", *launch, cwd=tmp_path, env=env))
     assert_close(trajectory(tmp_path, "dist"), reference)
     if inject:
         assert "retrying the batch at 4" in result.stdout and "retrying the batch at 2" in result.stdout
