@@ -340,3 +340,14 @@ def test_kill_9_resumes_bitwise(project: Path, tmp_path: Path) -> None:
     result = ok(run_train(project, tmp_path, *common, "--run_name=killed"))
     assert kills >= 1 and "resumed from" in result.stdout
     assert trajectory(tmp_path, "killed") == expected
+
+
+def test_bf16_fsdp_and_autocast_train_close_to_fp32(project: Path, reference: list[tuple], tmp_path: Path) -> None:
+    """BatchNorm normalizes bf16 activations in fp32 against fp32 running statistics."""
+    launch = ["--max_duration=4ba", "--eval_interval=2ba"]
+    ok(torchrun(2, project / "train.py", *small("--precision=bf16"), *launch, "--run_name=bf16", cwd=tmp_path))
+    ok(run_train(project, tmp_path, *small("--precision=amp_bf16"), *launch, "--run_name=amp"))
+    for run in ("bf16", "amp"):
+        losses = [loss for _, loss, *_ in trajectory(tmp_path, run)]
+        assert losses == pytest.approx([loss for _, loss, *_ in reference], abs=0.05)
+        assert losses != [loss for _, loss, *_ in reference]  # it did compute in bf16
