@@ -120,9 +120,11 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
 
 
-def halve(size: int) -> int:
-    """The next size to try: half, rounded up (6 -> 3 -> 2 -> 1), never below 1."""
-    return max(1, (size + 1) // 2)
+def halve(size: int, multiple_of: int = 1) -> int:
+    """The next size to try: half, rounded up (6 -> 3 -> 2 -> 1), never below 1; with
+    `multiple_of`, rounded up to a multiple of it and never below it (96 -> 48 -> 32 by 16)."""
+    half = (size + 1) // 2
+    return max(multiple_of, -(-half // multiple_of) * multiple_of)
 
 
 class PeerOutOfMemory(RuntimeError):
@@ -312,8 +314,11 @@ class Search:
         resumed: dict[str, Any] | None = None,
         log: Callable[[str], None] = print,
         timeout: timedelta = timedelta(minutes=10),
+        multiple_of: int = 1,
     ) -> None:
         self.model, self.env, self._log = model, env, log
+        # Sizes tried are multiples of this (e.g. BatchNorm groups that must not be split).
+        self.multiple_of = multiple_of
         self.blocks = list(blocks)
         self.auto = device_microbatch_size == "auto"
         self.injection = Injection.from_env()
@@ -393,9 +398,9 @@ class Search:
                 yield attempt
                 if attempt.ok:
                     return
-                if size == 1:
+                if size <= self.multiple_of:
                     self._give_up(seq_len)
-                size = halve(size)
+                size = halve(size, self.multiple_of)
                 self._log(f"microbatch size: out of memory, retrying {what} at {size}")
         finally:
             if self.injection is None:
@@ -414,7 +419,7 @@ class Search:
 
     def _give_up(self, seq_len: int) -> None:
         message = (
-            f"out of memory at every device_microbatch_size down to 1 (sequence length "
+            f"out of memory at every device_microbatch_size down to {self.multiple_of} (sequence length "
             f"{seq_len}); nothing was saved. Use a smaller model or --seq_len, "
             "--activation_checkpointing, --precision=bf16, or more ranks to shard over"
         )

@@ -40,6 +40,12 @@ def test_halve_rounds_up_and_stops_at_one() -> None:
     assert [microbatch.halve(n) for n in (6, 3, 2, 1)] == [3, 2, 1, 1]
 
 
+def test_halve_keeps_multiples_of_a_group_size() -> None:
+    """Image projects search sizes that do not split BatchNorm groups."""
+    assert [microbatch.halve(n, 16) for n in (96, 48, 32, 16)] == [48, 32, 16, 16]
+    assert [microbatch.halve(n, 2) for n in (6, 4, 2)] == [4, 2, 2]
+
+
 def test_injection_parsing() -> None:
     parsed = microbatch.Injection.parse("ranks=1;above=4;phase=backward")
     assert parsed == microbatch.Injection(frozenset({1}), 4, "backward")

@@ -670,3 +670,32 @@ def test_a_0_1_0_project_with_a_hand_edit_upgrades_to_task_packs_and_trains_the_
     assert upgraded == expected
     assert "task: causal_lm" in upgraded[".copier-answers.yml"]
     assert losses(project, tmp_path / "work-new") == before
+
+
+def test_an_image_classification_project_upgrades_keeping_hand_edits_and_trains(tmp_path: Path) -> None:
+    """The vision task pack upgrades like the language one: template change merged, edits kept."""
+    from projects import read_metrics, run_train
+
+    root = tmp_path / "versions"
+    old = TemplateRelease(make_template(root / "0.1.0", {}, {}), "0.1.0")
+    new = TemplateRelease(make_template(
+        root / "0.2.0", {"tasks/image_classification/train.py.jinja": (OLD_LINE, NEW_LINE)}, {}), "0.2.0")
+    project = generate_at(tmp_path / "my-cnn", old, "cifar-resnet56-baseline")
+    train = project / "train.py"
+    replace_once(train, "    beta2: float = 0.999  # adamw\n", "    beta2: float = 0.99  # adamw\n")
+    replace_once(train, "            inputs = data.normalize(pixels, images)\n",
+                 "            inputs = data.normalize(pixels, images)\n"
+                 "            inputs = inputs.contiguous()  # hand edit: inside the loop\n")
+    commit_all(project, "hand edits")
+    edited = train.read_text()
+
+    result = upgrade(project, new)
+
+    assert train.read_text() == edited.replace(OLD_LINE, NEW_LINE)
+    assert result.changes.modified == [".copier-answers.yml", "train.py"] and result.changes.conflicted == []
+    answers = yaml.safe_load((project / ".copier-answers.yml").read_text())
+    assert answers["_commit"] == "0.2.0" and answers["bn_group_size"] == 128 and answers["momentum"] == 0.9
+    trained = run_train(project, tmp_path, "--model=tiny", "--global_batch_size=8", "--device_microbatch_size=4",
+                        "--bn_group_size=4", "--max_duration=2ba", "--lr_warmup=0.5dur", "--run_name=up")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "finished: step 2" in trained.stdout and [r["step"] for r in read_metrics(tmp_path, "up")] == [1, 2]
