@@ -51,3 +51,15 @@ def run_train(project: Path, workdir: Path, *args: str, timeout: int = 300) -> s
 def read_metrics(workdir: Path, run_name: str) -> list[dict]:
     path = workdir / "runs" / run_name / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# A tiny 2-rank run (each step a few hundred ms here): the reference for pre-emption tests.
+TINY = ["--device=cpu", "--model=tiny", "--seq_len=32", "--global_batch_size=4", "--device_microbatch_size=2",
+        "--eval_interval=1000ba", "--eval_batches=1", "--dist_timeout=60", "--save_interval=1000ba"]
+TINY_STEPS = 10
+
+
+def torchrun_command(project: Path, nproc: int, *args: str) -> list[str]:
+    """`torchrun --standalone --nproc_per_node=N train.py` with the TINY settings."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            str(project / "train.py"), *TINY, f"--max_duration={TINY_STEPS}ba", *args]
