@@ -83,7 +83,13 @@ def test_sigterm_under_torchrun_saves_and_a_rerun_continues_bitwise(
     wait_for_rows(tmp_path, "pre", 3, first)
     workers = children(first.pid)
     assert len(workers) == 2
-    os.kill(workers[-1], signal.SIGTERM)  # one worker only, as a node's scheduler would
+    # Paused, so that the signal lands mid-run however fast the steps are here; SIGTERM goes
+    # to one worker only, and is delivered when the workers go on.
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    os.kill(workers[-1], signal.SIGTERM)
+    for pid in workers:
+        os.kill(pid, signal.SIGCONT)
     output, _ = first.communicate(timeout=240)
     assert first.returncode == 0, output[-3000:]  # a clean stop: torchrun sees two exits 0
     log = (tmp_path / "runs" / "pre" / "log.txt").read_text()
