@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from projects import checkout_env
+from projects import TINY_STEPS, checkout_env, read_metrics, torchrun_command
 from scaffold.catalog import recipe_paths
 from scaffold.paths import template_dir
 
@@ -82,3 +82,15 @@ def project_copy(tmp_path: Path):
         return target
 
     return copy
+
+
+@pytest.fixture(scope="session")
+def two_rank_reference(generated: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """metrics.jsonl of an uninterrupted TINY run of gpt2-baseline on 2 ranks (torchrun --standalone)."""
+    workdir = tmp_path_factory.mktemp("reference")
+    result = subprocess.run(torchrun_command(generated["gpt2-baseline"], 2, "--run_name=ref"), cwd=workdir,
+                            env=checkout_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(workdir, "ref")
+    assert [row["step"] for row in rows] == list(range(1, TINY_STEPS + 1))
+    return rows

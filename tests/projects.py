@@ -51,3 +51,39 @@ def run_train(project: Path, workdir: Path, *args: str, timeout: int = 300) -> s
 def read_metrics(workdir: Path, run_name: str) -> list[dict]:
     path = workdir / "runs" / run_name / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# A tiny 2-rank run (each step a few hundred ms here): the reference for pre-emption tests.
+TINY = ["--device=cpu", "--model=tiny", "--seq_len=32", "--global_batch_size=4", "--device_microbatch_size=2",
+        "--eval_interval=1000ba", "--eval_batches=1", "--dist_timeout=60", "--save_interval=1000ba"]
+TINY_STEPS = 10
+
+
+def torchrun_command(project: Path, nproc: int, *args: str) -> list[str]:
+    """`torchrun --standalone --nproc_per_node=N train.py` with the TINY settings."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            str(project / "train.py"), *TINY, f"--max_duration={TINY_STEPS}ba", *args]
+
+
+def train_workers(workdir: Path, run_name: str) -> list[int]:
+    """Pids of the processes training `run_name` in `workdir` (torchrun's workers, not torchrun)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            if Path(os.readlink(entry / "cwd")) != workdir.resolve():
+                continue
+        except (OSError, ValueError):
+            continue
+        if f"--run_name={run_name}" in argv and any(a.endswith("train.py") for a in argv) \
+                and not any("torchrun" in a or a.endswith("torch.distributed.run") for a in argv) \
+                and "torch.distributed.run" not in argv:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def pending_signals(pid: int) -> int:
+    """The signals waiting to be delivered to `pid` (a bit mask, bit N-1 for signal N)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    masks = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return masks[0] | masks[1]

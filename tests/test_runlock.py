@@ -1,0 +1,86 @@
+"""runtime.runlock: one live start per run folder; the kernel drops the lock when the holder dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from projects import checkout_env
+from runtime import runlock
+
+HOLD = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from runtime import runlock
+    lock = runlock.acquire(Path(sys.argv[1]))
+    print("locked", flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def hold(run_dir: Path, **env: str) -> subprocess.Popen[str]:
+    """Another process that takes the lock and keeps it (until killed)."""
+    process = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE,
+                               text=True, env={**checkout_env(), **env})
+    assert process.stdout is not None and process.stdout.readline().strip() == "locked"
+    return process
+
+
+def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {str(p): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_second_start_is_refused_naming_the_holder_and_touching_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "demo"
+    holder = hold(run_dir, SLURM_JOB_ID="4242")
+    try:
+        (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+        before = snapshot(run_dir)
+        with pytest.raises(runlock.RunInUse) as refused:
+            runlock.acquire(run_dir)
+        message = str(refused.value)
+        assert f"pid {holder.pid}" in message and "SLURM job 4242" in message
+        assert "host " in message and "--run_name" in message and "\n" not in message
+        assert snapshot(run_dir) == before  # the lock file and the run's files are untouched
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_kill_9_leaves_no_stale_lock(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "demo"
+    holder = hold(run_dir)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    lock = runlock.acquire(run_dir)  # the kernel dropped the dead holder's lock
+    try:
+        who = json.loads((run_dir / runlock.LOCK_FILE).read_text())
+        assert who["pid"] == os.getpid()
+    finally:
+        lock.release()
+
+
+def test_release_lets_the_next_start_in(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "demo"
+    first = runlock.acquire(run_dir)
+    probe = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from runtime import runlock;"
+                            "runlock.acquire(Path(sys.argv[1]))", str(run_dir)],
+                           capture_output=True, text=True, env=checkout_env())
+    assert probe.returncode != 0 and "RunInUse" in probe.stderr
+    first.release()
+    runlock.acquire(run_dir).release()
+
+
+def test_describe_copes_with_an_empty_or_foreign_lock_file() -> None:
+    assert "another process" in runlock.describe("")
+    assert "another process" in runlock.describe("not json")
+    assert runlock.describe(json.dumps({"host": "n1", "pid": 7})) == "pid 7 on host n1"
