@@ -73,3 +73,23 @@ def test_trackers_flag_logs_tensorboard_and_mlflow_and_rejects_unknown(generated
     assert run.data.params["max_duration"] == "4ba" and run.info.run_name == "tracked"
     history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "val_loss"))
     assert history == [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+
+
+def test_early_stopping_saves_says_why_and_a_rerun_trains_no_further(generated: dict[str, Path],
+                                                                     tmp_path: Path) -> None:
+    """lr=0: the weights never change, so val_loss is flat from the first evaluation (step 1):
+    with patience 3ba the run stops at step 4 of 30, saves a checkpoint there, and says why."""
+    project = generated["gpt2-baseline"]
+    args = (*SMALL_RUN[:3], "--max_duration=30ba", "--run_name=plateau", "--lr=0", "--eval_interval=1ba",
+            "--save_interval=100ba", "--early_stop_metric=val_loss", "--early_stop_patience=3ba")
+    result = run_train(project, tmp_path, *args)
+    assert result.returncode == 0, result.stderr
+    assert [r["step"] for r in read_metrics(tmp_path, "plateau")] == [1, 2, 3, 4]
+    assert "early stopping at step 4: val_loss has not improved" in result.stdout
+    run = tmp_path / "runs" / "plateau"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-4"]
+    again = run_train(project, tmp_path, *args)
+    assert again.returncode == 0, again.stderr
+    assert "nothing to train" in again.stdout
+    assert [r["step"] for r in read_metrics(tmp_path, "plateau")] == [1, 2, 3, 4]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-4"]
