@@ -93,3 +93,21 @@ def test_early_stopping_saves_says_why_and_a_rerun_trains_no_further(generated: 
     assert "nothing to train" in again.stdout
     assert [r["step"] for r in read_metrics(tmp_path, "plateau")] == [1, 2, 3, 4]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-4"]
+
+
+def test_profile_window_writes_a_chrome_trace_of_the_training_step(generated: dict[str, Path],
+                                                                    tmp_path: Path) -> None:
+    import json
+
+    project = generated["gpt2-baseline"]
+    bad = run_train(project, tmp_path, *SMALL_RUN, "--profile=5ba")
+    assert bad.returncode == 2 and "START:END" in bad.stderr
+    result = run_train(project, tmp_path, *SMALL_RUN, "--max_duration=5ba", "--run_name=prof",
+                       "--profile=2ba:4ba")
+    assert result.returncode == 0, result.stderr
+    assert "profile: steps 3-4 recorded in" in result.stdout
+    trace = json.loads((tmp_path / "runs" / "prof" / "profile" / "rank0.trace.json").read_text())
+    names = {event.get("name", "") for event in trace["traceEvents"]}
+    assert any(name.startswith("Optimizer.step#AdamW") for name in names)  # the step itself
+    assert {"aten::scaled_dot_product_attention", "aten::addmm"} <= names  # forward
+    assert any("Backward" in name for name in names)  # and backward
