@@ -256,6 +256,7 @@ class Monitor:
         elapsed = max(now - self._last_time - self._paused, 1e-9)
         steps = progress.batch - self._last_batch
         record: dict[str, Any] = {"step": progress.batch, "epoch": progress.epoch, **metrics}
+        record["samples"], record["tokens"] = progress.sample, progress.token  # x axes for plots
         if steps > 0:
             record["samples_per_s"] = (progress.sample - self._last_samples) / elapsed
             record["tokens_per_s"] = (progress.token - self._last_tokens) / elapsed

@@ -49,7 +49,7 @@ def test_log_appends_json_lines_with_throughput(tmp_path: Path) -> None:
     assert second["step_ms"] >= 24
     train_s = third.pop("train_s")
     assert third.pop("rss_gb") > 0 and third.pop("eta_s") > 0  # memory and ETA ride along
-    assert third == {"step": 3, "epoch": 0, "val_loss": 1.9}
+    assert third == {"step": 3, "epoch": 0, "val_loss": 1.9, "samples": 3 * GLOBAL_BATCH, "tokens": 3 * TOKENS_PER_STEP}
     # Training time accumulates across records: at least the 50 ms slept, never decreasing.
     assert first["train_s"] <= second["train_s"] <= train_s and second["train_s"] >= 0.05
     assert "step=3" in (run_dir / "log.txt").read_text()  # no live bar here: records go to the log
