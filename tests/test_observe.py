@@ -111,3 +111,12 @@ def test_profile_window_writes_a_chrome_trace_of_the_training_step(generated: di
     assert any(name.startswith("Optimizer.step#AdamW") for name in names)  # the step itself
     assert {"aten::scaled_dot_product_attention", "aten::addmm"} <= names  # forward
     assert any("Backward" in name for name in names)  # and backward
+
+
+def test_a_recipe_answer_chooses_the_trackers(tmp_path: Path) -> None:
+    from conftest import scaffold_cli
+
+    dest = tmp_path / "tracked"
+    result = scaffold_cli("new", str(dest), "--recipe", "gpt2-baseline", "--set", "trackers=tensorboard,mlflow")
+    assert result.returncode == 0, result.stderr
+    assert 'trackers: str = "tensorboard,mlflow"' in (dest / "train.py").read_text()
