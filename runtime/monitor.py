@@ -2,14 +2,27 @@
 
 Only rank 0 writes; other ranks get a Monitor whose methods do nothing. Throughput is wall time
 between two logged steps, minus time spent inside `paused()` (evaluation, checkpointing), so the
-tokens/s number measures training alone.
+tokens/s number measures training alone. Logged steps are the only ones that wait for the device
+(`RunningSum.pop`), so the time between two of them is the device's time, not the launch time.
+
+Each record also carries, where the hardware allows:
+- `mfu`: model FLOPs utilization, the model's own FLOPs formula times the measured rate, over
+  the peak of every device in the run at the run's precision (`PEAK_FLOPS`, by device name).
+  On the CPU, or on a GPU missing from the table, it is left out rather than guessed.
+- memory: `cuda_max_allocated_gb` / `cuda_max_reserved_gb` (peaks since the last record, this
+  rank's device) and `rss_gb` (this process's resident memory).
+- `eta_s`: wall-clock seconds to `max_duration` at the rate measured since this process started
+  (evaluation and checkpoints included: it is a wall clock).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import platform
+import re
+import resource
 import sys
 import time
 from collections.abc import Iterator
@@ -19,7 +32,73 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from runtime import dist
+from runtime.trackers import Trackers
 from runtime.time import Progress, Time, TimeUnit
+
+# Dense peak FLOP/s per device, from the vendors' data sheets (sparsity not counted), keyed by
+# a pattern searched in `torch.cuda.get_device_name()`, first match wins (so the more specific
+# names come first). Columns: fp32 (CUDA cores), tf32 (tensor cores, used for fp32 matmuls when
+# `torch.backends.cuda.matmul.allow_tf32` or float32_matmul_precision allows), bf16.
+# A GPU missing here logs no MFU and says so; add a row (a pull request is welcome).
+PEAK_FLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    (r"H200", {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12}),
+    (r"H100.*(PCIe)", {"fp32": 51.2e12, "tf32": 378e12, "bf16": 756e12}),
+    (r"H100.*NVL", {"fp32": 60e12, "tf32": 417.5e12, "bf16": 835e12}),
+    (r"H100|GH200", {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12}),  # SXM
+    (r"A100", {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12}),
+    (r"L40S", {"fp32": 91.6e12, "tf32": 183e12, "bf16": 362.05e12}),
+    (r"\bL4\b", {"fp32": 30.3e12, "tf32": 60e12, "bf16": 121e12}),
+    (r"\bA10\b", {"fp32": 31.2e12, "tf32": 62.5e12, "bf16": 125e12}),
+    (r"RTX 4090", {"fp32": 82.6e12, "tf32": 82.6e12, "bf16": 165.2e12}),
+    (r"V100", {"fp32": 15.7e12, "tf32": 15.7e12, "bf16": 0.0}),  # no bf16 tensor cores
+)
+
+
+def peak_flops(device_name: str, precision: str, tf32: bool = False) -> float | None:
+    """The peak FLOP/s of one device for a run's precision; None when unknown.
+
+    `precision` is the Config's: fp32 (tf32 peak when `tf32` matmuls are allowed), amp_bf16 or
+    bf16 (the bf16 tensor-core peak).
+    """
+    column = "bf16" if "bf16" in precision else ("tf32" if tf32 else "fp32")
+    for pattern, peaks in PEAK_FLOPS:
+        if re.search(pattern, device_name):
+            return peaks[column] or None
+    return None
+
+
+def rss_gb() -> float:
+    """This process's resident memory (GB): /proc on Linux, else the peak so far."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
+    except (OSError, ValueError, IndexError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return peak / 1e9 if sys.platform == "darwin" else peak * 1024 / 1e9
+
+
+class RunningSum:
+    """A sum kept on the device between logged steps, so unlogged steps never wait for it.
+
+    `add` is an in-place device add (no sync); `pop` sums over ranks, reads the value once
+    (one all-reduce, one device sync) and starts over.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.total = torch.zeros((), device=device)
+        self.count = 0
+
+    def add(self, value: torch.Tensor, count: int) -> None:
+        self.total += value.detach()
+        self.count += count
+
+    def pop(self) -> float:
+        """The sum over ranks divided by the count since the last pop (0 counted: nan)."""
+        mean = dist.reduce_sum(self.total).item() / self.count if self.count else float("nan")
+        self.total.zero_()
+        self.count = 0
+        return mean
 
 
 def _bar_total(max_duration: Time, batches_per_epoch: int, global_batch_size: int) -> tuple[int, str]:
@@ -62,6 +141,14 @@ class Monitor:
         self._last_samples = progress.sample
         self._last_tokens = progress.token
         self._last_batch = progress.batch
+        self._start_time = self._last_time
+        self._start_fraction = progress.fraction(max_duration)
+        self._max_duration = max_duration
+        self._flops_per_token = 0.0
+        self._flops_per_sample = 0.0
+        self._peak = 0.0  # FLOP/s of all devices together; 0: no MFU
+        self._cuda: torch.device | None = None
+        self._trackers: Trackers | None = None
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -108,6 +195,45 @@ class Monitor:
             f"device {device} ({device_name}), world size {world_size}"
         )
 
+    def measure(
+        self,
+        device: torch.device,
+        world_size: int,
+        precision: str,
+        flops_per_token: float = 0.0,
+        flops_per_sample: float = 0.0,
+        peak: float | None = None,
+    ) -> None:
+        """Log MFU (given the model's training FLOPs per token or per sample) and memory.
+
+        Every rank calls it (it is cheap). `peak` is one device's FLOP/s; by default it comes
+        from `PEAK_FLOPS` for this GPU at this precision. MFU divides by peak x world size
+        (every rank is assumed to run the same device). On the CPU, MFU is left out.
+        """
+        self._flops_per_token, self._flops_per_sample = flops_per_token, flops_per_sample
+        if device.type == "cuda":
+            self._cuda = device
+            torch.cuda.reset_peak_memory_stats(device)
+            name = torch.cuda.get_device_name(device)
+            tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+            peak = peak or peak_flops(name, precision, tf32)
+        elif peak is None:
+            self.info(f"mfu: not measured on {device.type} (no peak FLOP/s to compare with)")
+            return
+        else:
+            name = device.type
+        if peak is None:
+            self.info(f"mfu: not measured: no peak FLOP/s for {name!r} at {precision} in runtime.monitor.PEAK_FLOPS")
+            return
+        self._peak = peak * world_size
+        self.info(f"mfu: against {peak / 1e12:.1f} TFLOP/s per device ({name}, {precision}) x {world_size}")
+
+    def open_trackers(self, names: str, config_toml: str) -> None:
+        """Send every record to these trackers too (`runtime.trackers`; rank 0 only)."""
+        if self.enabled and names:
+            self._trackers = Trackers(names, self.metrics_path.parent, config_toml, step=self._last_batch)
+            self.info(f"trackers: {names}")
+
     def update(self, progress: Progress) -> None:
         """Move the progress bar to where training is (cheap; every step)."""
         if self._bar is not None:
@@ -130,10 +256,25 @@ class Monitor:
         elapsed = max(now - self._last_time - self._paused, 1e-9)
         steps = progress.batch - self._last_batch
         record: dict[str, Any] = {"step": progress.batch, "epoch": progress.epoch, **metrics}
+        record["samples"], record["tokens"] = progress.sample, progress.token  # x axes for plots
         if steps > 0:
             record["samples_per_s"] = (progress.sample - self._last_samples) / elapsed
             record["tokens_per_s"] = (progress.token - self._last_tokens) / elapsed
             record["step_ms"] = 1000 * elapsed / steps
+            flops = (progress.token - self._last_tokens) * self._flops_per_token + (
+                progress.sample - self._last_samples
+            ) * self._flops_per_sample
+            if self._peak and flops:
+                record["mfu"] = flops / elapsed / self._peak
+        if self._cuda is not None:
+            record["cuda_max_allocated_gb"] = torch.cuda.max_memory_allocated(self._cuda) / 1e9
+            record["cuda_max_reserved_gb"] = torch.cuda.max_memory_reserved(self._cuda) / 1e9
+            torch.cuda.reset_peak_memory_stats(self._cuda)
+        record["rss_gb"] = rss_gb()
+        done = progress.fraction(self._max_duration) - self._start_fraction
+        if done > 0:
+            left = max(1.0 - progress.fraction(self._max_duration), 0.0)
+            record["eta_s"] = (now - self._start_time) / done * left
         # Training seconds (no evaluation or checkpoint time) since this process started:
         # the x axis of time-to-quality comparisons.
         self._train_seconds += elapsed
@@ -148,8 +289,10 @@ class Monitor:
             return
         with open(self.metrics_path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
+        if self._trackers is not None:
+            self._trackers.log(record, progress.batch)
         if self._bar is not None:
-            shown = {k: v for k, v in record.items() if k in ("loss", "val_loss", "lr", "tokens_per_s")}
+            shown = {k: v for k, v in record.items() if k in ("loss", "val_loss", "lr", "tokens_per_s", "mfu")}
             self._bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
             self.update(progress)
         if self._bar is None or self._bar.disable:
@@ -159,3 +302,5 @@ class Monitor:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+        if self._trackers is not None:
+            self._trackers.close()

@@ -270,5 +270,21 @@ def export(
     )
 
 
+@app.command()
+def plot(
+    runs: Annotated[list[Path], typer.Argument(metavar="RUN...", help="Run folders (runs/NAME) to overlay.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="The PNG to write.")] = Path("runs.png"),
+    x: Annotated[str, typer.Option("--x", help="x axis: step, tokens, samples or time (training seconds).")] = "step",
+) -> None:
+    """Plot loss, validation loss, learning rate and throughput of one or more runs in one PNG."""
+    from scaffold.plot import PlotError, write_plot
+
+    try:
+        written = write_plot(runs, output, x)
+    except PlotError as error:
+        raise _fail(str(error)) from None
+    out.print(f"wrote {written}: {', '.join(str(run) for run in runs)}", markup=False)
+
+
 def main() -> None:
     app()

@@ -13,6 +13,8 @@ to 1e-5 relative and the parameters to 1e-5 absolute (weights are ~0.02 in scale
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -121,8 +123,18 @@ def test_distributed_run_matches_one_process(nproc: int, args: list[str], speedu
 def test_bf16_mixed_precision_runs_on_cpu(speedup: Path, corpus: Path, reference, tmp_path: Path) -> None:
     """FSDP2's bf16 policy on 2 ranks, and autocast in one process: close to fp32, not equal."""
     _, ref_metrics = reference
-    fsdp_bf16 = torchrun(speedup, tmp_path, 2, "--precision=bf16", f"--data={corpus}", "--run_name=bf16")
+    # The same launch checks the profiler window (a trace per rank) and trackers (rank 0 only).
+    tracked = ["--trackers=tensorboard"] if importlib.util.find_spec("tensorboard") else []
+    fsdp_bf16 = torchrun(speedup, tmp_path, 2, "--precision=bf16", f"--data={corpus}", "--run_name=bf16",
+                         "--profile=1ba:3ba", *tracked)
     assert fsdp_bf16.returncode == 0, fsdp_bf16.stderr
+    profile = tmp_path / "runs" / "bf16" / "profile"
+    assert sorted(p.name for p in profile.iterdir()) == ["rank0.trace.json", "rank1.trace.json"]
+    for rank in (0, 1):
+        names = {e.get("name", "") for e in json.loads((profile / f"rank{rank}.trace.json").read_text())["traceEvents"]}
+        assert any(name.startswith("Optimizer.step#AdamW") for name in names)
+    if tracked:  # one writer: rank 0
+        assert len(list((tmp_path / "runs" / "bf16" / "tensorboard").glob("events.out.tfevents.*"))) == 1
     amp = run_train(speedup, tmp_path, *SMALL, "--precision=amp_bf16", f"--data={corpus}", "--run_name=amp")
     assert amp.returncode == 0, amp.stderr
     for run in ("bf16", "amp"):

@@ -48,7 +48,8 @@ def test_log_appends_json_lines_with_throughput(tmp_path: Path) -> None:
     assert second["tokens_per_s"] <= 2 * TOKENS_PER_STEP / 0.05
     assert second["step_ms"] >= 24
     train_s = third.pop("train_s")
-    assert third == {"step": 3, "epoch": 0, "val_loss": 1.9}
+    assert third.pop("rss_gb") > 0 and third.pop("eta_s") > 0  # memory and ETA ride along
+    assert third == {"step": 3, "epoch": 0, "val_loss": 1.9, "samples": 3 * GLOBAL_BATCH, "tokens": 3 * TOKENS_PER_STEP}
     # Training time accumulates across records: at least the 50 ms slept, never decreasing.
     assert first["train_s"] <= second["train_s"] <= train_s and second["train_s"] >= 0.05
     assert "step=3" in (run_dir / "log.txt").read_text()  # no live bar here: records go to the log
@@ -174,3 +175,62 @@ def test_progress_bar_moves_while_training(tmp_path: Path, monkeypatch) -> None:
     monitor.update(progress)
     assert "30/100" in terminal.text
     monitor.close()
+
+
+def test_mfu_is_model_flops_over_the_stated_peak(tmp_path: Path) -> None:
+    """MFU = FLOPs per token x tokens/s / (peak x world size), by hand."""
+    monitor, progress = make(tmp_path)
+    flops_per_token, peak, world = 6 * 1000.0 + 12 * 2 * 256 * 64, 1e9, 2
+    monitor.measure(torch.device("cpu"), world, "fp32", flops_per_token, peak=peak)
+    monitor.log(progress)
+    time.sleep(0.05)
+    for _ in range(3):
+        progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
+    monitor.log(progress, loss=1.0)
+    record = records(tmp_path)[-1]
+    seconds = 3 * record["step_ms"] / 1000
+    expected = flops_per_token * 3 * TOKENS_PER_STEP / seconds / (peak * world)
+    assert abs(record["mfu"] - expected) < 1e-9 * expected
+    assert "mfu" in (tmp_path / "log.txt").read_text()
+
+
+def test_cpu_leaves_mfu_out_and_logs_memory_and_eta(tmp_path: Path) -> None:
+    monitor, progress = make(tmp_path)  # max_duration 100ba
+    monitor.measure(torch.device("cpu"), 1, "fp32", flops_per_token=1e6)
+    assert "mfu: not measured on cpu" in (tmp_path / "log.txt").read_text()
+    time.sleep(0.1)
+    for _ in range(10):
+        progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
+    monitor.log(progress, loss=1.0)
+    record = records(tmp_path)[-1]
+    assert "mfu" not in record and "cuda_max_allocated_gb" not in record
+    # A Python process with torch loaded holds tens of MB at least, and not terabytes.
+    assert 0.01 < record["rss_gb"] < 1000
+    # 10 of 100 steps in >= 0.1 s: the other 90 take >= 0.9 s at that rate (and not far more).
+    assert 0.9 <= record["eta_s"] < 0.9 * 5
+
+
+def test_peak_table_by_device_name_and_precision() -> None:
+    from runtime.monitor import peak_flops
+
+    assert peak_flops("NVIDIA H100 80GB HBM3", "amp_bf16") == 989.4e12  # SXM
+    assert peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert peak_flops("NVIDIA H200", "fp32") == 67e12
+    assert peak_flops("NVIDIA H200", "fp32", tf32=True) == 494.7e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "amp_bf16") == 312e12
+    assert peak_flops("NVIDIA L4", "bf16") == 121e12
+    assert peak_flops("NVIDIA L40S", "bf16") == 362.05e12  # not L4's row
+    assert peak_flops("Tesla V100-SXM2-16GB", "bf16") is None  # no bf16 tensor cores
+    assert peak_flops("Some Future GPU", "bf16") is None
+
+
+def test_running_sum_reads_the_device_only_when_popped() -> None:
+    from runtime.monitor import RunningSum
+
+    running = RunningSum(torch.device("cpu"))
+    running.add(torch.tensor(6.0), 3)
+    running.add(torch.tensor(4.0), 2)
+    assert running.pop() == 2.0  # (6 + 4) / (3 + 2): the mean over the interval
+    running.add(torch.tensor(1.0), 4)
+    assert running.pop() == 0.25  # started over
+    assert running.pop() != running.pop()  # nothing since: nan

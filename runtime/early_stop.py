@@ -1,0 +1,88 @@
+"""Early stopping: end training when a logged metric has stopped improving.
+
+The loop hands every step's logged metrics to `update`; the watched metric is compared only on
+steps where it was logged (e.g. `val_loss` at evaluations). Training stops once `patience` (a
+Time string: `500ba`, `2ep`, `0.1dur`) has passed since the last improvement by more than
+`min_delta`. The best value, when it was reached and whether the run stopped are saved in the
+checkpoint (`state_dict`), so a resumed run keeps counting, and a stopped run stays stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from runtime.time import Progress, Time
+
+
+def check(metric: str, patience: Time, min_delta: float) -> str | None:
+    """A one-line problem with the early-stopping settings, or None."""
+    if metric and patience.value <= 0:
+        return f"early_stop_patience={patience} must be more than 0 (e.g. 500ba or 0.1dur)"
+    if min_delta < 0:
+        return f"early_stop_min_delta={min_delta} must be >= 0"
+    return None
+
+
+class EarlyStopper:
+    def __init__(
+        self,
+        metric: str,
+        patience: Time,
+        min_delta: float = 0.0,
+        mode: str = "min",
+        resumed: Mapping[str, Any] | None = None,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.metric, self.patience, self.min_delta, self.mode = metric, patience, min_delta, mode
+        self.log = log
+        state = (resumed or {}).get("early_stop") or {}
+        self.best: float | None = state.get("best")
+        self.best_step: int = state.get("best_step", 0)
+        self.best_at: int = state.get("best_at", 0)  # when, in patience's unit
+        self.stopped: bool = bool(state.get("stopped", False)) and bool(metric)
+        if self.stopped:
+            log(
+                f"early stopping: this run stopped at its checkpoint ({metric} best {self.best:.6g} "
+                f"at step {self.best_step}); nothing to train (start a new run_name to train more)"
+            )
+        elif metric:
+            log(f"early stopping: on {metric} ({mode}imize, min_delta {min_delta:g}, patience {patience})")
+
+    def _improved(self, value: float) -> bool:
+        if self.best is None:
+            return True
+        if self.mode == "min":
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta
+
+    def update(self, progress: Progress, metrics: Mapping[str, float], max_duration: Time) -> bool:
+        """True when training should stop now (and from now on)."""
+        if not self.metric or self.metric not in metrics:
+            return self.stopped
+        patience = progress.resolve(self.patience, max_duration)  # dur -> max_duration's unit
+        now = progress.count(patience.unit)
+        value = float(metrics[self.metric])
+        if self._improved(value):
+            self.best, self.best_step, self.best_at = value, progress.batch, now
+        elif now - self.best_at >= patience.value:
+            self.stopped = True
+            self.log(
+                f"early stopping at step {progress.batch}: {self.metric} has not improved by more "
+                f"than {self.min_delta:g} on its best, {self.best:.6g} at step {self.best_step}, "
+                f"for {patience} (now {value:.6g})"
+            )
+        return self.stopped
+
+    def state_dict(self) -> dict[str, Any]:
+        """For checkpoint extras (JSON)."""
+        if not self.metric:
+            return {}
+        return {
+            "early_stop": {
+                "best": self.best,
+                "best_step": self.best_step,
+                "best_at": self.best_at,
+                "stopped": self.stopped,
+            }
+        }

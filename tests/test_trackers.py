@@ -1,0 +1,116 @@
+"""Trackers, read back with each tracker's own library: TensorBoard's EventAccumulator, MLflow's
+MlflowClient, W&B's offline run file (its protobuf records). A resumed run continues the same run."""
+
+from __future__ import annotations
+
+import glob
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from runtime import trackers
+from runtime.trackers import Trackers
+
+CONFIG = 'run_name = "exp"\nlr = 0.002\nmax_duration = "6ba"\n'
+
+
+def log_steps(names: str, run_dir: Path, steps: range, offset: float, resume_step: int = 0) -> None:
+    opened = Trackers(names, run_dir, CONFIG, step=resume_step)
+    for step in steps:
+        opened.log({"step": step, "epoch": 0, "loss": offset + step, "lr": 0.1}, step)
+    opened.close()
+
+
+def test_check_names_and_packages(monkeypatch) -> None:
+    assert trackers.check("") is None and trackers.parse(" TensorBoard , mlflow ") == ["tensorboard", "mlflow"]
+    assert "unknown tracker 'comet'" in trackers.check("tensorboard,comet")
+    monkeypatch.setattr(trackers.importlib.util, "find_spec", lambda name: None)
+    assert "pip install wandb" in trackers.check("wandb")
+
+
+def test_tensorboard_reads_back_and_resume_replaces_the_crashed_tail(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "runs" / "exp"
+    run_dir.mkdir(parents=True)
+    log_steps("tensorboard", run_dir, range(1, 6), offset=0.0)  # crashed after step 5 ...
+    log_steps("tensorboard", run_dir, range(3, 7), offset=100.0, resume_step=2)  # ... resumed at 2
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert {"loss", "lr", "epoch"} <= set(events.Tags()["scalars"])
+    loss = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert loss == [(1, 1.0), (2, 2.0), (3, 103.0), (4, 104.0), (5, 105.0), (6, 106.0)]
+    assert "lr = 0.002" in events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+
+
+def test_mlflow_reads_back_and_resume_appends_to_the_same_run(tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run_dir = tmp_path / "runs" / "exp"
+    run_dir.mkdir(parents=True)
+    log_steps("mlflow", run_dir, range(1, 4), offset=0.0)
+    run_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    log_steps("mlflow", run_dir, range(4, 6), offset=0.0, resume_step=3)
+    assert json.loads((run_dir / "trackers.json").read_text())["mlflow"] == run_id
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")  # the default store
+    runs = client.search_runs([client.get_experiment_by_name("scaffold").experiment_id])
+    assert [r.info.run_id for r in runs] == [run_id]  # one run, not two
+    run = runs[0]
+    assert run.info.run_name == "exp" and run.info.status == "FINISHED"
+    assert run.data.params["lr"] == "0.002" and run.data.params["max_duration"] == "6ba"
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss"))
+    assert history == [(s, float(s)) for s in range(1, 6)]
+    assert not (tmp_path / "mlruns").exists()  # nothing outside runs/
+
+
+def read_wandb_records(path: str) -> list:
+    """The records of a .wandb file: W&B's LevelDB-style log (32 KiB blocks, 7-byte headers)
+    of `wandb.proto` Record messages."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, block, chunks, records = Path(path).read_bytes(), 7, 32768, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunks += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST
+            record = pb.Record()
+            record.ParseFromString(chunks)
+            records.append(record)
+            chunks = b""
+    return records
+
+
+def test_wandb_offline_run_files_and_resume_keeps_the_id(tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("wandb")
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login: offline
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "runs" / "exp"
+    run_dir.mkdir(parents=True)
+    log_steps("wandb", run_dir, range(1, 4), offset=0.0)
+    run_id = json.loads((run_dir / "trackers.json").read_text())["wandb"]
+    log_steps("wandb", run_dir, range(4, 6), offset=0.0, resume_step=3)
+    files = sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb")))
+    assert len(files) == 2 and all(f.endswith(f"run-{run_id}.wandb") for f in files)  # the same run id
+    history, config = [], {}
+    for path in files:
+        for record in read_wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                history.append((record.history.step.num, items["loss"]))
+            elif kind == "run":
+                config.update({u.key: json.loads(u.value_json) for u in record.run.config.update})
+    assert history == [(s, float(s)) for s in range(1, 6)]
+    assert config["lr"] == 0.002 and config["run_name"] == "exp"
