@@ -283,6 +283,12 @@ def _finish(folder: Path, path: Path, step: int, keep: int) -> None:
                 shutil.rmtree(old, ignore_errors=True)
 
 
+def _optimizers(optimizer: Any) -> Any:
+    """The optimizer, or the list a `runtime.muon.Chain` holds (DCP keys each one's state by
+    parameter name, so several optimizers share one checkpoint)."""
+    return getattr(optimizer, "optimizers", optimizer)
+
+
 def save(
     folder: Path,
     model: torch.nn.Module,
@@ -302,7 +308,7 @@ def save(
     path = folder / f"step-{progress.batch}"
     if is_complete(path):
         return path  # e.g. the final save landing on a save_interval step
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, _optimizers(optimizer))
     state = {"model": model_state, "optimizer": optimizer_state}
     path.mkdir(parents=True, exist_ok=True)
     # Each rank's RNG file and rank 0's JSON are written before the rank joins DCP's
@@ -447,7 +453,7 @@ def load(
                               "pass a step-<N> folder written by a finished save")
     train_state = _read_train_state(path, progress.batches_per_epoch if progress is not None else None)
     if optimizer is not None:
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        model_state, optimizer_state = get_state_dict(model, _optimizers(optimizer))
         state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
     else:
         state = {"model": get_model_state_dict(model)}
@@ -463,7 +469,7 @@ def load(
         raise CheckpointError(f"cannot load {path}: {_describe(error)[:2000]}; if its files are damaged, "
                               "delete it to resume from the previous complete checkpoint") from error
     if optimizer is not None:
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
+        set_state_dict(model, _optimizers(optimizer), model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
     else:
         set_model_state_dict(model, state["model"])

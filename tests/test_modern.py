@@ -1,0 +1,219 @@
+"""The speedrun-era GPT algorithms (rotary, QK-norm, ReLU², GLU, zero-init, logit soft-capping,
+value embeddings, Muon): each one's effect, checked in the code the generator writes."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from projects import project_modules
+from scaffold.catalog import RecipeError, load_recipe, resolve
+from scaffold.paths import template_dir
+from scaffold.render import new_project
+
+TEMPLATE = template_dir()
+
+
+def make_project(root: Path, algorithms: str) -> Path:
+    """A project with the baseline answers and these `[algorithms.x]` tables."""
+    root.mkdir(parents=True, exist_ok=True)
+    recipe = root / "recipe.toml"
+    recipe.write_text(algorithms)
+    project = root / "p"
+    new_project(str(recipe), project, [], "p")
+    return project
+
+
+@pytest.fixture(scope="module")
+def modern(generated: dict[str, Path]):
+    with project_modules(generated["gpt2-modern"]) as modules:
+        yield modules
+
+
+@pytest.fixture(scope="module")
+def glu(tmp_path_factory: pytest.TempPathFactory):
+    project = make_project(tmp_path_factory.mktemp("glu"), "[algorithms.gated_linear_units]\n")
+    with project_modules(project) as modules:
+        yield modules
+
+
+def tiny(model, **overrides):
+    sizes = {**model.PRESETS["tiny"], **overrides}
+    return model.GPTConfig(vocab_size=64, max_seq_len=32, **sizes)
+
+
+# ---------------------------------------------------------------- rotary
+
+
+def test_rotary_scores_depend_only_on_the_offset(modern) -> None:
+    rotary = modern["model"].rotary
+    torch.manual_seed(0)
+    a, b = torch.randn(2, 16)
+
+    def score(i: int, j: int) -> float:
+        """q = a at position i, k = b at position j, both rotated in a length-20 sequence."""
+        q, k = torch.zeros(1, 1, 20, 16), torch.zeros(1, 1, 20, 16)
+        q[0, 0, i], k[0, 0, j] = a, b
+        q, k = rotary(q, base=10000.0, fraction=1.0), rotary(k, base=10000.0, fraction=1.0)
+        return (q[0, 0, i] @ k[0, 0, j]).item()
+
+    for i, j in [(5, 2), (9, 9), (3, 0)]:
+        for shift in (1, 7, 10):
+            assert score(i + shift, j + shift) == pytest.approx(score(i, j), abs=1e-4)
+    assert score(5, 2) != pytest.approx(score(5, 4), abs=1e-3)  # the offset matters
+    assert score(5, 2) != pytest.approx(a @ b, abs=1e-3)
+
+
+def test_rotary_keeps_position_zero_norms_and_unrotated_dims(modern) -> None:
+    rotary = modern["model"].rotary
+    x = torch.randn(2, 3, 10, 16)
+    half = rotary(x, base=10000.0, fraction=0.5)
+    torch.testing.assert_close(half[..., 8:], x[..., 8:])  # the other half passes through
+    torch.testing.assert_close(half[:, :, 0], x[:, :, 0])  # angle 0 at position 0
+    torch.testing.assert_close(half.norm(dim=-1), x.norm(dim=-1))  # a rotation
+    assert not torch.allclose(half[:, :, 1:, :8], x[:, :, 1:, :8])
+
+
+def test_rotary_model_has_no_position_table(modern, generated) -> None:
+    names = {name for name, _ in modern["model"].GPT(tiny(modern["model"])).named_parameters()}
+    assert not any(name.startswith("wpe") for name in names)
+    with project_modules(generated["gpt2-baseline"]) as baseline:
+        model = baseline["model"]
+        assert "wpe.weight" in {name for name, _ in model.GPT(tiny(model)).named_parameters()}
+
+
+def test_rotary_conflicts_with_alibi(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("[algorithms.rotary]\n[algorithms.alibi]\n")
+    with pytest.raises(RecipeError, match="'rotary' and 'alibi' conflict"):
+        resolve(load_recipe(str(recipe), TEMPLATE), TEMPLATE, "p")
+
+
+# ---------------------------------------------------------------- qk_norm
+
+
+def test_qk_norm_gives_unit_rms_queries_and_keys_per_head(modern) -> None:
+    model = modern["model"]
+    attention = model.CausalSelfAttention(tiny(model))
+    seen = []
+    for norm in (attention.q_norm, attention.k_norm):
+        norm.register_forward_hook(lambda module, args, out: seen.append(out))
+    attention(torch.randn(2, 9, 128) * 5, None)
+    assert len(seen) == 2
+    for out in seen:
+        assert out.shape == (2, 4, 9, 32)  # (batch, head, seq, head_dim)
+        rms = out.pow(2).mean(-1).sqrt()
+        torch.testing.assert_close(rms, torch.ones_like(rms), rtol=1e-4, atol=1e-4)
+
+
+def test_qk_norm_attention_equals_a_hand_computation(modern) -> None:
+    model = modern["model"]
+    attention = model.CausalSelfAttention(tiny(model))
+    x = torch.randn(1, 6, 128)
+    q, k, v = (t.view(1, 6, 4, 32).transpose(1, 2) for t in attention.qkv(x).split(128, dim=2))
+
+    def rms_norm(t):
+        return t / t.pow(2).mean(-1, keepdim=True).add(torch.finfo(t.dtype).eps).sqrt()
+
+    q, k = (model.rotary(rms_norm(t), base=10000.0, fraction=1.0) for t in (q, k))
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(32)).masked_fill(
+        torch.ones(6, 6).triu(1).bool(), float("-inf")
+    )
+    manual = (scores.softmax(-1) @ v).transpose(1, 2).reshape(1, 6, 128)
+    torch.testing.assert_close(attention(x, None), attention.proj(manual), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- relu_squared and GLU
+
+
+def test_relu_squared_mlp_equals_a_hand_computation(modern) -> None:
+    model = modern["model"]
+    mlp = model.MLP(tiny(model))
+    x = torch.randn(3, 5, 128)
+    manual = mlp.proj(torch.clamp(mlp.fc(x), min=0) ** 2)
+    torch.testing.assert_close(mlp(x), manual)
+
+
+def test_glu_mlp_equals_a_hand_computation(glu) -> None:
+    model = glu["model"]
+    mlp = model.MLP(tiny(model))
+    hidden = model.glu_hidden(128)
+    x = torch.randn(3, 5, 128)
+    value = x @ mlp.fc.weight[:hidden].T + mlp.fc.bias[:hidden]
+    gate = x @ mlp.fc.weight[hidden:].T + mlp.fc.bias[hidden:]
+    manual = mlp.proj(value * gate * torch.sigmoid(gate))  # silu(g) = g * sigmoid(g)
+    torch.testing.assert_close(mlp(x), manual, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_embd", [128, 384, 768, 1024, 1280, 1600])
+def test_glu_parameter_count_follows_the_rule(glu, n_embd: int) -> None:
+    """Hidden = 2/3 of 4 n_embd rounded down to a multiple of 8: the three matrices never hold
+    more weights than the GELU MLP's two, and the whole MLP is within 2% of its size."""
+    model = glu["model"]
+    hidden = model.glu_hidden(n_embd)
+    assert hidden % 8 == 0 and hidden <= 8 * n_embd / 3 < hidden + 8
+    config = tiny(model, n_embd=n_embd, n_head=n_embd // 64 if n_embd >= 384 else 4)
+    glu_params = sum(p.numel() for p in model.MLP(config).parameters())
+    gelu_params = (n_embd * 4 * n_embd + 4 * n_embd) + (4 * n_embd * n_embd + n_embd)
+    assert glu_params == 3 * n_embd * hidden + 2 * hidden + n_embd
+    assert 3 * n_embd * hidden <= 2 * n_embd * 4 * n_embd
+    assert abs(glu_params - gelu_params) <= 0.02 * gelu_params
+
+
+def test_glu_activation_choice_is_checked(tmp_path: Path) -> None:
+    project = make_project(tmp_path, '[algorithms.gated_linear_units]\nactivation = "gelu"\n')
+    assert 'h = value * F.gelu(gate, approximate="tanh")' in (project / "model.py").read_text()
+    recipe = tmp_path / "bad.toml"
+    recipe.write_text('[algorithms.gated_linear_units]\nactivation = "relu"\n')
+    with pytest.raises(RecipeError, match="gated_linear_units.activation = 'relu' is not one of 'silu', 'gelu'"):
+        resolve(load_recipe(str(recipe), TEMPLATE), TEMPLATE, "p")
+
+
+def test_relu_squared_conflicts_with_glu(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("[algorithms.relu_squared]\n[algorithms.gated_linear_units]\n")
+    with pytest.raises(RecipeError, match="conflict"):
+        resolve(load_recipe(str(recipe), TEMPLATE), TEMPLATE, "p")
+
+
+# ---------------------------------------------------------------- zero_init
+
+
+def test_zero_init_starts_at_the_uniform_loss_with_an_untied_head(modern) -> None:
+    model = modern["model"]
+    gpt = model.GPT(tiny(model))
+    assert gpt.lm_head.weight.data_ptr() != gpt.wte.weight.data_ptr()
+    assert gpt.lm_head.weight.abs().sum() == 0 and gpt.wte.weight.abs().sum() > 0
+    for block in gpt.blocks:
+        assert block.attn.proj.weight.abs().sum() == 0 and block.mlp.proj.weight.abs().sum() == 0
+    idx = torch.randint(0, 64, (2, 16))
+    logits = gpt(idx)
+    loss = F.cross_entropy(logits.flatten(0, 1), idx.flatten())
+    assert loss.item() == pytest.approx(math.log(64), abs=1e-6)
+    # The untied head is a parameter of its own: counted on top of the embedding.
+    assert gpt.num_params() == sum(p.numel() for p in gpt.parameters())
+    assert {n for n, _ in gpt.named_parameters()} >= {"wte.weight", "lm_head.weight"}
+
+
+# ---------------------------------------------------------------- logit_softcap
+
+
+def test_logit_softcap_bounds_logits_and_the_loss_uses_them(modern) -> None:
+    model = modern["model"]
+    gpt = model.GPT(tiny(model))
+    with torch.no_grad():
+        gpt.lm_head.weight.normal_(0.0, 1.5)  # raw logits beyond the cap
+    raw = []
+    gpt.lm_head.register_forward_hook(lambda module, args, out: raw.append(out))
+    idx = torch.randint(0, 64, (2, 16))
+    logits = gpt(idx)
+    assert raw[0].abs().max() > 40
+    assert logits.abs().max() < 30.0
+    expected = 30.0 * torch.tanh(raw[0] / 30.0)
+    torch.testing.assert_close(logits, expected)
+    by_hand = -(expected.log_softmax(-1).gather(-1, idx[..., None])).mean()
+    torch.testing.assert_close(F.cross_entropy(logits.flatten(0, 1), idx.flatten()), by_hand)
