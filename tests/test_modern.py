@@ -217,3 +217,103 @@ def test_logit_softcap_bounds_logits_and_the_loss_uses_them(modern) -> None:
     torch.testing.assert_close(logits, expected)
     by_hand = -(expected.log_softmax(-1).gather(-1, idx[..., None])).mean()
     torch.testing.assert_close(F.cross_entropy(logits.flatten(0, 1), idx.flatten()), by_hand)
+
+
+# ---------------------------------------------------------------- muon
+
+
+def hand_newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Muon's quintic iteration written out plainly: X <- aX + b(XX^T)X + c(XX^T)^2 X."""
+    a, b, c = 3.4445, -4.775, 2.0315
+    x = g.T if g.shape[0] > g.shape[1] else g
+    x = x / x.norm()
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + b * gram @ x + c * gram @ gram @ x
+    return x.T if g.shape[0] > g.shape[1] else x
+
+
+def test_newton_schulz_is_the_quintic_iteration_and_torchs(modern) -> None:
+    newton_schulz = modern["train"].newton_schulz
+    torch.manual_seed(0)
+    for shape in [(24, 40), (40, 16)]:
+        g = torch.randn(shape)
+        ours = newton_schulz(g)
+        assert ours.dtype == torch.bfloat16 and ours.shape == shape
+        torch.testing.assert_close(ours.float(), hand_newton_schulz(g.double()).float(), atol=0.03, rtol=0.03)
+        from torch.optim._muon import _zeropower_via_newtonschulz
+
+        assert torch.equal(ours, _zeropower_via_newtonschulz(g, (3.4445, -4.775, 2.0315), 5, 1e-7))
+        # nearly orthogonal: singular values in about [0.7, 1.2]
+        singular = torch.linalg.svdvals(ours.float())
+        assert singular.min() > 0.6 and singular.max() < 1.25
+
+
+def test_one_muon_step_on_a_single_matrix_is_a_hand_newton_schulz_update(modern) -> None:
+    from runtime import muon
+
+    train = modern["train"]
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(24, 16))
+    start = weight.detach().clone()
+    weight.grad = torch.randn(24, 16)
+    lr, momentum, decay = 0.02, 0.9, 0.1
+    muon.Muon([weight], train.newton_schulz, lr=lr, weight_decay=decay, momentum=momentum).step()
+    buffer = (1 - momentum) * weight.grad  # momentum from zero
+    nesterov = weight.grad + momentum * (buffer - weight.grad)
+    scale = lr * math.sqrt(24 / 16)  # lr * sqrt(max(1, rows / cols))
+    expected = start * (1 - lr * decay) - scale * hand_newton_schulz(nesterov.double()).float()
+    torch.testing.assert_close(weight.detach(), expected, atol=0.03 * scale, rtol=0)  # bf16 iterations
+    # and step for step what torch.optim.Muon does
+    twin = torch.nn.Parameter(start.clone())
+    twin.grad = weight.grad.clone()
+    torch.optim.Muon([twin], lr=lr, weight_decay=decay, momentum=momentum).step()
+    assert torch.equal(twin.detach(), weight.detach())
+
+
+def test_muon_takes_the_blocks_weight_matrices_and_nothing_else(modern) -> None:
+    model = modern["model"]
+    gpt = model.GPT(tiny(model))
+    hidden, rest = modern["train"].muon_split(gpt)
+    names = {id(p): name for name, p in gpt.named_parameters()}
+    muon_names = {names[id(p)] for p in hidden}
+    expected = {f"blocks.{i}.{m}.weight" for i in range(4) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")}
+    assert muon_names == expected
+    assert {names[id(p)] for p in rest} == set(names.values()) - expected
+    assert {"wte.weight", "lm_head.weight"} <= {names[id(p)] for p in rest}
+    assert all(p.dim() == 2 for p in hidden)
+
+
+def test_muon_momentum_warms_up_from_085(modern) -> None:
+    train = modern["train"]
+    cfg = train.Config()  # 600ba, warmup 0.1dur: 60 steps
+    at = train.muon_momentum_at
+    assert at(0.0, cfg) == pytest.approx(0.85)
+    assert at(0.05, cfg) == pytest.approx(0.90)
+    assert at(0.1, cfg) == at(0.7, cfg) == pytest.approx(0.95)
+
+
+def test_muon_under_fsdp_on_two_ranks_equals_one_process_with_two_collectives_per_matrix(tmp_path: Path) -> None:
+    """runtime.muon.Muon on FSDP2 (2 gloo ranks, uneven shards, a rank holding no rows of a
+    1-row matrix) takes the same steps as one process, bitwise; one step costs one gather and
+    one scatter per matrix, and the Newton–Schulz work is split over the ranks."""
+    import json
+    import subprocess
+    import sys
+
+    from projects import REPO, checkout_env
+
+    out = tmp_path / "muon.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(REPO / "tests" / "muon_worker.py"), str(out)],
+        env=checkout_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(out.read_text())
+    assert found["max_change_from_init"] > 1e-3  # the steps moved the weights
+    assert found["max_diff_torch_muon_vs_ours"] == 0.0  # one process: torch.optim.Muon's steps
+    assert found["max_diff_fsdp_vs_one_process"] <= 1e-6
+    assert found["collectives_ours"] == {"gather_": found["matrices"], "scatter_": found["matrices"]}
+    assert found["newton_schulz_per_rank"] == [2, 2]  # 4 matrices, each orthogonalised once
+    assert found["momentum_buffer_shapes"] == [[40, 16], [24, 40], [7, 24], [1, 7]]
