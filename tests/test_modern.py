@@ -317,3 +317,38 @@ def test_muon_under_fsdp_on_two_ranks_equals_one_process_with_two_collectives_pe
     assert found["collectives_ours"] == {"gather_": found["matrices"], "scatter_": found["matrices"]}
     assert found["newton_schulz_per_rank"] == [2, 2]  # 4 matrices, each orthogonalised once
     assert found["momentum_buffer_shapes"] == [[40, 16], [24, 40], [7, 24], [1, 7]]
+
+
+def test_modern_recipe_on_two_fsdp_ranks_equals_one_process_and_resumes_on_one(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
+    """The generated gpt2-modern loop (Muon + AdamW in one Chain) on 2 FSDP2 ranks matches one
+    process; its step-2 checkpoint (Muon's momentum sharded over 2 ranks) resumes on 1 process
+    and continues as the 1-process run does (step 4's loss depends on the restored momentum)."""
+    import subprocess
+    import sys
+
+    from projects import checkout_env, read_metrics, run_train
+
+    project = generated["gpt2-modern"]
+    small = ["--seq_len=32", "--global_batch_size=12", "--device_microbatch_size=2", "--max_duration=4ba",
+             "--eval_interval=2ba", "--save_interval=2ba", "--eval_batches=1", "--dist_timeout=60"]
+    two = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(project / "train.py"), "--device=cpu", "--run_name=two", *small],
+        cwd=tmp_path, env=checkout_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = run_train(project, tmp_path, "--run_name=one", *small)
+    assert one.returncode == 0, one.stderr[-3000:]
+    resumed = run_train(project, tmp_path, "--run_name=resumed", *small,
+                        f"--load_path={tmp_path / 'runs' / 'two' / 'checkpoints' / 'step-2'}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    def losses(run: str) -> dict[int, float]:
+        return {row["step"]: row["loss"] for row in read_metrics(tmp_path, run) if "loss" in row}
+
+    assert losses("two") == pytest.approx(losses("one"), rel=1e-5)
+    assert sorted(losses("resumed")) == [3, 4]
+    assert losses("resumed")[4] == pytest.approx(losses("one")[4], rel=1e-5)
+    assert losses("one")[4] < losses("one")[1]
