@@ -352,3 +352,30 @@ def test_modern_recipe_on_two_fsdp_ranks_equals_one_process_and_resumes_on_one(
     assert sorted(losses("resumed")) == [3, 4]
     assert losses("resumed")[4] == pytest.approx(losses("one")[4], rel=1e-5)
     assert losses("one")[4] < losses("one")[1]
+
+
+@pytest.mark.parametrize("algorithm", ["muon", "rotary"])
+def test_remove_then_add_on_an_edited_modern_project(algorithm: str, tmp_path: Path) -> None:
+    """`scaffold remove` brings back the host's default code the algorithm replaced (the AdamW
+    construction; learned positions), and `scaffold add` restores the edited project exactly."""
+    from conftest import scaffold_cli
+    from test_upgrade import commit_all, files_of, make_hand_edits
+
+    project = tmp_path / "my-gpt"
+    made = scaffold_cli("new", "--recipe", "gpt2-modern", str(project))
+    assert made.returncode == 0, made.stderr
+    make_hand_edits(project, delete_clipping=False)
+    edited = files_of(project)
+    removed = scaffold_cli("remove", algorithm, str(project))
+    assert removed.returncode == 0, removed.stderr
+    train, model = (project / "train.py").read_text(), (project / "model.py").read_text()
+    assert f"# algorithm: {algorithm}" not in train + model
+    assert "hand edit: inside the loop" in train and "beta2: float = 0.99" in train
+    if algorithm == "muon":
+        assert "optimizer = torch.optim.AdamW(" in train and "muon" not in train
+    else:
+        assert "self.wpe = nn.Embedding(config.max_seq_len, config.n_embd)" in model
+    commit_all(project, f"no {algorithm}")
+    added = scaffold_cli("add", algorithm, str(project))
+    assert added.returncode == 0, added.stderr
+    assert files_of(project) == edited
