@@ -26,7 +26,8 @@ from _common import ALLOCATOR, REPO, bench_env, median, scratch, train
 RECIPES = REPO / "templates" / "recipes"
 SHIPPED = ("gpt2-baseline", "gpt2-speedup", "gpt2-modern")
 # Each on top of gpt2-baseline, with the hyperparameters gpt2-modern uses.
-ALONE = ("rotary", "qk_norm", "relu_squared", "gated_linear_units", "zero_init", "logit_softcap", "muon")
+ALONE = ("rotary", "qk_norm", "relu_squared", "gated_linear_units", "zero_init", "logit_softcap", "muon",
+         "value_embeddings")
 
 
 def generate(arm: str, root: Path) -> Path:

@@ -379,3 +379,47 @@ def test_remove_then_add_on_an_edited_modern_project(algorithm: str, tmp_path: P
     added = scaffold_cli("add", algorithm, str(project))
     assert added.returncode == 0, added.stderr
     assert files_of(project) == edited
+
+
+# ---------------------------------------------------------------- value_embeddings
+
+
+@pytest.fixture(scope="module")
+def value_embeddings(tmp_path_factory: pytest.TempPathFactory):
+    project = make_project(tmp_path_factory.mktemp("ve"), "[algorithms.value_embeddings]\n")
+    with project_modules(project) as modules:
+        yield modules
+
+
+def test_value_embeddings_change_the_values_by_the_embedding_term(value_embeddings) -> None:
+    model = value_embeddings["model"]
+    attention = model.CausalSelfAttention(tiny(model))
+    with torch.no_grad():
+        attention.value_mix.copy_(torch.tensor([0.7, 0.4]))
+    x, embed = torch.randn(2, 6, 128), torch.randn(2, 6, 128)
+    q, k, v = (t.view(2, 6, 4, 32).transpose(1, 2) for t in attention.qkv(x).split(128, dim=2))
+
+    def attend(values: torch.Tensor) -> torch.Tensor:
+        y = F.scaled_dot_product_attention(q, k, values, is_causal=True)
+        return attention.proj(y.transpose(1, 2).reshape(2, 6, 128))
+
+    with_embed = 0.7 * v + 0.4 * embed.view(2, 6, 4, 32).transpose(1, 2)
+    torch.testing.assert_close(attention(x, None, embed), attend(with_embed), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attention(x, None), attend(0.7 * v), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("n_layer", "fed"), [(4, [0, 1, 1, 0]), (8, [0, 1, 2, None, None, 2, 1, 0])])
+def test_value_embedding_tables_feed_the_first_and_last_layers(value_embeddings, n_layer: int, fed: list) -> None:
+    model = value_embeddings["model"]
+    gpt = model.GPT(tiny(model, n_layer=n_layer))
+    assert len(gpt.value_embeds) == max(t for t in fed if t is not None) + 1
+    seen = []
+    for block in gpt.blocks:
+        block.attn.register_forward_pre_hook(lambda module, args: seen.append(args[2]))
+    idx = torch.randint(0, 64, (2, 8))
+    gpt(idx)
+    for layer_input, table in zip(seen, fed):
+        if table is None:
+            assert layer_input is None
+        else:
+            torch.testing.assert_close(layer_input, gpt.value_embeds[table](idx))
