@@ -36,6 +36,9 @@ EVENTS = (
 # Other places in train.py an algorithm may write: its imports, Config fields, config checks,
 # module-level helper functions and logged metrics.
 TRAIN_SECTIONS = ("imports", "config", "checks", "functions", "metrics")
+# Code of train.py an algorithm may replace (at most one algorithm each), and the event it
+# follows: `train.optimizer` stands instead of the task's optimizer construction.
+TRAIN_POINTS = {"optimizer": "OPTIMIZER"}
 SNIPPET_SUFFIX = ".py.jinja"
 
 
@@ -53,6 +56,7 @@ class Hyperparameter:
     type: str
     default: Any
     help: str
+    choices: tuple[Any, ...] = ()  # empty: any value of the type
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class Algorithm:
     def events(self) -> tuple[str, ...]:
         """The loop events it acts at, in loop order; model changes act at MODEL."""
         acts = {spot.split(".")[1] for spot in self.spots if spot.startswith("train.")}
+        acts |= {TRAIN_POINTS[point] for point in acts if point in TRAIN_POINTS}
         if any(spot.startswith("model.") for spot in self.spots):
             acts.add("MODEL")
         return tuple(event for event in EVENTS if event in acts)
@@ -151,12 +156,13 @@ def _spot_of(snippet: Path) -> str:
     spot = snippet.name.removesuffix(SNIPPET_SUFFIX)
     parts = spot.split(".")
     valid = (
-        (len(parts) == 2 and parts[0] == "train" and parts[1] in EVENTS + TRAIN_SECTIONS)
+        (len(parts) == 2 and parts[0] == "train" and parts[1] in EVENTS + TRAIN_SECTIONS + tuple(TRAIN_POINTS))
         or (len(parts) == 3 and parts[0] == "model")
     )
     if not valid:
         raise CatalogError(
-            f"{snippet}: a snippet is named train.<EVENT|{'|'.join(TRAIN_SECTIONS)}>{SNIPPET_SUFFIX} "
+            f"{snippet}: a snippet is named "
+            f"train.<EVENT|{'|'.join(TRAIN_SECTIONS + tuple(TRAIN_POINTS))}>{SNIPPET_SUFFIX} "
             f"or model.<family>.<extension point>{SNIPPET_SUFFIX}"
         )
     return spot
@@ -189,7 +195,8 @@ def load_algorithms(template: Path) -> dict[str, Algorithm]:
         meta = _read_toml(meta_path)
         name = meta_path.parent.name
         hyperparameters = {
-            key: Hyperparameter(key, spec["type"], spec["default"], spec.get("help", ""))
+            key: Hyperparameter(key, spec["type"], spec["default"], spec.get("help", ""),
+                                tuple(spec.get("choices", ())))
             for key, spec in meta.get("hyperparameters", {}).items()
         }
         spots = tuple(sorted(_spot_of(path) for path in meta_path.parent.glob(f"*{SNIPPET_SUFFIX}")))
@@ -230,9 +237,15 @@ def check_applies(name: str, spec: Algorithm, task: str, family: str, models: di
 
 
 def _check_exclusive_points(algorithms: list[str], catalog: dict[str, Algorithm], family: ModelFamily) -> None:
-    """Two algorithms cannot both replace the same default code in model.py."""
+    """Two algorithms cannot both replace the same default code in model.py (or train.py)."""
     owner: dict[str, str] = {}
     for name in algorithms:
+        for point in (spot.split(".")[1] for spot in catalog[name].spots if spot.startswith("train.")):
+            if point in TRAIN_POINTS:
+                if f"train.{point}" in owner:
+                    raise RecipeError(f"algorithms '{owner['train.' + point]}' and '{name}' both replace "
+                                      f"the {point} code of train.py; use one of them")
+                owner[f"train.{point}"] = name
         for point in catalog[name].model_points(family.name):
             spec = family.extension_points.get(point)
             if spec is not None and spec.replaces:
@@ -347,6 +360,15 @@ def _coerce(value: Any, kind: str, where: str) -> Any:
     return value
 
 
+def _hyperparameter(hp: Hyperparameter, value: Any, where: str) -> Any:
+    """A hyperparameter's value, checked against its type and (if declared) its choices."""
+    value = _coerce(value, hp.type, where)
+    if hp.choices and value not in hp.choices:
+        raise RecipeError(f"{where} = {value!r} is not one of {', '.join(map(repr, hp.choices))}; "
+                          "fix the recipe or the --set value")
+    return value
+
+
 def resolve(recipe: Recipe, template: Path, project_name: str) -> dict[str, Any]:
     """Validated, complete copier answers for a recipe: every default filled in, every name checked."""
     if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{0,63}", project_name):
@@ -400,7 +422,7 @@ def resolve(recipe: Recipe, template: Path, project_name: str) -> dict[str, Any]
                 raise RecipeError(f"algorithm '{name}' has no hyperparameter '{param}'"
                                   f"{_suggest(param, list(spec.hyperparameters))}; it has: {known}")
         algorithms[name] = {
-            key: _coerce(params.get(key, hp.default), hp.type, f"{name}.{key}")
+            key: _hyperparameter(hp, params.get(key, hp.default), f"{name}.{key}")
             for key, hp in spec.hyperparameters.items()
         }
     for name in algorithms:
@@ -460,7 +482,7 @@ def add_algorithm(
                               f"{_suggest(key, list(spec.hyperparameters))}; it has: {known}")
         params[key] = value
     resolved = {
-        key: _coerce(params.get(key, hp.default), hp.type, f"{name}.{key}")
+        key: _hyperparameter(hp, params.get(key, hp.default), f"{name}.{key}")
         for key, hp in spec.hyperparameters.items()
     }
     added = _in_catalog_order({**current, name: resolved}, catalog)

@@ -19,6 +19,7 @@ from conftest import scaffold_cli
 from projects import project_modules
 from scaffold.catalog import (
     EVENTS,
+    TRAIN_POINTS,
     Algorithm,
     CatalogError,
     RecipeError,
@@ -134,6 +135,7 @@ def test_cli_events_are_derived_from_snippet_file_names() -> None:
     for name in CATALOG:
         spots = snippet_spots(name)
         expected = {spot.split(".")[1] for spot in spots if spot.split(".")[1] in EVENTS}
+        expected |= {TRAIN_POINTS[spot.split(".")[1]] for spot in spots if spot.split(".")[1] in TRAIN_POINTS}
         if any(spot.startswith("model.") for spot in spots):
             expected.add("MODEL")
         listed = {event for event in EVENTS if re.search(rf"\b{event}\b", rows[name])}
@@ -188,7 +190,10 @@ def test_every_algorithm_renders_alone_and_trains(
     for spot in train_spots:
         if spot in EVENTS:
             assert spot in places, (name, spot, places)
-    sections = [spot for spot in train_spots if spot not in EVENTS and spot != "metrics"]
+        if spot in TRAIN_POINTS:  # replaced host code, right under its event point
+            assert TRAIN_POINTS[spot] in places, (name, spot, places)
+    sections = [spot for spot in train_spots if spot not in EVENTS and spot not in TRAIN_POINTS
+                and spot != "metrics"]
     assert places.count("module") == len(sections)
     model = (project / "model.py").read_text()
     assert model.count(f"# algorithm: {name}\n") == len(spec.model_points(family))
@@ -199,7 +204,11 @@ def test_every_algorithm_renders_alone_and_trains(
 
 
 @pytest.mark.parametrize("algorithm", [name for name, spec in CATALOG.items()
-                                       if not any(spot.startswith("model.") for spot in spec.spots)])
+                                       if not any(spot.startswith("model.") for spot in spec.spots)
+                                       # replaced host code has no default left once cut out
+                                       # (`scaffold remove` restores it)
+                                       and not any(spot.split(".")[1] in TRAIN_POINTS
+                                                   for spot in spec.spots)])
 def test_deleting_an_algorithms_fences_by_hand_leaves_no_dangling_name(
     algorithm: str, generated: dict[str, Path], project_copy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

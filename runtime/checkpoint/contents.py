@@ -33,6 +33,18 @@ def _module_of(state: dict[str, Any], name: str) -> nn.Module:
     raise TypeError(f"state[{name!r}] optimizes parameters of no module in the state; add its model")
 
 
+def _optimizers(value: Any) -> Any:
+    """An optimizer, or the optimizers a chain steps together (e.g. `runtime.muon.Chain`: Muon
+    for hidden matrices, AdamW for the rest; DCP keys each one's state by parameter name, so
+    several share one entry); None for anything else."""
+    if isinstance(value, torch.optim.Optimizer):
+        return value
+    chained = getattr(value, "optimizers", None)
+    if isinstance(chained, list) and chained and all(isinstance(o, torch.optim.Optimizer) for o in chained):
+        return chained
+    return None
+
+
 def state_dicts(state: dict[str, Any]) -> dict[str, Any]:
     """The state dict of every entry, as DCP saves (or loads into) it; TypeError for an entry
     that cannot be saved."""
@@ -40,8 +52,8 @@ def state_dicts(state: dict[str, Any]) -> dict[str, Any]:
     for name, value in state.items():
         if isinstance(value, nn.Module):
             result[name] = get_model_state_dict(value)
-        elif isinstance(value, torch.optim.Optimizer):
-            result[name] = get_optimizer_state_dict(_module_of(state, name), value)
+        elif _optimizers(value) is not None:
+            result[name] = get_optimizer_state_dict(_module_of(state, name), _optimizers(value))
         elif callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
             result[name] = value.state_dict()
         else:
@@ -54,12 +66,12 @@ def restore(state: dict[str, Any], loaded: dict[str, Any]) -> None:
     """Load `loaded` (from `state_dicts(state)`, filled by DCP) into the objects of `state`."""
     # Optimizers first, then modules: the order of DCP's set_state_dict.
     for name, value in state.items():
-        if isinstance(value, torch.optim.Optimizer):
-            set_optimizer_state_dict(_module_of(state, name), value, loaded[name])
+        if _optimizers(value) is not None:
+            set_optimizer_state_dict(_module_of(state, name), _optimizers(value), loaded[name])
     for name, value in state.items():
         if isinstance(value, nn.Module):
             set_model_state_dict(value, loaded[name])
-        elif not isinstance(value, torch.optim.Optimizer):
+        elif _optimizers(value) is None:
             value.load_state_dict(loaded[name])
 
 
