@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import RECIPES, scaffold_cli
 from scaffold import __version__
@@ -81,7 +82,9 @@ def test_an_unedited_project_is_clean_and_its_diff_is_empty(recipe: str, generat
     project = generated[recipe]
     report = check(project)
     assert report.ok, report.problems
-    assert report.algorithms and all(a.status == INTACT for a in report.algorithms)
+    recorded = yaml.safe_load((project / ".copier-answers.yml").read_text())["algorithms"] or {}
+    assert sorted(a.name for a in report.algorithms) == sorted(recorded)
+    assert all(a.status == INTACT for a in report.algorithms)
     assert report.markers and all(m.status == "present" for m in report.markers)
     assert [m.name for m in report.markers][:3] == ["INIT", "MODEL", "OPTIMIZER"]
     assert diff(project) == []
