@@ -1,0 +1,432 @@
+"""Train my-gpt: a ResNet image classifier (recipe `resnet50-baseline`).
+
+    python train.py                     # CPU or one GPU, on the embedded default data
+    python train.py --data=/data/imagenet --model=resnet50 --max_duration=90ep
+    python train.py --config run.toml   # keys as in Config below; flags override it
+    python train.py --help              # every key, its default and meaning
+
+Algorithms: none.
+This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
+hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end algorithm:
+NAME`. `scaffold upgrade` merges newer template versions in and keeps your edits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+import data
+from model import (
+    PRESETS,
+    Preset,
+    ResNet,
+    ResNetConfig,
+    clear_step_stats,
+    update_running_stats,
+)
+from runtime import checkpoint, config, dist, fsdp, microbatch
+from runtime.monitor import Monitor
+from runtime.time import Progress, Time, as_fraction
+
+
+@dataclass
+class Config:
+    run_name: str = "my-gpt"  # runs/<run_name>/; rerunning a name resumes it
+    seed: int = 42  # a run is a function of (config, seed)
+    data: str = (
+        ""  # "": scikit-learn's digits; or an ImageFolder tree, cifar-10-batches-bin
+    )
+    image_size: int = (
+        224  # ImageFolder crops (CIFAR and the digits keep 32 and 8 pixels)
+    )
+    num_workers: int = 8  # processes decoding images from disk (in-memory data: none)
+    device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
+    # model
+    model: Preset = "resnet50"  # architecture preset, see PRESETS in model.py
+    # BatchNorm statistics are taken over groups of this many samples ("ghost"
+    # BatchNorm), so a step does not depend on the microbatch size or the number of
+    # ranks: both the per-rank batch and device_microbatch_size must be multiples of it
+    bn_group_size: int = 256
+    # optimization; Time strings: 10ep, 2000ba (steps), 4096sp, 0.25dur
+    max_duration: Time = Time.parse("90ep")  # training length
+    global_batch_size: int = 2048  # samples per step, summed over ranks
+    # samples per forward/backward, accumulated; auto: the largest that fits in memory
+    device_microbatch_size: int | Literal["auto"] = 256
+    max_device_microbatch_size: int = 0  # where auto starts; 0: the per-rank batch
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    lr: float = 2.048  # peak learning rate
+    lr_warmup: Time = Time.parse("8ep")  # linear from 0, then cosine decay
+    min_lr_ratio: float = 0.0  # the cosine ends at min_lr_ratio * lr
+    # decoupled weight decay on conv and linear weights (BatchNorm and biases exempt):
+    # sgd shrinks weights by weight_decay * lr / peak lr per step (Composer's
+    # DecoupledSGDW); adamw by weight_decay * lr (torch's AdamW)
+    weight_decay: float = 0.0005
+    momentum: float = 0.875  # sgd momentum (adamw: beta1)
+    nesterov: bool = False  # sgd: Nesterov momentum
+    beta2: float = 0.999  # adamw
+
+    # evaluation, logging, checkpoints
+    eval_interval: Time = Time.parse("1ep")  # top-1/top-5 every ...
+    eval_batches: int = 0  # validation batches per evaluation; 0: the whole split
+    log_interval: Time = Time.parse("1ba")  # a metrics.jsonl line every ...
+    save_interval: Time = Time.parse("1ep")  # and at the end
+    save_num_checkpoints_to_keep: int = 2  # older ones are deleted; 0 keeps all
+    save_folder: str = ""  # "": runs/<run_name>/checkpoints
+    save_async: bool = False  # write checkpoints while training goes on
+    autoresume: bool = True  # continue from the newest checkpoint of this run
+    load_path: str = ""  # start from this checkpoint (or run folder); any world size
+    load_weights_only: bool = False  # load_path's model weights only (fine-tuning)
+    # parallelism: `torchrun --nproc_per_node=N train.py` runs this script on N ranks
+    parallelism: Literal["auto", "none", "ddp", "fsdp"] = "auto"  # auto: fsdp if N > 1
+    sharding_strategy: Literal[
+        "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"
+    ] = "FULL_SHARD"
+    hybrid_shard_size: int = 0  # HYBRID_SHARD group size; 0: processes per node
+    precision: Literal["fp32", "amp_bf16", "bf16"] = "amp_bf16"  # bf16: FSDP
+    activation_checkpointing: bool = False  # recompute block activations in backward
+    cpu_offload: bool = False  # FSDP parameters and optimizer step on the CPU (CUDA)
+    dist_timeout: int = 600  # seconds a collective waits before the job fails
+
+
+def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
+    """Check the config against this launch, then join the process group (if any).
+
+    Each problem is one `error:` line and exit status 2, before data or model exist.
+    """
+    try:
+        env = dist.environment(cfg.device)  # rank, world size, device, from torchrun
+    except ValueError as error:
+        config.fail(str(error))
+    parallel = fsdp.ParallelConfig(
+        parallelism=fsdp.resolve_parallelism(cfg.parallelism, env.world_size),
+        sharding_strategy=cfg.sharding_strategy,
+        precision=cfg.precision,
+        activation_checkpointing=cfg.activation_checkpointing,
+        cpu_offload=cfg.cpu_offload,
+        hybrid_shard_size=cfg.hybrid_shard_size,
+    )
+    problem = fsdp.check(parallel, env) or microbatch.check(cfg.device_microbatch_size)
+    if problem:
+        config.fail(problem)
+    for name in ("global_batch_size", "bn_group_size", "image_size"):
+        if getattr(cfg, name) < 1:
+            config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
+    if cfg.eval_batches < 0 or cfg.num_workers < 0:
+        config.fail("eval_batches and num_workers must be at least 0")
+    if cfg.global_batch_size % env.world_size:
+        config.fail(
+            f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
+            f"size {env.world_size}; pick a multiple of {env.world_size}"
+        )
+    # Ghost BatchNorm groups must not straddle ranks or microbatches.
+    per_rank = cfg.global_batch_size // env.world_size
+    for name, size in (
+        ("the per-rank batch (global_batch_size / world size)", per_rank),
+        ("device_microbatch_size", cfg.device_microbatch_size),
+        ("max_device_microbatch_size", cfg.max_device_microbatch_size),
+    ):
+        if isinstance(size, int) and size % cfg.bn_group_size:
+            config.fail(
+                f"{name}={size} is not a multiple of bn_group_size="
+                f"{cfg.bn_group_size}; BatchNorm groups must not be split: change one"
+            )
+    try:
+        as_fraction(cfg.lr_warmup, cfg.max_duration)
+    except ValueError as error:
+        config.fail(f"lr_warmup: {error}")
+
+    dist.init_process_group(env, timeout=timedelta(seconds=cfg.dist_timeout))
+    return env, parallel
+
+
+def lr_at(fraction: float, cfg: Config) -> float:
+    """Learning rate after `fraction` of training: linear warmup, then cosine decay."""
+    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration)
+    if fraction < warmup:
+        return cfg.lr * fraction / warmup
+    decayed = (fraction - warmup) / max(1.0 - warmup, 1e-9)
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * decayed))
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    val: data.Batches,
+    images: data.ImageData,
+    cfg: Config,
+    env: dist.DistEnv,
+    microbatch_size: int,
+) -> dict[str, float]:
+    """Cross-entropy, top-1 and top-5 accuracy on the validation split (BatchNorm in
+    evaluation mode: running statistics). Every rank scores its share of each batch,
+    the same number of forward passes (the last batch is padded, with weight 0); the
+    sums are added over ranks."""
+    model.eval()
+    sums = torch.zeros(4, device=env.device)  # loss, top-1 hits, top-5 hits, samples
+    k = min(5, len(images.classes))
+    num_batches = cfg.eval_batches or len(val)
+    for batch in range(min(num_batches, len(val))):
+        pixels, labels, weight = (t.to(env.device) for t in val[batch])
+        for x, y, w in zip(
+            pixels.split(microbatch_size),
+            labels.split(microbatch_size),
+            weight.split(microbatch_size),
+        ):
+            with torch.autocast(env.device.type, torch.bfloat16, enabled=is_amp(cfg)):
+                logits = model(data.normalize(x, images)).float()
+            top = logits.topk(k, dim=1).indices == y[:, None]
+            sums += torch.stack(
+                [
+                    (F.cross_entropy(logits, y, reduction="none") * w).sum(),
+                    (top[:, 0] * w).sum(),
+                    (top.any(dim=1) * w).sum(),
+                    w.sum(),
+                ]
+            )
+    model.train()
+    loss, top1, top5, count = dist.reduce_sum(sums).tolist()
+    return {
+        "val_loss": loss / count,
+        "val_top1": top1 / count,
+        f"val_top{k}": top5 / count,
+    }
+
+
+def is_amp(cfg: Config) -> bool:
+    """Autocast: bf16 convolutions and matmuls on fp32 weights (precision=amp_bf16)."""
+    return cfg.precision == "amp_bf16"
+
+
+def main() -> None:
+    # event: INIT
+
+    cfg = config.parse(Config)
+    env, parallel = setup(cfg)  # one process, or one of torchrun's N
+    torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
+    run_dir = Path("runs") / cfg.run_name
+    try:
+        images = data.load_images(cfg.data)
+        batches = dict(
+            batch_size=cfg.global_batch_size,
+            seed=cfg.seed,
+            image_size=cfg.image_size,
+            rank=env.rank,
+            world_size=env.world_size,
+        )
+        train_batches = data.Batches(images, "train", **batches)
+        val = data.Batches(images, "val", **batches)
+    except (OSError, ValueError) as error:  # a missing path, a bad file, too few images
+        config.fail(str(error))
+    # Decoding images from disk happens in worker processes while the model trains.
+    num_workers = cfg.num_workers if images.on_disk else 0
+
+    model_config = ResNetConfig(
+        num_classes=len(images.classes),
+        in_channels=images.channels,
+        bn_group_size=cfg.bn_group_size,
+        **PRESETS[cfg.model],
+    )
+    model = ResNet(model_config).to(env.device)
+    num_params = model.num_params()
+
+    # event: MODEL
+
+    # Shard or replicate for the launch: FSDP2 per residual block then the root, DDP,
+    # or nothing.
+    model = fsdp.parallelize(model, model.blocks, env, parallel)
+
+    # event: OPTIMIZER
+
+    # Decay conv and linear weights; BatchNorm parameters and biases stay undecayed.
+    params = list(model.parameters())
+    decayed = [p for p in params if p.dim() >= 2]
+    groups = [
+        {"params": decayed, "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    if cfg.optimizer == "sgd":
+        for group in groups:  # decoupled: applied by hand before each step (below)
+            group["weight_decay"] = 0.0
+        optimizer = torch.optim.SGD(
+            groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov
+        )
+    else:
+        optimizer = torch.optim.AdamW(
+            groups, lr=cfg.lr, betas=(cfg.momentum, cfg.beta2)
+        )
+
+    # Resume: load_path, else this run's newest complete checkpoint, restores model
+    # (with BatchNorm running statistics), optimizer, progress and RNG, saved on any
+    # number of ranks. The batch order is a function of progress: nothing is replayed.
+    progress = Progress(batches_per_epoch=train_batches.batches_per_epoch)
+    save_folder = Path(cfg.save_folder or run_dir / "checkpoints")
+    try:
+        resumed = checkpoint.resume(
+            save_folder,
+            model,
+            optimizer,
+            progress,
+            load_path=cfg.load_path,
+            weights_only=cfg.load_weights_only,
+            autoresume=cfg.autoresume,
+            seed=cfg.seed,
+        )
+    except checkpoint.CheckpointError as error:  # names the file or the mismatched keys
+        config.fail(str(error))
+    monitor = Monitor(
+        run_dir, progress, cfg.max_duration, cfg.global_batch_size, env.is_main
+    )
+    monitor.record_run(config.to_toml(cfg), Path(__file__), env.device, env.world_size)
+    monitor.info(f"data: {images.source}")
+    monitor.info(
+        f"images: {len(images.train):,} train, {len(images.val):,} validation, "
+        f"{len(images.classes)} classes"
+    )
+    monitor.info(f"model: {cfg.model}, {num_params:,} parameters")
+    monitor.info(f"parallelism: {parallel.parallelism}, {env.world_size} process(es)")
+    for line in resumed.describe() if resumed else []:
+        monitor.info(line)
+    # The microbatch size: fixed, or auto (the largest multiple of bn_group_size that
+    # fits, found by halving on out-of-memory; a resumed run reuses the size it found).
+    microbatching = microbatch.Search(
+        model,
+        fsdp.unwrap(model).blocks,
+        env,
+        cfg.device_microbatch_size,
+        per_rank_batch=cfg.global_batch_size // env.world_size,
+        max_size=cfg.max_device_microbatch_size,
+        resumed=resumed.extra if resumed else None,
+        log=monitor.info,
+        timeout=timedelta(seconds=cfg.dist_timeout),
+        multiple_of=cfg.bn_group_size,
+    )
+
+    # event: FIT_START
+
+    while not progress.reached(cfg.max_duration):
+        # event: EPOCH_START
+
+        epoch = progress.epoch
+        # This rank's shares of the epoch's global batches, in the epoch's seeded order,
+        # from where training stands (a resumed run starts mid-epoch).
+        train_batches = data.Batches(images, "train", epoch=epoch, **batches)
+        start = progress.batch_in_epoch
+        pin_memory = env.device.type == "cuda"
+        loader = data.loader(train_batches, start, num_workers, pin_memory)
+        for pixels, labels, _ in loader:
+            pixels = pixels.to(env.device, non_blocking=True)
+            labels = labels.to(env.device, non_blocking=True)
+            inputs = data.normalize(pixels, images)
+
+            # event: BATCH_START
+
+            lr = lr_at(progress.fraction(cfg.max_duration), cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+
+            # Gradient accumulation: each microbatch's summed loss is divided by the
+            # global batch size (all ranks), so gradients are the global-batch mean
+            # whatever the microbatch size and world size. DDP and FSDP average
+            # gradients over ranks: hence the factor world_size.
+            loss_scale = env.world_size / cfg.global_batch_size
+            # Out of memory on any rank (while the size is still being searched): every
+            # rank drops this attempt's gradients (and BatchNorm statistics) and retries
+            # the same batch at half the microbatch size.
+            for attempt in microbatching.attempts(seq_len=inputs.shape[-1]):
+                with attempt:
+                    clear_step_stats(model)
+                    loss_sum = torch.zeros((), device=env.device)
+                    microbatches = list(
+                        zip(inputs.split(attempt.size), labels.split(attempt.size))
+                    )
+                    for i, (micro_inputs, micro_labels) in enumerate(microbatches):
+                        # event: MICROBATCH_START
+
+                        # Reduce gradients over ranks once, in the last backward.
+                        fsdp.sync_gradients(model, i == len(microbatches) - 1)
+                        with torch.autocast(
+                            env.device.type, torch.bfloat16, enabled=is_amp(cfg)
+                        ):
+                            logits = model(micro_inputs)
+
+                        # event: AFTER_FORWARD
+
+                        loss = F.cross_entropy(
+                            logits.float(), micro_labels, reduction="sum"
+                        )
+
+                        # event: LOSS
+
+                        (loss * loss_scale).backward()
+                        loss_sum += loss.detach()
+
+            # event: AFTER_BACKWARD
+
+            if cfg.optimizer == "sgd":
+                # Decoupled weight decay (Loshchilov & Hutter 2019), scaled by the
+                # schedule as Composer's DecoupledSGDW: independent of the gradient.
+                with torch.no_grad():
+                    torch._foreach_mul_(decayed, 1 - cfg.weight_decay * lr / cfg.lr)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            # BatchNorm running statistics: once per step, from the whole global batch.
+            update_running_stats(model, dist.reduce_sum)
+            progress.advance(samples=cfg.global_batch_size, tokens=0)
+
+            # event: BATCH_END
+
+            monitor.update(progress)
+            finished = progress.reached(cfg.max_duration)
+            metrics = {}
+            if progress.at_interval(cfg.eval_interval, cfg.max_duration) or finished:
+                # event: EVAL
+
+                # Evaluation time does not count against the logged throughput.
+                with monitor.paused():
+                    metrics.update(evaluate(model, val, images, cfg, env, attempt.size))
+            if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
+                metrics["loss"] = (
+                    dist.reduce_sum(loss_sum).item() / cfg.global_batch_size
+                )
+                metrics["lr"] = lr
+                metrics["microbatch_size"] = attempt.size
+
+                monitor.log(progress, **metrics)
+            if progress.at_interval(cfg.save_interval, cfg.max_duration) or finished:
+                with monitor.paused():
+                    checkpoint.save(
+                        save_folder,
+                        model,
+                        optimizer,
+                        progress,
+                        extra=microbatching.state_dict(),
+                        keep=cfg.save_num_checkpoints_to_keep,
+                        async_save=cfg.save_async,
+                    )
+            if finished:
+                break
+
+        # event: EPOCH_END
+
+    # event: FIT_END
+
+    checkpoint.wait()  # an async save in flight: finished and marked complete
+    monitor.info(
+        f"done: step {progress.batch}, {progress.sample:,} samples; in {run_dir}"
+    )
+    monitor.close()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        dist.shutdown()  # leave the process group, also after an error
