@@ -8,13 +8,17 @@ BatchNorm running-statistics update once per step. The generated loop runs as sh
 the timed steps. Runs alternate A B A B ... in one invocation; each reports its median step
 time after warmup.
 
-    python bench/overhead_vision.py [--rounds 3] [--steps 40]
+    python bench/overhead_vision.py [--rounds 3] [--steps 40] [--threads 1]
+
+`--threads N` sets OMP_NUM_THREADS for both sides (default 1: on a shared, oversubscribed
+machine two spinning intra-op threads per process made step times vary 3x between runs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -86,7 +90,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3, help="A/B pairs per size")
     parser.add_argument("--steps", type=int, default=40, help="steps per run (tiny); the larger size runs a third")
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for both loops (0: torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # bench_env() copies os.environ
     root = scratch()
     project = generate("cifar-resnet56-baseline", root)
     sizes = {
@@ -95,7 +102,7 @@ def main() -> None:
         # ... and compute dominates.
         "resnet20": ("cifar-resnet20", 256, 128, max(WARMUP_STEPS + 5, args.steps // 3)),
     }
-    print(f"allocator: {' '.join(f'{k}={v}' for k, v in ALLOCATOR.items())}; torch threads: default")
+    print(f"allocator: {' '.join(f'{k}={v}' for k, v in ALLOCATOR.items())}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'default')}")
     print(f"{'size':9} {'round':>5} {'raw ms/step':>12} {'generated ms/step':>18}")
     ratios = {}
     for size, (preset, batch, micro, steps) in sizes.items():
