@@ -46,10 +46,14 @@ def imports(path: Path) -> list[tuple[str, bool, int]]:
     return found
 
 
+def distributions(module: str) -> list[str]:
+    """The distributions that provide an import name (the import name when none is installed):
+    mlflow's `mlflow` package comes from mlflow-skinny too, and declaring either is enough."""
+    return [_normalize(name) for name in metadata.packages_distributions().get(module, [module])]
+
+
 def distribution(module: str) -> str:
-    """The distribution that provides an import name (the import name when none is installed)."""
-    providers = metadata.packages_distributions().get(module, [module])
-    return _normalize(providers[0])
+    return distributions(module)[0]
 
 
 def test_third_party_imports_are_declared() -> None:
@@ -62,8 +66,9 @@ def test_third_party_imports_are_declared() -> None:
             for module, top_level, line in imports(path):
                 if module in sys.stdlib_module_names or module in FIRST_PARTY or module == "__future__":
                     continue
+                names = set(distributions(module))
                 name = distribution(module)
-                if name in required or (not top_level and name in optional):
+                if names & required or (not top_level and names & optional):
                     continue
                 where = "dependencies" if top_level else "dependencies or an optional extra"
                 undeclared.append(f"{path.relative_to(REPO)}:{line} imports {module} ({name}), not in {where}")
