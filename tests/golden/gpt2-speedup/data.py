@@ -3,8 +3,8 @@
 The default data is real text every machine has offline: the Python standard
 library's own source files, read from the running interpreter and tokenized as bytes
 (vocabulary 256). `--data=PATH` takes a text file, a folder of text files (bytes
-again), or a `.bin` file of uint16 token ids (nanoGPT's format; a `val.bin` beside it
-is the validation split).
+again), or a `.bin` file of uint16 token ids (nanoGPT's format: a `val.bin` beside it
+is the validation split, a `meta.pkl` beside it gives the vocabulary size).
 
 A sample is a window of seq_len + 1 tokens (inputs plus next-token targets); windows
 do not overlap. Epoch e visits the windows in a permutation seeded by (seed, e), so
@@ -15,6 +15,7 @@ to it, never replaying the loader, and the order is the same on any number of ra
 from __future__ import annotations
 
 import hashlib
+import pickle
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +40,26 @@ class TokenData:
     source: str  # where the tokens came from, for the log
 
 
-def load_tokens(data: str) -> TokenData:
-    """The tokens named by `--data` ("" for the embedded standard-library source)."""
+def load_tokens(data: str, vocab_size: int = 0) -> TokenData:
+    """The tokens named by `--data` ("" for the embedded standard-library source).
+
+    `vocab_size` > 0 overrides the vocabulary size the data implies; it must exceed
+    every token id.
+    """
+    tokens = find_tokens(data, vocab_size)
+    if vocab_size:
+        top = max_token(tokens.train, tokens.val)
+        if vocab_size <= top:
+            raise ValueError(
+                f"--vocab_size={vocab_size} but the data holds token id {top}; use "
+                f"--vocab_size={top + 1} or more, or 0 to take it from the data"
+            )
+        tokens.vocab_size = vocab_size
+    return tokens
+
+
+def find_tokens(data: str, vocab_size: int) -> TokenData:
+    """The tokens and the vocabulary size their source implies."""
     if not data:
         root = Path(sysconfig.get_paths()["stdlib"])
         files = [
@@ -56,7 +75,7 @@ def load_tokens(data: str) -> TokenData:
             "text files or a .bin of uint16 tokens, or leave it empty for the default"
         )
     if path.suffix == ".bin":
-        return uint16_tokens(path)
+        return uint16_tokens(path, read_meta=not vocab_size)
     if path.is_dir():
         files = [
             p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
@@ -82,8 +101,14 @@ def byte_tokens(root: Path, files: list[Path], source: str) -> TokenData:
     return TokenData(tokens[:split], tokens[split:], BYTE_VOCAB_SIZE, source)
 
 
-def uint16_tokens(path: Path) -> TokenData:
-    """nanoGPT-style uint16 tokens, memory-mapped; validation: val.bin, or the tail."""
+def uint16_tokens(path: Path, read_meta: bool = True) -> TokenData:
+    """nanoGPT-style uint16 tokens, memory-mapped; validation: val.bin, or the tail.
+
+    The vocabulary: `vocab_size` in a meta.pkl beside the .bin (nanoGPT's character
+    data: 65 tokens for Shakespeare), else GPT-2's (the .bin is assumed to hold GPT-2
+    BPE ids). `read_meta=False` (--vocab_size given) leaves meta.pkl unread. A 65-token
+    model with a 50,304-row output layer trains many times slower.
+    """
     if path.stat().st_size % 2:
         raise ValueError(
             f"{path} has an odd number of bytes; a .bin must hold uint16 tokens"
@@ -95,15 +120,77 @@ def uint16_tokens(path: Path) -> TokenData:
     else:
         split = int(len(tokens) * (1 - VAL_FRACTION))
         tokens, val = tokens[:split], tokens[split:]
-    vocab_size = max(GPT2_VOCAB_SIZE, int(tokens.max()) + 1)
-    return TokenData(tokens, val, vocab_size, f"uint16 tokens in {path}")
+    top = max_token(tokens, val)
+    meta_path = path.with_name("meta.pkl")
+    if read_meta and meta_path.exists():
+        vocab_size = read_meta_vocab_size(meta_path)
+        if vocab_size <= top:
+            raise ValueError(
+                f"{meta_path} says vocab_size={vocab_size} but the data holds token id "
+                f"{top}; fix meta.pkl or pass --vocab_size={top + 1}"
+            )
+        source = f"uint16 tokens in {path}, vocabulary from {meta_path}"
+    else:
+        # Ids beyond GPT-2's: the next multiple of 64 that holds them.
+        vocab_size = max(GPT2_VOCAB_SIZE, (top + 64) // 64 * 64)
+        source = f"uint16 tokens in {path} (no meta.pkl: GPT-2's vocabulary)"
+    return TokenData(tokens, val, vocab_size, source)
+
+
+def max_token(*arrays: np.ndarray) -> int:
+    """The largest token id in the arrays (-1 if all are empty)."""
+    return max((int(array.max()) for array in arrays if len(array)), default=-1)
+
+
+class PlainUnpickler(pickle.Unpickler):
+    """Unpickles plain data only: dicts, lists, tuples, strings, numbers.
+
+    Any class or function a pickle names is refused, so a crafted meta.pkl cannot run
+    code (a normal pickle.load would call whatever it names).
+    """
+
+    def find_class(self, module: str, name: str) -> object:
+        raise pickle.UnpicklingError(f"it names {module}.{name}")
+
+
+def read_meta_vocab_size(path: Path) -> int:
+    """`vocab_size` from nanoGPT's meta.pkl, read with PlainUnpickler."""
+    try:
+        with open(path, "rb") as file:
+            meta = PlainUnpickler(file).load()
+    except Exception as error:  # whatever a crafted or truncated file raises
+        raise ValueError(
+            f"{path}: refused ({error}); a meta.pkl may hold only plain dicts, strings "
+            "and numbers: pass --vocab_size instead (meta.pkl is then not read)"
+        ) from None
+    vocab_size = meta.get("vocab_size") if isinstance(meta, dict) else None
+    if (
+        not isinstance(vocab_size, int)
+        or isinstance(vocab_size, bool)
+        or vocab_size < 1
+    ):
+        raise ValueError(
+            f"{path} has no positive integer vocab_size; fix it, or pass --vocab_size "
+            "(meta.pkl is then not read)"
+        )
+    return vocab_size
 
 
 class Batches:
     """Global batches of windows in a seeded, resumable order (no partial batch)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        pin_memory: bool = False,
+    ):
         self.tokens = tokens
+        self.pin_memory = (
+            pin_memory  # page-locked batches: asynchronous copies to a GPU
+        )
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.seed = seed
@@ -130,15 +217,20 @@ class Batches:
         """This rank's share of batch `index` of `epoch`: (batch/world, seq_len + 1)."""
         share = self.batch_size // world_size
         start = index * self.batch_size + rank * share
-        return windows(
-            self.tokens, self.order(epoch)[start : start + share], self.seq_len
-        )
+        ids = self.order(epoch)[start : start + share]
+        return windows(self.tokens, ids, self.seq_len, self.pin_memory)
 
 
-def windows(tokens: np.ndarray, ids: np.ndarray, seq_len: int) -> torch.Tensor:
+def windows(
+    tokens: np.ndarray, ids: np.ndarray, seq_len: int, pin_memory: bool = False
+) -> torch.Tensor:
     """Stack windows `ids` (each seq_len + 1 tokens) into an int64 tensor."""
     rows = [tokens[i * seq_len : i * seq_len + seq_len + 1] for i in ids]
-    return torch.from_numpy(np.stack(rows).astype(np.int64))
+    if not pin_memory:
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+    batch = torch.empty((len(ids), seq_len + 1), dtype=torch.int64, pin_memory=True)
+    np.stack(rows, out=batch.numpy())  # straight into page-locked memory
+    return batch
 
 
 def val_batches(

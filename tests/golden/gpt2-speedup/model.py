@@ -16,6 +16,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# algorithm: alibi
+import functools
+
+from torch.nn.attention.flex_attention import (
+    BlockMask,
+    create_block_mask,
+    flex_attention,
+)
+
+# end algorithm: alibi
+
 
 @dataclass
 class GPTConfig:
@@ -74,6 +85,39 @@ def alibi_bias(
     return bias.masked_fill(distance < 0, float("-inf"))
 
 
+# FlexAttention, compiled: one fused kernel that computes the ALiBi penalty from the
+# indices as it goes, so the (heads, seq, seq) bias is never built or read.
+fused_flex_attention = torch.compile(flex_attention)
+
+
+def alibi_uses_flex(device: torch.device, dropout: float) -> bool:
+    """FlexAttention on CUDA without dropout (it has no dropout; on the CPU it has no
+    backward): elsewhere, SDPA with the explicit bias."""
+    return device.type == "cuda" and dropout == 0.0
+
+
+@functools.lru_cache(maxsize=8)
+def causal_block_mask(seq_len: int, device: torch.device) -> BlockMask:
+    """The (query, key) blocks on or below the diagonal; FlexAttention skips others."""
+
+    def causal(batch, head, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    return create_block_mask(causal, None, None, seq_len, seq_len, device=device)
+
+
+def alibi_flex_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask
+) -> torch.Tensor:
+    """Causal attention, -slope * (i - j) added to each head's scores in the kernel."""
+    slopes = alibi_slopes(q.shape[1]).to(q.device)
+
+    def alibi(score, batch, head, q_idx, kv_idx):
+        return score - slopes[head] * (q_idx - kv_idx)
+
+    return fused_flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask)
+
+
 # end algorithm: alibi
 
 
@@ -97,10 +141,14 @@ class CausalSelfAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
 
         # algorithm: alibi
-        # Add the per-head distance penalty to the scores; it is the causal mask too.
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_bias.to(q.dtype), dropout_p=dropout
-        )
+        if isinstance(attn_bias, BlockMask):
+            y = alibi_flex_attention(q, k, v, attn_bias)
+        else:
+            # The per-head distance penalty on the scores is the causal mask too.
+            # (A dense mask keeps SDPA off its flash kernel: the CPU and dropout path.)
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_bias.to(q.dtype), dropout_p=dropout
+            )
         # end algorithm: alibi
 
         y = y.transpose(1, 2).reshape(batch, seq, width)
@@ -177,8 +225,12 @@ class GPT(nn.Module):
         # attn_bias: added to every layer's attention scores; None: plain causal.
 
         # algorithm: alibi
-        # One bias for all layers, for this batch's length (no position embeddings).
-        attn_bias = alibi_bias(self.config.n_head, seq, device=idx.device)
+        if alibi_uses_flex(idx.device, self.config.dropout if self.training else 0.0):
+            # CUDA: FlexAttention adds the penalty in its kernel; it takes a block mask.
+            attn_bias = causal_block_mask(seq, idx.device)
+        else:
+            # One dense bias for all layers, for this length (no position embeddings).
+            attn_bias = alibi_bias(self.config.n_head, seq, device=idx.device)
         # end algorithm: alibi
 
         for block in self.blocks:

@@ -34,6 +34,7 @@ class Config:
     run_name: str = "my-gpt"  # runs/<run_name>/; rerunning a name resumes it
     seed: int = 42  # a run is a function of (config, seed)
     data: str = ""  # "": stdlib source; or a text file, a folder, a .bin of uint16
+    vocab_size: int = 0  # 0: from the data (bytes 256; .bin: meta.pkl, else GPT-2's)
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     # model (dropout is off as in modern pretraining; with it on, world sizes agree
     # only in distribution)
@@ -79,8 +80,11 @@ class Config:
         "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"
     ] = "FULL_SHARD"
     hybrid_shard_size: int = 0  # HYBRID_SHARD group size; 0: processes per node
-    precision: Literal["fp32", "amp_bf16", "bf16"] = "fp32"  # bf16: FSDP policy
+    # auto: amp_bf16 (autocast) on CUDA, fp32 on the CPU; bf16: FSDP's policy
+    precision: Literal["auto", "fp32", "amp_bf16", "bf16"] = "auto"
     activation_checkpointing: bool = False  # recompute block activations in backward
+    # torch.compile each block in place (keys unchanged); auto: on CUDA, off on the CPU
+    compile: bool | Literal["auto"] = "auto"
     cpu_offload: bool = False  # FSDP parameters and optimizer step on the CPU (CUDA)
     dist_timeout: int = 600  # seconds a collective waits before the job fails
 
@@ -97,17 +101,22 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     parallel = fsdp.ParallelConfig(
         parallelism=fsdp.resolve_parallelism(cfg.parallelism, env.world_size),
         sharding_strategy=cfg.sharding_strategy,
-        precision=cfg.precision,
+        precision=fsdp.resolve_precision(cfg.precision, env.device),
         activation_checkpointing=cfg.activation_checkpointing,
         cpu_offload=cfg.cpu_offload,
         hybrid_shard_size=cfg.hybrid_shard_size,
+        compile=fsdp.resolve_compile(cfg.compile, env.device),
     )
+    # `auto` settled for this device: the run's config.toml records what ran.
+    cfg.precision, cfg.compile = parallel.precision, parallel.compile
     problem = fsdp.check(parallel, env) or microbatch.check(cfg.device_microbatch_size)
     if problem:
         config.fail(problem)
     for name in ("seq_len", "global_batch_size", "eval_batches"):
         if getattr(cfg, name) < 1:
             config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
+    if cfg.vocab_size < 0:
+        config.fail(f"vocab_size={cfg.vocab_size}; use 0 (from the data) or a size")
     if cfg.global_batch_size % env.world_size:
         config.fail(
             f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
@@ -131,6 +140,9 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     # end algorithm: seq_length_warmup
 
     dist.init_process_group(env, timeout=timedelta(seconds=cfg.dist_timeout))
+    if env.device.type == "cuda":
+        # TF32 tensor cores for fp32 matmuls (10-bit mantissa products, fp32 sums).
+        torch.set_float32_matmul_precision("high")
     return env, parallel
 
 
@@ -200,9 +212,14 @@ def main() -> None:
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
     try:
-        tokens = load_tokens(cfg.data)
+        tokens = load_tokens(cfg.data, cfg.vocab_size)
+        # CUDA: batches in page-locked memory, so their copy to the GPU is asynchronous.
         train_batches = Batches(
-            tokens.train, cfg.seq_len, cfg.global_batch_size, cfg.seed
+            tokens.train,
+            cfg.seq_len,
+            cfg.global_batch_size,
+            cfg.seed,
+            pin_memory=env.device.type == "cuda",
         )
         val = val_batches(
             tokens.val, cfg.seq_len, cfg.global_batch_size, cfg.eval_batches
@@ -238,6 +255,8 @@ def main() -> None:
         ],
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
+        # CUDA: one fused kernel for the whole update instead of several per tensor.
+        fused=env.device.type == "cuda" and not cfg.cpu_offload,
     )
 
     # Resume: load_path, else this run's newest complete checkpoint, restores model,
