@@ -68,8 +68,9 @@ def test_algorithm_blocks_are_fenced_and_placed(generated: dict[str, Path]) -> N
     assert events_of(train, "seq_length_warmup") == ["MODULE", "MODULE", "MODULE", "BATCH_START", "EVAL"]
     assert events_of(train, "gradient_clipping") == ["MODULE", "AFTER_BACKWARD", "EVAL"]
     assert events_of(train, "alibi") == []  # ALiBi only touches the model
-    # helpers, no position embedding, token embedding only, the bias, the attention call
-    assert len(events_of(model, "alibi")) == 5
+    # imports (FlexAttention), helpers, no position embedding, token embedding only, the
+    # bias (or block mask), the attention call
+    assert len(events_of(model, "alibi")) == 6
     baseline = (generated["gpt2-baseline"] / "train.py").read_text()
     assert "seq_length_warmup" not in baseline and "alibi" not in (generated["gpt2-baseline"] / "model.py").read_text()
 

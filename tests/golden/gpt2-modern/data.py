@@ -179,8 +179,18 @@ def read_meta_vocab_size(path: Path) -> int:
 class Batches:
     """Global batches of windows in a seeded, resumable order (no partial batch)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        pin_memory: bool = False,
+    ):
         self.tokens = tokens
+        self.pin_memory = (
+            pin_memory  # page-locked batches: asynchronous copies to a GPU
+        )
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.seed = seed
@@ -207,15 +217,20 @@ class Batches:
         """This rank's share of batch `index` of `epoch`: (batch/world, seq_len + 1)."""
         share = self.batch_size // world_size
         start = index * self.batch_size + rank * share
-        return windows(
-            self.tokens, self.order(epoch)[start : start + share], self.seq_len
-        )
+        ids = self.order(epoch)[start : start + share]
+        return windows(self.tokens, ids, self.seq_len, self.pin_memory)
 
 
-def windows(tokens: np.ndarray, ids: np.ndarray, seq_len: int) -> torch.Tensor:
+def windows(
+    tokens: np.ndarray, ids: np.ndarray, seq_len: int, pin_memory: bool = False
+) -> torch.Tensor:
     """Stack windows `ids` (each seq_len + 1 tokens) into an int64 tensor."""
     rows = [tokens[i * seq_len : i * seq_len + seq_len + 1] for i in ids]
-    return torch.from_numpy(np.stack(rows).astype(np.int64))
+    if not pin_memory:
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+    batch = torch.empty((len(ids), seq_len + 1), dtype=torch.int64, pin_memory=True)
+    np.stack(rows, out=batch.numpy())  # straight into page-locked memory
+    return batch
 
 
 def val_batches(

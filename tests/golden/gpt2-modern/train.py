@@ -167,7 +167,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     )
     if env.device.type == "cuda":
         # TF32 tensor cores for fp32 matmuls (10-bit mantissa products, fp32 sums).
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.set_float32_matmul_precision("high")
     return env, parallel
 
 
@@ -277,8 +277,13 @@ def main() -> None:
     run_dir = Path("runs") / cfg.run_name
     try:
         tokens = load_tokens(cfg.data, cfg.vocab_size)
+        # CUDA: batches in page-locked memory, so their copy to the GPU is asynchronous.
         train_batches = Batches(
-            tokens.train, cfg.seq_len, cfg.global_batch_size, cfg.seed
+            tokens.train,
+            cfg.seq_len,
+            cfg.global_batch_size,
+            cfg.seed,
+            pin_memory=env.device.type == "cuda",
         )
         val = val_batches(
             tokens.val, cfg.seq_len, cfg.global_batch_size, cfg.eval_batches
@@ -414,9 +419,6 @@ def main() -> None:
         for index in range(progress.batch_in_epoch, train_batches.batches_per_epoch):
             # This rank's share of global batch `index` in the epoch's seeded order.
             batch = train_batches.get(epoch, index, env.rank, env.world_size)
-            if env.device.type == "cuda":
-                # From page-locked memory the copy runs asynchronously with compute.
-                batch = batch.pin_memory()
             batch = batch.to(env.device, non_blocking=True)
 
             # event: BATCH_START
