@@ -48,8 +48,16 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None) -> torch.Tensor:
-        """Causal self-attention; `attn_bias`, if set, is added to the scores."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_bias: torch.Tensor | None,
+        layer_input: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Causal self-attention; `attn_bias`, if set, is added to the scores.
+
+        `layer_input` (batch, seq, width): an extra input an algorithm gives this layer.
+        """
         batch, seq, width = x.shape
         # (batch, seq, 3*width) -> three (batch, head, seq, head_dim) tensors
         q, k, v = (
@@ -70,8 +78,9 @@ class MLP(nn.Module):
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.proj(F.gelu(self.fc(x), approximate="tanh"))
-        return F.dropout(x, self.dropout, self.training)
+        h = self.fc(x)
+        h = F.gelu(h, approximate="tanh")
+        return F.dropout(self.proj(h), self.dropout, self.training)
 
 
 class Block(nn.Module):
@@ -84,8 +93,13 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), attn_bias)
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_bias: torch.Tensor | None,
+        layer_input: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attn_bias, layer_input)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -124,9 +138,12 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(position)
         # attn_bias: added to every layer's attention scores; None: plain causal.
         attn_bias = None
-        for block in self.blocks:
-            x = block(x, attn_bias)
-        return self.lm_head(self.ln_f(x))
+        # layer_inputs[i]: an extra input of layer i's attention (None: nothing).
+        layer_inputs: list[torch.Tensor | None] = [None] * len(self.blocks)
+        for block, layer_input in zip(self.blocks, layer_inputs):
+            x = block(x, attn_bias, layer_input)
+        logits = self.lm_head(self.ln_f(x))
+        return logits
 
     def num_params(self) -> int:
         """Parameter count, the tied embedding counted once."""

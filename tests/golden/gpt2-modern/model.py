@@ -1,0 +1,218 @@
+"""GPT-2 language model: pre-LayerNorm blocks, GELU MLP, tied input/output embeddings.
+
+Sizes follow the GPT-2 paper; `tiny` trains at several steps per second on 2 CPU cores.
+Positions are learned embeddings, as in GPT-2, unless an algorithm below replaces them.
+Algorithms that change the architecture are written in where they act, each fenced
+`# algorithm: NAME` ... `# end algorithm: NAME`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int
+    max_seq_len: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    dropout: float = 0.0
+
+
+Preset = Literal["tiny", "small", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
+# Size presets (layers, heads, width); the gpt2* entries are the released GPT-2 sizes.
+PRESETS: dict[Preset, dict[str, int]] = {
+    "tiny": dict(n_layer=4, n_head=4, n_embd=128),  # 0.8M: a CPU trains it in minutes
+    "small": dict(n_layer=6, n_head=6, n_embd=384),  # 11M: nanoGPT's character model
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M parameters
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+}
+
+
+# algorithm: rotary
+# Rotary embeddings (Su et al. 2021): turn pairs of q and k dimensions by an
+# angle proportional to the position, so q.k depends only on the offset i - j.
+def rotary(x: torch.Tensor, base: float, fraction: float) -> torch.Tensor:
+    """x (batch, head, seq, head_dim), its first `fraction` of dims rotated by position.
+
+    Dims d and d + r/2 (d < r/2, r rotated dims) form a pair that turns by the angle
+    position * base^(-2d/r); the remaining head_dim - r dims pass through unchanged.
+    """
+    seq, head_dim = x.shape[-2], x.shape[-1]
+    half = int(head_dim * fraction) // 2
+    inv_freq = base ** (
+        -torch.arange(half, device=x.device, dtype=torch.float32) / half
+    )
+    angle = torch.arange(seq, device=x.device, dtype=torch.float32)[:, None] * inv_freq
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)  # (seq, half)
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest), dim=-1)
+
+
+# end algorithm: rotary
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        assert config.n_embd % config.n_head == 0, "n_embd must be divisible by n_head"
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.proj = nn.Linear(config.n_embd, config.n_embd)
+        # algorithm: qk_norm
+        # QK-norm: an RMS norm over each head's dims of q and of k.
+        head_dim = config.n_embd // config.n_head
+        self.q_norm = nn.RMSNorm(head_dim, elementwise_affine=False)
+        self.k_norm = nn.RMSNorm(head_dim, elementwise_affine=False)
+        # end algorithm: qk_norm
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_bias: torch.Tensor | None,
+        layer_input: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Causal self-attention; `attn_bias`, if set, is added to the scores.
+
+        `layer_input` (batch, seq, width): an extra input an algorithm gives this layer.
+        """
+        batch, seq, width = x.shape
+        # (batch, seq, 3*width) -> three (batch, head, seq, head_dim) tensors
+        q, k, v = (
+            t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2)
+            for t in self.qkv(x).split(width, dim=2)
+        )
+        # algorithm: qk_norm
+        # Unit-RMS q and k bound the attention logits (stable at high learning rates).
+        q, k = self.q_norm(q), self.k_norm(k)
+        # end algorithm: qk_norm
+
+        # algorithm: rotary
+        # Encode positions by rotating q and k (the values are not rotated).
+        q = rotary(q, base=10000.0, fraction=1.0)
+        k = rotary(k, base=10000.0, fraction=1.0)
+        # end algorithm: rotary
+
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        y = y.transpose(1, 2).reshape(batch, seq, width)
+        return F.dropout(self.proj(y), dropout, self.training)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+
+        # algorithm: relu_squared
+        # ReLU squared (Primer): sparse like ReLU, smooth at zero; faster than GELU.
+        h = F.relu(h).square()
+        # end algorithm: relu_squared
+
+        return F.dropout(self.proj(h), self.dropout, self.training)
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_bias: torch.Tensor | None,
+        layer_input: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attn_bias, layer_input)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+
+        # algorithm: rotary
+        # No position embedding: rotating q and k in attention encodes order.
+        # end algorithm: rotary
+
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+        # algorithm: zero_init
+        # Untied head: its own matrix (zeroed in init_weights), not the embedding's.
+        # end algorithm: zero_init
+
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer)."""
+        for module in self.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, 0.02)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+        for name, param in self.named_parameters():
+            if name.endswith("proj.weight"):
+                param.normal_(0.0, 0.02 / math.sqrt(2 * self.config.n_layer))
+        # algorithm: zero_init
+        # Zero-initialised residual projections and head: every block starts as the
+        # identity and the first prediction is uniform (loss = ln(vocab_size)).
+        for block in self.blocks:
+            block.attn.proj.weight.zero_()
+            block.mlp.proj.weight.zero_()
+        self.lm_head.weight.zero_()
+        # end algorithm: zero_init
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (batch, seq) -> next-token logits (batch, seq, vocab)."""
+        seq = idx.shape[1]
+        assert seq <= self.config.max_seq_len, f"sequence of {seq} > max_seq_len"
+
+        # algorithm: rotary
+        x = self.wte(idx)
+        # end algorithm: rotary
+
+        # attn_bias: added to every layer's attention scores; None: plain causal.
+        attn_bias = None
+        # layer_inputs[i]: an extra input of layer i's attention (None: nothing).
+        layer_inputs: list[torch.Tensor | None] = [None] * len(self.blocks)
+        for block, layer_input in zip(self.blocks, layer_inputs):
+            x = block(x, attn_bias, layer_input)
+        logits = self.lm_head(self.ln_f(x))
+        # algorithm: logit_softcap
+        # Soft-cap: |logits| < cap, nearly unchanged where small (Gemma 2, speedrun).
+        logits = 30.0 * torch.tanh(logits / 30.0)
+        # end algorithm: logit_softcap
+
+        return logits
+
+    def num_params(self) -> int:
+        """Parameter count, the tied embedding counted once."""
+        return sum(p.numel() for p in self.parameters())

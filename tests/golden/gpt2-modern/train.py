@@ -1,0 +1,467 @@
+"""Train my-gpt: a GPT-2 language model (recipe `gpt2-modern`).
+
+    python train.py                     # CPU or one GPU, on the embedded default data
+    python train.py --max_duration=2000ba --lr=1e-3 --data=corpus.txt
+    python train.py --config run.toml   # keys as in Config below; flags override it
+    python train.py --help              # every key, its default and meaning
+
+Algorithms: gradient_clipping, logit_softcap, muon, qk_norm, relu_squared, rotary,
+zero_init.
+This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
+hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end algorithm:
+NAME`. `scaffold upgrade` merges newer template versions in and keeps your edits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from data import Batches, load_tokens, val_batches
+from model import GPT, PRESETS, GPTConfig, Preset
+from runtime import checkpoint, config, dist, fsdp, microbatch
+from runtime.monitor import Monitor
+from runtime.time import Progress, Time, as_fraction
+
+# algorithm: muon
+from runtime import muon
+
+# end algorithm: muon
+
+
+@dataclass
+class Config:
+    run_name: str = "my-gpt"  # runs/<run_name>/; rerunning a name resumes it
+    seed: int = 42  # a run is a function of (config, seed)
+    data: str = ""  # "": stdlib source; or a text file, a folder, a .bin of uint16
+    device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
+    # model (dropout is off as in modern pretraining; with it on, world sizes agree
+    # only in distribution)
+    model: Preset = "tiny"  # size preset, see PRESETS in model.py
+    seq_len: int = 128  # tokens per training sequence
+    dropout: float = 0.0
+    # optimization; Time strings: 10ep, 2000ba (steps), 4096sp, 1e6tok, 0.25dur
+    max_duration: Time = Time.parse("600ba")  # training length
+    global_batch_size: int = 16  # samples per step, summed over ranks
+    # samples per forward/backward, accumulated; auto: the largest that fits in memory
+    device_microbatch_size: int | Literal["auto"] = 8
+    max_device_microbatch_size: int = 0  # where auto starts; 0: the per-rank batch
+    lr: float = 0.002  # peak learning rate (AdamW)
+    lr_warmup: Time = Time.parse("0.05dur")  # linear from 0, then cosine decay
+    min_lr_ratio: float = 0.1  # the cosine ends at min_lr_ratio * lr
+    weight_decay: float = 0.1  # on weight matrices and embeddings
+    beta1: float = 0.9
+    beta2: float = 0.95
+
+    # algorithm: gradient_clipping
+    gradient_clipping_max_norm: float = 1.0  # max global L2 norm
+    # end algorithm: gradient_clipping
+
+    # algorithm: muon
+    muon_lr: float = 0.02  # Muon's peak lr (blocks' weight matrices)
+    muon_momentum: float = 0.95  # after the momentum warmup
+    muon_momentum_warmup: Time = Time.parse("0.1dur")  # from 0.85
+    muon_weight_decay: float = 0.0
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
+    # end algorithm: muon
+
+    # evaluation, logging, checkpoints
+    eval_interval: Time = Time.parse("100ba")  # validation loss every ...
+    eval_batches: int = 8  # validation batches per evaluation
+    log_interval: Time = Time.parse("1ba")  # a metrics.jsonl line every ...
+    save_interval: Time = Time.parse("200ba")  # and at the end
+    save_num_checkpoints_to_keep: int = 2  # older ones are deleted; 0 keeps all
+    save_folder: str = ""  # "": runs/<run_name>/checkpoints
+    save_async: bool = False  # write checkpoints while training goes on
+    autoresume: bool = True  # continue from the newest checkpoint of this run
+    load_path: str = ""  # start from this checkpoint (or run folder); any world size
+    load_weights_only: bool = False  # load_path's model weights only (fine-tuning)
+    # parallelism: `torchrun --nproc_per_node=N train.py` runs this script on N ranks
+    parallelism: Literal["auto", "none", "ddp", "fsdp"] = "auto"  # auto: fsdp if N > 1
+    sharding_strategy: Literal[
+        "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"
+    ] = "FULL_SHARD"
+    hybrid_shard_size: int = 0  # HYBRID_SHARD group size; 0: processes per node
+    precision: Literal["fp32", "amp_bf16", "bf16"] = "fp32"  # bf16: FSDP policy
+    activation_checkpointing: bool = False  # recompute block activations in backward
+    cpu_offload: bool = False  # FSDP parameters and optimizer step on the CPU (CUDA)
+    dist_timeout: int = 600  # seconds a collective waits before the job fails
+
+
+def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
+    """Check the config against this launch, then join the process group (if any).
+
+    Each problem is one `error:` line and exit status 2, before data or model exist.
+    """
+    try:
+        env = dist.environment(cfg.device)  # rank, world size, device, from torchrun
+    except ValueError as error:
+        config.fail(str(error))
+    parallel = fsdp.ParallelConfig(
+        parallelism=fsdp.resolve_parallelism(cfg.parallelism, env.world_size),
+        sharding_strategy=cfg.sharding_strategy,
+        precision=cfg.precision,
+        activation_checkpointing=cfg.activation_checkpointing,
+        cpu_offload=cfg.cpu_offload,
+        hybrid_shard_size=cfg.hybrid_shard_size,
+    )
+    problem = fsdp.check(parallel, env) or microbatch.check(cfg.device_microbatch_size)
+    if problem:
+        config.fail(problem)
+    for name in ("seq_len", "global_batch_size", "eval_batches"):
+        if getattr(cfg, name) < 1:
+            config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
+    if cfg.global_batch_size % env.world_size:
+        config.fail(
+            f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
+            f"size {env.world_size}; pick a multiple of {env.world_size}"
+        )
+    try:
+        as_fraction(cfg.lr_warmup, cfg.max_duration)
+    except ValueError as error:
+        config.fail(f"lr_warmup: {error}")
+
+    # algorithm: muon
+    try:
+        as_fraction(cfg.muon_momentum_warmup, cfg.max_duration)
+    except ValueError as error:
+        config.fail(f"muon_momentum_warmup: {error}")
+    if not 0.0 <= cfg.muon_momentum < 1.0:
+        config.fail(f"muon_momentum={cfg.muon_momentum} must be in [0, 1)")
+    if cfg.muon_ns_steps < 1:
+        config.fail(f"muon_ns_steps={cfg.muon_ns_steps} must be at least 1")
+    # end algorithm: muon
+
+    dist.init_process_group(env, timeout=timedelta(seconds=cfg.dist_timeout))
+    return env, parallel
+
+
+def lr_at(fraction: float, cfg: Config) -> float:
+    """Learning rate after `fraction` of training: linear warmup, then cosine decay."""
+    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration)
+    if fraction < warmup:
+        return cfg.lr * fraction / warmup
+    decayed = (fraction - warmup) / max(1.0 - warmup, 1e-9)
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * decayed))
+
+
+# algorithm: muon
+def newton_schulz(update: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """About U V^T for update = U S V^T (its nearest semi-orthogonal matrix), in bf16.
+
+    Scaled to Frobenius norm 1 (every singular value <= 1), X is iterated as
+    X <- a X + (b A + c A^2) X with A = X X^T: a quintic in the singular values whose
+    coefficients push small ones up fast, leaving all in about [0.7, 1.2], which trains
+    as well as the exact U V^T (Jordan et al. 2024; torch.optim.Muon's defaults).
+    """
+    a, b, c = 3.4445, -4.775, 2.0315
+    x = update.bfloat16()
+    tall = x.shape[0] > x.shape[1]
+    if tall:  # iterate on the wide side: A is the smaller Gram matrix
+        x = x.T
+    x = x / x.norm().clamp(min=1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def muon_split(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(Muon's parameters, AdamW's): the blocks' 2-D weight matrices, and the rest.
+
+    Embedding rows are looked up rather than multiplied, and the head maps to the
+    vocabulary: both, with biases and norm gains, stay on AdamW (as in the speedrun).
+    """
+    hidden = [p for p in fsdp.unwrap(model).blocks.parameters() if p.dim() == 2]
+    taken = {id(p) for p in hidden}
+    return hidden, [p for p in model.parameters() if id(p) not in taken]
+
+
+def muon_momentum_at(fraction: float, cfg: Config) -> float:
+    """Muon's momentum after `fraction` of training: 0.85 rising to muon_momentum."""
+    warmup = as_fraction(cfg.muon_momentum_warmup, cfg.max_duration)
+    done = min(1.0, fraction / warmup) if warmup > 0 else 1.0
+    return 0.85 + (cfg.muon_momentum - 0.85) * done
+
+
+# end algorithm: muon
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    batches: list[torch.Tensor],
+    cfg: Config,
+    env: dist.DistEnv,
+    microbatch_size: int,
+) -> float:
+    """Mean next-token loss over the validation batches, at the full sequence length.
+
+    Each rank scores its share of every batch; the loss sums are added over ranks.
+    """
+    model.eval()
+    loss_sum = torch.zeros((), device=env.device)
+    for batch in batches:
+        share = batch.tensor_split(env.world_size)[env.rank].to(env.device)
+        for micro in share.split(microbatch_size):
+            with torch.autocast(env.device.type, torch.bfloat16, enabled=is_amp(cfg)):
+                logits = model(micro[:, :-1])
+            loss_sum += F.cross_entropy(
+                logits.flatten(0, 1).float(), micro[:, 1:].flatten(), reduction="sum"
+            )
+    model.train()
+    num_tokens = sum(batch.shape[0] for batch in batches) * cfg.seq_len
+    return dist.reduce_sum(loss_sum).item() / num_tokens
+
+
+def is_amp(cfg: Config) -> bool:
+    """Autocast: bf16 matmuls on fp32 weights (precision=amp_bf16)."""
+    return cfg.precision == "amp_bf16"
+
+
+def main() -> None:
+    # event: INIT
+
+    cfg = config.parse(Config)
+    env, parallel = setup(cfg)  # one process, or one of torchrun's N
+    torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
+    run_dir = Path("runs") / cfg.run_name
+    try:
+        tokens = load_tokens(cfg.data)
+        train_batches = Batches(
+            tokens.train, cfg.seq_len, cfg.global_batch_size, cfg.seed
+        )
+        val = val_batches(
+            tokens.val, cfg.seq_len, cfg.global_batch_size, cfg.eval_batches
+        )
+    except (OSError, ValueError) as error:  # a missing path, too little data
+        config.fail(str(error))
+
+    model_config = GPTConfig(
+        vocab_size=tokens.vocab_size,
+        max_seq_len=cfg.seq_len,
+        dropout=cfg.dropout,
+        **PRESETS[cfg.model],
+    )
+    model = GPT(model_config).to(env.device)
+    num_params = model.num_params()
+
+    # event: MODEL
+
+    # Shard or replicate for the launch: FSDP2 per block then the root, DDP, or nothing.
+    model = fsdp.parallelize(model, model.blocks, env, parallel)
+
+    # event: OPTIMIZER
+
+    # algorithm: muon
+    # Muon (Jordan et al. 2024) for the blocks' weight matrices: Nesterov momentum,
+    # orthogonalised by newton_schulz, so every direction of a matrix moves at the
+    # same rate. Under FSDP2, runtime.muon orthogonalises each matrix once, on one
+    # rank, instead of on every rank. AdamW keeps embeddings, head, biases, gains.
+    hidden, rest = muon_split(model)
+    muon_optimizer = muon.Muon(
+        hidden,
+        lambda update: newton_schulz(update, cfg.muon_ns_steps),
+        lr=cfg.muon_lr,
+        weight_decay=cfg.muon_weight_decay,
+        momentum=cfg.muon_momentum,
+    )
+    adamw = torch.optim.AdamW(
+        [
+            {
+                "params": [p for p in rest if p.dim() >= 2],
+                "weight_decay": cfg.weight_decay,
+            },
+            {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+    )
+    optimizer = muon.Chain(muon_optimizer, adamw)  # steps both; checkpointed together
+    # end algorithm: muon
+
+    # Resume: load_path, else this run's newest complete checkpoint, restores model,
+    # optimizer, progress and RNG, saved on any number of ranks. The batch order is a
+    # function of progress (the global sample cursor): nothing is replayed.
+    progress = Progress(batches_per_epoch=train_batches.batches_per_epoch)
+    save_folder = Path(cfg.save_folder or run_dir / "checkpoints")
+    try:
+        resumed = checkpoint.resume(
+            save_folder,
+            model,
+            optimizer,
+            progress,
+            load_path=cfg.load_path,
+            weights_only=cfg.load_weights_only,
+            autoresume=cfg.autoresume,
+            seed=cfg.seed,
+        )
+    except checkpoint.CheckpointError as error:  # names the file or the mismatched keys
+        config.fail(str(error))
+    monitor = Monitor(
+        run_dir, progress, cfg.max_duration, cfg.global_batch_size, env.is_main
+    )
+    monitor.record_run(config.to_toml(cfg), Path(__file__), env.device, env.world_size)
+    monitor.info(f"data: {tokens.source}")
+    monitor.info(f"tokens: {len(tokens.train):,} train, {len(tokens.val):,} validation")
+    monitor.info(f"model: {cfg.model}, {num_params:,} parameters")
+    monitor.info(f"parallelism: {parallel.parallelism}, {env.world_size} process(es)")
+    for line in resumed.describe() if resumed else []:
+        monitor.info(line)
+    # The microbatch size: fixed, or auto (the largest that fits, found by halving on
+    # out-of-memory; a resumed run reuses the size it found before).
+    microbatching = microbatch.Search(
+        model,
+        fsdp.unwrap(model).blocks,
+        env,
+        cfg.device_microbatch_size,
+        per_rank_batch=cfg.global_batch_size // env.world_size,
+        max_size=cfg.max_device_microbatch_size,
+        resumed=resumed.extra if resumed else None,
+        log=monitor.info,
+        timeout=timedelta(seconds=cfg.dist_timeout),
+    )
+
+    # event: FIT_START
+
+    while not progress.reached(cfg.max_duration):
+        # event: EPOCH_START
+
+        epoch = progress.epoch
+        for index in range(progress.batch_in_epoch, train_batches.batches_per_epoch):
+            # This rank's share of global batch `index` in the epoch's seeded order.
+            batch = train_batches.get(epoch, index, env.rank, env.world_size)
+            batch = batch.to(env.device, non_blocking=True)
+
+            # event: BATCH_START
+
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            lr = lr_at(progress.fraction(cfg.max_duration), cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+
+            # Gradient accumulation: each microbatch's summed token loss is divided by
+            # the number of target tokens in the global batch (all ranks), so gradients
+            # are the global-batch mean whatever the microbatch size and world size.
+            # DDP and FSDP average gradients over ranks: hence the factor world_size.
+            num_tokens = cfg.global_batch_size * targets.shape[1]
+            loss_scale = env.world_size / num_tokens
+            # Out of memory on any rank (while the size is still being searched): every
+            # rank drops this attempt's gradients and retries the same batch at half the
+            # microbatch size. Fixed or already found: a single attempt, nothing added.
+            for attempt in microbatching.attempts(seq_len=inputs.shape[1]):
+                with attempt:
+                    loss_sum = torch.zeros((), device=env.device)
+                    microbatches = list(
+                        zip(inputs.split(attempt.size), targets.split(attempt.size))
+                    )
+                    for i, (micro_inputs, micro_targets) in enumerate(microbatches):
+                        # event: MICROBATCH_START
+
+                        # Reduce gradients over ranks once, in the last backward.
+                        fsdp.sync_gradients(model, i == len(microbatches) - 1)
+                        with torch.autocast(
+                            env.device.type, torch.bfloat16, enabled=is_amp(cfg)
+                        ):
+                            logits = model(micro_inputs)
+
+                        # event: AFTER_FORWARD
+
+                        loss = F.cross_entropy(
+                            logits.flatten(0, 1).float(),
+                            micro_targets.flatten(),
+                            reduction="sum",
+                        )
+
+                        # event: LOSS
+
+                        (loss * loss_scale).backward()
+                        loss_sum += loss.detach()
+
+            # event: AFTER_BACKWARD
+
+            # algorithm: gradient_clipping
+            # Rescale all gradients together when their global L2 norm exceeds the
+            # limit, so one bad batch cannot throw the weights far (logged: grad_norm).
+            # fsdp.clip_grad_norm_ also handles gradients sharded by FSDP.
+            grad_norm = fsdp.clip_grad_norm_(
+                model.parameters(), cfg.gradient_clipping_max_norm
+            )
+            # end algorithm: gradient_clipping
+
+            # algorithm: muon
+            # Muon's matrices follow the same schedule from their own peak,
+            # muon_lr; their momentum warms up from 0.85 (as in the speedrun).
+            for group in muon_optimizer.param_groups:
+                group["lr"] = lr * cfg.muon_lr / cfg.lr
+                group["momentum"] = muon_momentum_at(
+                    progress.fraction(cfg.max_duration), cfg
+                )
+            # end algorithm: muon
+
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            progress.advance(samples=cfg.global_batch_size, tokens=num_tokens)
+
+            # event: BATCH_END
+
+            monitor.update(progress)
+            finished = progress.reached(cfg.max_duration)
+            metrics = {}
+            if progress.at_interval(cfg.eval_interval, cfg.max_duration) or finished:
+                # event: EVAL
+
+                # Evaluation time does not count against the logged throughput.
+                with monitor.paused():
+                    metrics["val_loss"] = evaluate(model, val, cfg, env, attempt.size)
+            if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
+                metrics["loss"] = dist.reduce_sum(loss_sum).item() / num_tokens
+                metrics["lr"] = lr
+                metrics["microbatch_size"] = attempt.size
+
+                # algorithm: gradient_clipping
+                metrics["grad_norm"] = grad_norm.item()
+                # end algorithm: gradient_clipping
+
+                # algorithm: muon
+                metrics["muon_momentum"] = muon_optimizer.param_groups[0]["momentum"]
+                # end algorithm: muon
+
+                monitor.log(progress, **metrics)
+            if progress.at_interval(cfg.save_interval, cfg.max_duration) or finished:
+                with monitor.paused():
+                    checkpoint.save(
+                        save_folder,
+                        model,
+                        optimizer,
+                        progress,
+                        extra=microbatching.state_dict(),
+                        keep=cfg.save_num_checkpoints_to_keep,
+                        async_save=cfg.save_async,
+                    )
+            if finished:
+                break
+
+        # event: EPOCH_END
+
+    # event: FIT_END
+
+    checkpoint.wait()  # an async save in flight: finished and marked complete
+    monitor.info(
+        f"done: step {progress.batch}, {progress.token:,} tokens; outputs in {run_dir}"
+    )
+    monitor.close()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        dist.shutdown()  # leave the process group, also after an error
