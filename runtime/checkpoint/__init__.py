@@ -10,11 +10,14 @@
 One concern per module: `layout` (step folders, the COMPLETE marker, rotation,
 train_state.json), `reading` (loading without executing pickles), `contents` (what is saved:
 the `state` dict's modules, optimizers and state-dict objects), `checkpointer` (save, resume,
-the asynchronous save in flight), `export` (safetensors for inference).
+the asynchronous save in flight), `export` (safetensors for inference), `storage` (fsspec
+URLs: staged uploads, downloads, remote rotation), `failures` (a storage failure in one line),
+`writing` (DCP's writer whose threads report their errors).
 """
 
 from runtime.checkpoint.checkpointer import Checkpointer, Resumed, load
 from runtime.checkpoint.export import export_safetensors
+from runtime.checkpoint.failures import StorageError
 from runtime.checkpoint.layout import (
     MARKER,
     TRAIN_STATE,
@@ -25,5 +28,6 @@ from runtime.checkpoint.layout import (
     resolve,
 )
 
-__all__ = ("MARKER", "TRAIN_STATE", "CheckpointError", "Checkpointer", "Resumed", "export_safetensors",
+__all__ = ("MARKER", "TRAIN_STATE", "CheckpointError", "Checkpointer", "Resumed", "StorageError",
+           "export_safetensors",
            "is_complete", "latest", "load", "remove_incomplete", "resolve")
