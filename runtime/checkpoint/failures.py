@@ -38,7 +38,16 @@ def _first_line(exc: BaseException) -> str:
 
 
 def cause(error: BaseException) -> str:
-    """The innermost OS error (errno and file), else a storage client's error, else the first line."""
+    """The innermost OS error (errno and file), else a storage client's error, else the first
+    line; a refusal (403, PermissionError) says where credentials come from."""
+    found = _cause(error)
+    if any(word in found for word in ("(403)", "PermissionError", "Forbidden", "AccessDenied",
+                                         "SignatureDoesNotMatch", "InvalidAccessKeyId", "ExpiredToken")):
+        found += " (the store refused: check the credentials in its usual environment variables or config files)"
+    return found
+
+
+def _cause(error: BaseException) -> str:
     chain = list(_chain(error))
     for exc in chain:
         if isinstance(exc, OSError) and exc.errno is not None and exc.strerror:
