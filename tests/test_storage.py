@@ -399,8 +399,8 @@ def test_generated_project_resumes_from_s3_after_kill_on_other_world_size(
     assert "resumed from s3://ckpt/run/step-2 at step 2 (saved on 2 rank(s), now 1)" in resumed.stdout
     assert sorted(listing_env("s3://ckpt/run", env)) == ["step-3", "step-4"]  # partial step-3 replaced
 
-    reference = ok(launch(1, train_py, *[a for a in common if not a.startswith("--save_folder")],
-                          "--run_name=ref", "--save_num_checkpoints_to_keep=0", cwd=second))
+    local_args = [a for a in common if not a.startswith(("--save_folder", "--run_name"))]
+    reference = ok(launch(1, train_py, *local_args, "--run_name=ref", cwd=second))
     assert "done: step 4" in reference.stdout
     ours = {r["step"]: r["loss"] for r in read_metrics(second, "s3") if "loss" in r}
     ref = {r["step"]: r["loss"] for r in read_metrics(second, "ref") if "loss" in r}
