@@ -355,14 +355,15 @@ def parse(cls: type[T], argv: Sequence[str] | None = None) -> T:
         fail(str(error))
 
 
-def fail(message: str) -> typing.NoReturn:
-    """Reject a configuration: one `error: ...` line on stderr, exit status 2 (as argparse does).
+def fail(message: str, status: int = 2) -> typing.NoReturn:
+    """Reject a configuration: one `error: ...` line on stderr, exit status 2 (as argparse does;
+    `status` for other failures, such as storage).
 
     Under torchrun every rank reaches the same verdict; only rank 0 prints it.
     """
     if os.environ.get("RANK", "0") == "0":
         print("error: " + " ".join(message.splitlines()), file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(status)
 
 
 # ---------------------------------------------------------------- output

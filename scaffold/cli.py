@@ -248,10 +248,11 @@ def algorithms(
 @app.command()
 def export(
     source: Annotated[
-        Path,
+        str,
         typer.Argument(
             metavar="RUN_OR_CHECKPOINT",
-            help="A run folder (runs/NAME: its newest complete checkpoint) or a step-N checkpoint.",
+            help="A run folder (runs/NAME: its newest complete checkpoint) or a step-N checkpoint; "
+            "local or a URL (s3://bucket/run/checkpoints, with s3fs installed).",
         ),
     ],
     out_file: Annotated[Path, typer.Argument(metavar="OUT", help="The .safetensors file to write.")],

@@ -23,15 +23,19 @@ _save = checkpoint.Checkpointer.save
 _finish = checkpoint.Checkpointer._finish
 
 
-def finish_or_die(self, path, *args, **kwargs):
-    if path.name == STOP:
+def name_of(path):  # a local Path, or the URL of a remote checkpoint
+    return str(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+def finish_or_die(self, name, *args, **kwargs):
+    if name_of(name) == STOP:
         os.kill(os.getpid(), signal.SIGKILL)
-    return _finish(self, path, *args, **kwargs)
+    return _finish(self, name, *args, **kwargs)
 
 
 def save_then_stop(self, *args, **kwargs):
     path = _save(self, *args, **kwargs)
-    if path.name == STOP:
+    if name_of(path) == STOP:
         self.wait()
         sys.stdout.flush()
         os._exit(0)

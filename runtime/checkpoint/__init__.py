@@ -10,12 +10,15 @@
 One concern per module: `layout` (step folders, the COMPLETE marker, rotation,
 train_state.json), `reading` (loading without executing pickles), `contents` (what is saved:
 the `state` dict's modules, optimizers and state-dict objects), `checkpointer` (save, resume,
-the asynchronous save in flight), `export` (safetensors for inference).
+the asynchronous save in flight), `export` (safetensors for inference), `storage` (fsspec
+URLs: staged uploads, downloads, remote rotation), `failures` (a storage failure in one line),
+`writing` (DCP's writer whose threads report their errors).
 """
 
 from runtime.checkpoint.checkpointer import Checkpointer, Resumed, load
 from runtime.checkpoint.compat import resume, save, wait  # scaffold 0.1.0 projects, until upgraded
 from runtime.checkpoint.export import export_safetensors
+from runtime.checkpoint.failures import StorageError
 from runtime.checkpoint.layout import (
     MARKER,
     TRAIN_STATE,
@@ -26,5 +29,6 @@ from runtime.checkpoint.layout import (
     resolve,
 )
 
-__all__ = ("MARKER", "TRAIN_STATE", "CheckpointError", "Checkpointer", "Resumed", "export_safetensors",
-           "is_complete", "latest", "load", "remove_incomplete", "resolve", "resume", "save", "wait")
+__all__ = ("MARKER", "TRAIN_STATE", "CheckpointError", "Checkpointer", "Resumed", "StorageError",
+           "export_safetensors", "is_complete", "latest", "load", "remove_incomplete", "resolve",
+           "resume", "save", "wait")

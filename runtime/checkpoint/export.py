@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from runtime.checkpoint import layout, reading
+from runtime.checkpoint import layout, reading, storage
 from runtime.checkpoint.layout import CheckpointError
 
 
@@ -17,15 +18,31 @@ def export_safetensors(source: Path | str, out_file: Path | str) -> dict[str, An
     """Consolidate a checkpoint's model weights into one safetensors file.
 
     `source` is a step-<N> folder, or a run or checkpoints folder (its newest complete
-    checkpoint). Shards saved on any number of ranks are assembled into full tensors. Tied
+    checkpoint), local or at an fsspec URL (downloaded to a temporary folder). Shards saved on any number of ranks are assembled into full tensors. Tied
     weights (GPT-2's `lm_head.weight` is `wte.weight`) are saved under each name as separate
     copies, so `model.load_state_dict(safetensors.torch.load_file(out))` works unchanged
     (and re-ties them: both names load into the one shared parameter). The file's metadata
     records the source checkpoint and its step. Returns a summary dict.
     """
+    if storage.is_remote(source):
+        remote = storage.Remote(str(source))
+        try:
+            found = remote.resolve(remote.root)
+            with tempfile.TemporaryDirectory(prefix="scaffold-export-") as scratch:
+                local = remote.download(found, Path(scratch))
+                return {**_export(local, out_file, remote.display(found)), "checkpoint": remote.display(found)}
+        except CheckpointError:
+            raise
+        except Exception as error:  # noqa: BLE001 - unreachable or refusing store
+            from runtime.checkpoint.failures import cause
+
+            raise CheckpointError(f"cannot read {remote}: {cause(error)}") from error
+    return _export(layout.resolve(storage.local_path(source)), out_file, None)
+
+
+def _export(path: Path, out_file: Path | str, name: str | None) -> dict[str, Any]:
     from safetensors.torch import save_file
 
-    path = layout.resolve(source)
     metadata = reading.read_metadata(path)
     reading.check_files(path, metadata)
     weights = {
@@ -41,7 +58,7 @@ def export_safetensors(source: Path | str, out_file: Path | str) -> dict[str, An
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp),
-              metadata={"checkpoint": str(path), "step": str(step), "format": "pt"})
+              metadata={"checkpoint": name or str(path), "step": str(step), "format": "pt"})
     os.replace(tmp, out)
     return {"checkpoint": path, "step": step, "tensors": len(weights),
             "numel": sum(v.numel() for v in weights.values()), "file": out}

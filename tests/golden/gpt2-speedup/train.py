@@ -511,5 +511,7 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
+    except checkpoint.StorageError as error:  # a full disk, a refusing store: one line
+        config.fail(str(error), status=1)
     finally:
         dist.shutdown()  # leave the process group, also after an error
