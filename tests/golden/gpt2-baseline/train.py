@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from data import Batches, load_tokens, val_batches
 from model import GPT, PRESETS, GPTConfig, Preset
-from runtime import checkpoint, config, dist, fsdp, microbatch
+from runtime import checkpoint, config, dist, fsdp, microbatch, preempt, runlock
 from runtime.monitor import Monitor
 from runtime.time import Progress, Time, as_fraction
 
@@ -176,6 +176,12 @@ def main() -> None:
         )
     except (OSError, ValueError) as error:  # a missing path, too little data
         config.fail(str(error))
+    # One live start per run: a second (a requeue racing a dying job) is refused. The OS
+    # lock is held until this process ends; the kernel drops it even after kill -9.
+    try:
+        run_lock = runlock.acquire(run_dir)
+    except runlock.RunInUse as error:
+        config.fail(str(error))
 
     model_config = GPTConfig(
         vocab_size=tokens.vocab_size,
@@ -249,9 +255,13 @@ def main() -> None:
         timeout=timedelta(seconds=cfg.dist_timeout),
     )
 
+    # SIGUSR1 (SLURM's pre-emption notice) or SIGTERM: finish the step, save, stop.
+    preemption = preempt.Preemption()
+
     # event: FIT_START
 
-    while not progress.reached(cfg.max_duration):
+    stopping = False
+    while not (progress.reached(cfg.max_duration) or stopping):
         # event: EPOCH_START
 
         epoch = progress.epoch
@@ -324,6 +334,8 @@ def main() -> None:
 
             monitor.update(progress)
             finished = progress.reached(cfg.max_duration)
+            # SIGUSR1/SIGTERM on any rank: every rank saves and stops after this step.
+            stopping = preemption.agreed()
             metrics = {}
             if progress.at_interval(cfg.eval_interval, cfg.max_duration) or finished:
                 # event: EVAL
@@ -341,7 +353,11 @@ def main() -> None:
                 # end algorithm: gradient_clipping
 
                 monitor.log(progress, **metrics)
-            if progress.at_interval(cfg.save_interval, cfg.max_duration) or finished:
+            if (
+                progress.at_interval(cfg.save_interval, cfg.max_duration)
+                or finished
+                or stopping
+            ):
                 with monitor.paused():
                     checkpoint.save(
                         save_folder,
@@ -352,7 +368,7 @@ def main() -> None:
                         keep=cfg.save_num_checkpoints_to_keep,
                         async_save=cfg.save_async,
                     )
-            if finished:
+            if finished or stopping:
                 break
 
         # event: EPOCH_END
@@ -360,10 +376,15 @@ def main() -> None:
     # event: FIT_END
 
     checkpoint.wait()  # an async save in flight: finished and marked complete
-    monitor.info(
-        f"done: step {progress.batch}, {progress.token:,} tokens; outputs in {run_dir}"
-    )
+    outcome = f"done: step {progress.batch}, {progress.token:,} tokens"
+    if stopping:  # exit status 0; under SLURM the batch script requeues the job
+        outcome = (
+            f"stopped by {preemption.stopped_by} after step {progress.batch}, saved"
+        )
+    monitor.info(f"{outcome}; outputs in {run_dir}")
     monitor.close()
+    preemption.close()  # the previous signal handlers again
+    run_lock.release()  # the next start of this run may begin
 
 
 if __name__ == "__main__":
