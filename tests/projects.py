@@ -87,3 +87,17 @@ def pending_signals(pid: int) -> int:
     status = Path(f"/proc/{pid}/status").read_text()
     masks = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("SigPnd:", "ShdPnd:"))]
     return masks[0] | masks[1]
+
+
+def children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (torchrun's workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found

@@ -17,6 +17,7 @@ Launches are few and grouped (each torchrun start costs seconds on this machine)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -30,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from projects import checkout_env, read_metrics
+from projects import checkout_env, children, read_metrics
 
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "elastic_worker.py"
@@ -210,7 +211,13 @@ def kill_trials(project: Path, workdir: Path, trials: int, seed: int, nproc: int
                 break
             time.sleep(0.02)
         if not in_save and process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)  # the launcher and every rank
+            # The launcher and every rank: torchrun's workers have sessions of their own, so
+            # killing its group alone leaves them training (and holding the run's lock).
+            workers = children(process.pid) if nproc > 1 else []
+            os.killpg(process.pid, signal.SIGKILL)
+            for pid in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         process.wait(timeout=300)
         text = log.read_text()
         if expect_resume is not None:
@@ -254,7 +261,9 @@ def test_kill_9_under_torchrun(generated: dict[str, Path], tmp_path: Path, corpu
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    """Every file but run.lock (each start that gets the lock writes its pid there)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != "run.lock"}
 
 
 def error_line(result: subprocess.CompletedProcess[str]) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from projects import TINY_STEPS, checkout_env, read_metrics, torchrun_command
+from projects import TINY_STEPS, checkout_env, children, read_metrics, torchrun_command
 from runtime.preempt import Preemption
 
 HERE = Path(__file__).resolve().parent
@@ -50,20 +50,6 @@ def torchrun_train(project: Path, workdir: Path, *args: str) -> subprocess.Popen
     return subprocess.Popen(
         torchrun_command(project, 2, *args), cwd=workdir, env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-
-
-def children(pid: int) -> list[int]:
-    """Processes whose parent is `pid` (torchrun's workers)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
 
 
 def wait_for_rows(workdir: Path, run_name: str, rows: int, process: subprocess.Popen[str]) -> None:
