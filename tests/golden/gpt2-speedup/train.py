@@ -325,9 +325,7 @@ def main() -> None:
     monitor.record_run(config.to_toml(cfg), Path(__file__), env.device, env.world_size)
     flops_per_token = fsdp.unwrap(model).flops_per_token(cfg.seq_len)  # see model.py
     monitor.measure(env.device, env.world_size, cfg.precision, flops_per_token)
-    monitor.open_trackers(
-        cfg.trackers, config.to_toml(cfg)
-    )  # rank 0; resumes their runs
+    monitor.open_trackers(cfg.trackers, config.to_toml(cfg))  # rank 0 writes them
     monitor.info(f"data: {tokens.source}")
     monitor.info(f"tokens: {len(tokens.train):,} train, {len(tokens.val):,} validation")
     monitor.info(f"model: {cfg.model}, {num_params:,} parameters")
