@@ -54,7 +54,7 @@ def write_csv(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def pretrained_bert(folder: Path, vocab_size: int | None = None) -> Path:
+def pretrained_bert(folder: Path, vocab_size: int | None = None, dropout: float = 0.1) -> Path:
     """A tiny random BERT and a WordPiece tokenizer trained on the toy texts, saved like a hub model."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
@@ -68,6 +68,7 @@ def pretrained_bert(folder: Path, vocab_size: int | None = None) -> Path:
     config = transformers.BertConfig(
         vocab_size=vocab_size or len(fast), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=64, max_position_embeddings=64,
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
     )
     torch.manual_seed(0)
     transformers.BertForMaskedLM(config).save_pretrained(folder)  # a pretraining checkpoint: no classifier head
