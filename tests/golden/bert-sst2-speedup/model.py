@@ -1,0 +1,150 @@
+"""The classifier and its tokenizer: Hugging Face transformers, by name or folder.
+
+`--model=bert-base-uncased` (a hub id, downloaded once into the Hugging Face cache) or
+`--model=path/to/folder` (written by `save_pretrained`) loads any
+AutoModelForSequenceClassification with its AutoTokenizer; the classification head is
+new and sized to the data's labels. `--model=tiny` builds a small random BERT and a
+WordPiece tokenizer over the training text's words: no download, and a CPU trains it
+in minutes.
+
+FSDP shards and activation checkpointing recompute the model's own transformer layers:
+the modules its authors marked as never to be split (`_no_split_modules`), so no
+architecture is hard-coded here.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+import torch.nn as nn
+
+try:
+    import transformers
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+except ModuleNotFoundError as missing:
+    sys.exit(
+        f"error: {missing.name} is not installed; this project needs the Hugging Face "
+        "extra: pip install 'scaffold[hf]' (transformers, tokenizers, datasets, "
+        "pyarrow)"
+    )
+
+
+# The loop's log says what happens: no progress bars, and no load report (listing the
+# new classification head's weights as missing, the pretraining head's as unexpected).
+transformers.utils.logging.disable_progress_bar()
+transformers.utils.logging.set_verbosity_error()
+
+# The offline `tiny` model: BERT's architecture at a size a CPU trains in minutes.
+TINY_BERT = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256
+)
+TINY_VOCAB_SIZE = 2048
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+class ModelError(ValueError):
+    """The model or tokenizer cannot be loaded; the message says why and what to do."""
+
+
+def load_tokenizer(name: str, texts: list[str]) -> transformers.PreTrainedTokenizerBase:
+    """The tokenizer of `name`; for `tiny`, WordPiece over the words of `texts`."""
+    if name == "tiny":
+        tokenizer = Tokenizer(
+            models.WordPiece(tiny_vocabulary(texts), unk_token="[UNK]")
+        )
+        tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        return transformers.BertTokenizerFast(tokenizer_object=tokenizer)
+    try:
+        return transformers.AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as error:
+        raise ModelError(not_found(name, "tokenizer", error)) from None
+
+
+def tiny_vocabulary(texts: list[str]) -> dict[str, int]:
+    """WordPiece vocabulary for `tiny`: every character (alone and as a word piece) and
+    the most frequent whole words, ties broken alphabetically. Deterministic, unlike
+    tokenizers' trainer (its merges vary from run to run), so a resumed run gets the
+    same token ids."""
+    normalizer = normalizers.BertNormalizer(lowercase=True)
+    pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    counts: Counter[str] = Counter()
+    for text in texts:
+        counts.update(
+            word
+            for word, _ in pre_tokenizer.pre_tokenize_str(
+                normalizer.normalize_str(text)
+            )
+        )
+    chars = sorted({char for word in counts for char in word})
+    words = sorted(counts, key=lambda word: (-counts[word], word))
+    tokens = SPECIAL_TOKENS + chars + [f"##{char}" for char in chars]
+    tokens += [word for word in words if len(word) > 1][
+        : max(0, TINY_VOCAB_SIZE - len(tokens))
+    ]
+    return {token: i for i, token in enumerate(tokens)}
+
+
+def load_model(name: str, num_labels: int, tokenizer, max_seq_len: int) -> nn.Module:
+    """A sequence classifier with a new `num_labels`-way head (seeded by the caller)."""
+    if name == "tiny":
+        config = transformers.BertConfig(
+            vocab_size=len(tokenizer),
+            max_position_embeddings=max_seq_len,
+            num_labels=num_labels,
+            pad_token_id=tokenizer.pad_token_id,
+            **TINY_BERT,
+        )
+        return transformers.AutoModelForSequenceClassification.from_config(config)
+    try:
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(
+            name, num_labels=num_labels, ignore_mismatched_sizes=True
+        )
+    except (OSError, ValueError) as error:
+        raise ModelError(not_found(name, "model", error)) from None
+    embeddings = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > embeddings:
+        raise ModelError(
+            f"--model={name}: its tokenizer has {len(tokenizer)} tokens but the model "
+            f"embeds only {embeddings}; the tokenizer and the model do not belong "
+            "together"
+        )
+    positions = getattr(model.config, "max_position_embeddings", max_seq_len)
+    if max_seq_len > positions:
+        raise ModelError(
+            f"--max_seq_len={max_seq_len} is longer than {name}'s {positions} "
+            f"positions; use --max_seq_len={positions} or less"
+        )
+    if model.config.pad_token_id is None:  # GPT-2 style: no padding token of its own
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def not_found(name: str, what: str, error: Exception) -> str:
+    first = (
+        str(error).strip().splitlines()[0]
+        if str(error).strip()
+        else type(error).__name__
+    )
+    return (
+        f"--model={name}: cannot load its {what} ({first}); pass a folder written by "
+        "save_pretrained, or a hub id with network access once (then it is cached)"
+    )
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's transformer layers (and embeddings): each its own FSDP unit.
+
+    `_no_split_modules` names the classes its authors keep whole (BertLayer, GPT2Block,
+    ...); the outermost modules of those classes, in order, are the blocks.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks: list[nn.Module] = []
+    for module in model.modules():
+        inside = any(
+            module is not b and any(m is module for m in b.modules()) for b in blocks
+        )
+        if type(module).__name__ in names and not inside:
+            blocks.append(module)
+    return blocks

@@ -1,0 +1,577 @@
+"""Train my-gpt: fine-tune a Hugging Face text classifier (recipe `bert-sst2-speedup`).
+
+    python train.py                     # CPU or one GPU: tiny BERT, embedded data
+    python train.py --model=bert-base-uncased --data=sst2.csv
+    python train.py --config run.toml   # keys as in Config below; flags override it
+    python train.py --help              # every key, its default and meaning
+
+Algorithms: layer_freezing, low_precision_layernorm.
+This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
+hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end algorithm:
+NAME`. `scaffold upgrade` merges newer template versions in and keeps your edits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
+
+from data import Batches, load_texts, tokenize, val_batches
+from model import load_model, load_tokenizer, transformer_blocks
+from runtime import checkpoint, config, dist, fsdp, microbatch
+from runtime.monitor import Monitor
+from runtime.time import Progress, Time, as_fraction
+
+
+@dataclass
+class Config:
+    run_name: str = "my-gpt"  # runs/<run_name>/; rerunning a name resumes it
+    seed: int = 42  # a run is a function of (config, seed)
+    # data: "" the embedded default; a .csv, .jsonl or .parquet file; a datasets folder
+    data: str = ""
+    val_data: str = ""  # validation file; "": a seeded 10% of --data
+    text_column: str = ""  # "": `text`, else `sentence`
+    label_column: str = "label"
+    num_labels: int = 0  # 0: from the labels in the data
+    device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
+    # model: tiny (offline: a small random BERT), a hub id, or a save_pretrained folder
+    model: str = "tiny"
+    max_seq_len: int = 128  # longer texts are truncated
+    # optimization; Time strings: 3ep, 2000ba (steps), 4096sp, 1e6tok, 0.25dur
+    max_duration: Time = Time.parse("3ep")  # training length
+    global_batch_size: int = 32  # samples per step, summed over ranks
+    # samples per forward/backward, accumulated; auto: the largest that fits in memory
+    device_microbatch_size: int | Literal["auto"] = 16
+    max_device_microbatch_size: int = 0  # where auto starts; 0: the per-rank batch
+    lr: float = 2e-05  # peak learning rate (AdamW)
+    lr_warmup: Time = Time.parse("0.06dur")  # linear from 0, then linear to 0
+    weight_decay: float = 0.01  # decoupled (AdamW), weight matrices only
+    beta1: float = 0.9
+    beta2: float = 0.98
+
+    # algorithm: layer_freezing
+    layer_freezing_start: float = 0.5  # fraction of training
+    layer_freezing_level: float = 1.0  # share of layers frozen at the end
+    # end algorithm: layer_freezing
+
+    # evaluation, early stopping, logging, checkpoints
+    eval_interval: Time = Time.parse("1ep")  # validation metrics every ...
+    eval_batches: int = 0  # validation batches per evaluation; 0: the whole set
+    early_stopping_metric: Literal["", "accuracy", "f1", "val_loss"] = ""  # "": off
+    early_stopping_patience: Time = Time.parse(
+        "1ep"
+    )  # stop without a new best for this long
+    log_interval: Time = Time.parse("1ba")  # a metrics.jsonl line every ...
+    save_interval: Time = Time.parse("1ep")  # and at the end
+    save_num_checkpoints_to_keep: int = 2  # older ones are deleted; 0 keeps all
+    save_folder: str = ""  # "": runs/<run_name>/checkpoints
+    save_async: bool = False  # write checkpoints while training goes on
+    autoresume: bool = True  # continue from the newest checkpoint of this run
+    load_path: str = ""  # start from this checkpoint (or run folder); any world size
+    load_weights_only: bool = False  # load_path's model weights only (fine-tuning)
+    # parallelism: `torchrun --nproc_per_node=N train.py` runs this script on N ranks
+    parallelism: Literal["auto", "none", "ddp", "fsdp"] = "auto"  # auto: fsdp if N > 1
+    sharding_strategy: Literal[
+        "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"
+    ] = "FULL_SHARD"
+    hybrid_shard_size: int = 0  # HYBRID_SHARD group size; 0: processes per node
+    # bf16: FSDP policy; amp_bf16 (autocast) is the default on a GPU
+    precision: Literal["auto", "fp32", "amp_bf16", "bf16"] = "auto"
+    activation_checkpointing: bool = False  # recompute layer activations in backward
+    cpu_offload: bool = False  # FSDP parameters and optimizer step on the CPU (CUDA)
+    dist_timeout: int = 600  # seconds a collective waits before the job fails
+
+
+def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
+    """Check the config against this launch, then join the process group (if any).
+
+    Each problem is one `error:` line and exit status 2, before data or model exist.
+    """
+    try:
+        env = dist.environment(cfg.device)  # rank, world size, device, from torchrun
+    except ValueError as error:
+        config.fail(str(error))
+    if cfg.precision == "auto":  # bf16 autocast where the hardware has it
+        cfg.precision = "amp_bf16" if env.device.type == "cuda" else "fp32"
+    parallel = fsdp.ParallelConfig(
+        parallelism=fsdp.resolve_parallelism(cfg.parallelism, env.world_size),
+        sharding_strategy=cfg.sharding_strategy,
+        precision=cfg.precision,
+        activation_checkpointing=cfg.activation_checkpointing,
+        cpu_offload=cfg.cpu_offload,
+        hybrid_shard_size=cfg.hybrid_shard_size,
+    )
+    problem = fsdp.check(parallel, env) or microbatch.check(cfg.device_microbatch_size)
+    if problem:
+        config.fail(problem)
+    for name in ("max_seq_len", "global_batch_size"):
+        if getattr(cfg, name) < 1:
+            config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
+    if cfg.eval_batches < 0:
+        config.fail(f"eval_batches={cfg.eval_batches} must be 0 (all) or more")
+    if cfg.global_batch_size % env.world_size:
+        config.fail(
+            f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
+            f"size {env.world_size}; pick a multiple of {env.world_size}"
+        )
+    try:
+        as_fraction(cfg.lr_warmup, cfg.max_duration)
+    except ValueError as error:
+        config.fail(f"lr_warmup: {error}")
+
+    # algorithm: layer_freezing
+    if (
+        not 0.0 <= cfg.layer_freezing_start < 1.0
+        or not 0.0 <= cfg.layer_freezing_level <= 1.0
+    ):
+        config.fail(
+            f"layer_freezing_start={cfg.layer_freezing_start} must be in [0, 1) and "
+            f"layer_freezing_level={cfg.layer_freezing_level} in [0, 1]"
+        )
+    # end algorithm: layer_freezing
+
+    # FSDP and DDP need a process group, on one process too (a group of one rank).
+    needs_group = parallel.parallelism != "none"
+    dist.init_process_group(
+        env, timedelta(seconds=cfg.dist_timeout), required=needs_group
+    )
+    return env, parallel
+
+
+def lr_at(fraction: float, cfg: Config) -> float:
+    """Learning rate after `fraction` of training: linear warmup, linear decay to 0."""
+    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration)
+    if fraction < warmup:
+        return cfg.lr * fraction / warmup
+    return cfg.lr * max(0.0, 1.0 - fraction) / max(1.0 - warmup, 1e-9)
+
+
+# algorithm: layer_freezing
+def frozen_layer_count(
+    fraction: float, num_layers: int, start: float, level: float
+) -> int:
+    """How many of the earliest layers are frozen after `fraction` of training: none
+    until `start`, then linearly more, up to level * num_layers at the end."""
+    ramp = min(max((fraction - start) / (1.0 - start), 0.0), 1.0)
+    return int(num_layers * level * ramp)
+
+
+# end algorithm: layer_freezing
+
+
+# algorithm: low_precision_layernorm
+class LowPrecisionLayerNorm(torch.nn.LayerNorm):
+    """LayerNorm in the autocast dtype (bf16) instead of autocast's fp32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device = x.device.type
+        if not torch.is_autocast_enabled(device):
+            return super().forward(x)
+        dtype = torch.get_autocast_dtype(device)
+        weight = None if self.weight is None else self.weight.to(dtype)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        with torch.autocast(device, enabled=False):
+            return F.layer_norm(
+                x.to(dtype), self.normalized_shape, weight, bias, self.eps
+            )
+
+
+def use_low_precision_layernorm(model: torch.nn.Module) -> int:
+    """Make every nn.LayerNorm a LowPrecisionLayerNorm, in place; returns how many."""
+    norms = [m for m in model.modules() if type(m) is torch.nn.LayerNorm]
+    for norm in norms:
+        norm.__class__ = LowPrecisionLayerNorm  # same parameters, same state-dict keys
+    return len(norms)
+
+
+# end algorithm: low_precision_layernorm
+
+
+class EarlyStopping:
+    """Stop when `metric` has not improved for `patience` (a Time); checkpointed."""
+
+    def __init__(self, metric: str, patience: Time, max_duration: Time) -> None:
+        self.metric, self.patience, self.max_duration = metric, patience, max_duration
+        # best score (higher is better) and the progress counters when it was reached
+        self.best = torch.tensor([-float("inf"), 0, 0, 0, 0], dtype=torch.float64)
+
+    def should_stop(self, metrics: dict[str, float], progress: Progress) -> bool:
+        if not self.metric:
+            return False
+        score = (
+            -metrics["val_loss"] if self.metric == "val_loss" else metrics[self.metric]
+        )
+        counts = [progress.epoch, progress.batch, progress.sample, progress.token]
+        if score > self.best[0]:
+            self.best = torch.tensor([score, *counts], dtype=torch.float64)
+            return False
+        patience = progress.resolve(self.patience, self.max_duration)
+        unit = ["ep", "ba", "sp", "tok"].index(patience.unit.value)
+        return counts[unit] - self.best[1 + unit].item() >= patience.value
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"best": self.best.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.best = state["best"].clone()
+
+
+def microbatches(
+    batch: dict[str, torch.Tensor], size: int
+) -> list[dict[str, torch.Tensor]]:
+    """Split a batch's tensors (rows) into microbatches of `size` rows."""
+    rows = len(batch["labels"])
+    return [
+        {k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)
+    ]
+
+
+def forward(
+    model: torch.nn.Module, micro: dict[str, torch.Tensor], cfg: Config
+) -> torch.Tensor:
+    """Class logits (rows, num_labels) of a microbatch, under autocast for amp_bf16."""
+    with torch.autocast(
+        micro["input_ids"].device.type, torch.bfloat16, enabled=is_amp(cfg)
+    ):
+        return model(
+            input_ids=micro["input_ids"], attention_mask=micro["attention_mask"]
+        ).logits
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    batches: list[dict[str, torch.Tensor]],
+    num_labels: int,
+    cfg: Config,
+    env: dist.DistEnv,
+    microbatching: microbatch.Search,
+) -> dict[str, float]:
+    """Loss, accuracy and F1 over the whole validation set (F1: of label 1 for two
+    labels, else the mean over labels).
+
+    Each rank scores its share of every batch and counts a confusion matrix; the counts
+    are added over ranks. Every rank runs the same number of forwards (under FSDP each
+    one all-gathers the weights): a short share is padded, and the padding not counted.
+    """
+    model.eval()
+    for attempt in microbatching.eval_attempts(seq_len=cfg.max_seq_len):
+        with attempt:
+            loss_sum = torch.zeros((), device=env.device, dtype=torch.float64)
+            confusion = torch.zeros(
+                num_labels, num_labels, device=env.device
+            )  # true, predicted
+            for batch in batches:
+                shares = {k: dist.padded_share(v, env) for k, v in batch.items()}
+                real = shares["labels"][1]
+                share = {k: v.to(env.device) for k, (v, _) in shares.items()}
+                for start in range(0, len(share["labels"]), attempt.size):
+                    micro = {
+                        k: v[start : start + attempt.size] for k, v in share.items()
+                    }
+                    logits = forward(model, micro, cfg).float()
+                    keep = max(real - start, 0)  # padding rows come last: not counted
+                    labels = micro["labels"][:keep]
+                    loss_sum += F.cross_entropy(logits[:keep], labels, reduction="sum")
+                    flat = labels * num_labels + logits[:keep].argmax(-1)
+                    confusion += torch.bincount(
+                        flat, minlength=num_labels**2
+                    ).view_as(confusion)
+    model.train()
+    confusion = dist.reduce_sum(confusion)
+    true_positive = confusion.diag()
+    precision = true_positive / confusion.sum(0).clamp(min=1)
+    recall = true_positive / confusion.sum(1).clamp(min=1)
+    f1 = 2 * precision * recall / (precision + recall).clamp(min=1e-12)
+    return {
+        "val_loss": dist.reduce_sum(loss_sum).item() / confusion.sum().item(),
+        "accuracy": (true_positive.sum() / confusion.sum()).item(),
+        "f1": (f1[1] if num_labels == 2 else f1.mean()).item(),
+    }
+
+
+def is_amp(cfg: Config) -> bool:
+    """Autocast: bf16 matmuls on fp32 weights (precision=amp_bf16)."""
+    return cfg.precision == "amp_bf16"
+
+
+def save_pretrained(
+    model: torch.nn.Module, tokenizer, folder: Path, env: dist.DistEnv
+) -> None:
+    """Model + tokenizer: a folder that AutoModelForSequenceClassification loads.
+
+    Under FSDP every rank holds a shard: the full weights are gathered to rank 0's CPU.
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options)  # a collective: every rank
+    if env.is_main:
+        fsdp.unwrap(model).save_pretrained(folder, state_dict=weights)
+        tokenizer.save_pretrained(folder)
+    dist.barrier()
+
+
+def main() -> None:
+    # event: INIT
+
+    cfg = config.parse(Config)
+    env, parallel = setup(cfg)  # one process, or one of torchrun's N
+    torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
+    run_dir = Path("runs") / cfg.run_name
+    try:
+        texts = load_texts(
+            cfg.data,
+            cfg.val_data,
+            cfg.text_column,
+            cfg.label_column,
+            cfg.num_labels,
+            cfg.seed,
+        )
+        tokenizer = load_tokenizer(cfg.model, texts.train.texts)
+        model = load_model(cfg.model, texts.num_labels, tokenizer, cfg.max_seq_len)
+        # Tokenised once, cached beside the data (the key: data, tokenizer, max length).
+        train_tokens, val_tokens = (
+            tokenize(
+                split,
+                tokenizer,
+                cfg.max_seq_len,
+                texts.cache_dir,
+                [texts.fingerprint, name],
+            )
+            for name, split in (("train", texts.train), ("val", texts.val))
+        )
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        train_batches = Batches(train_tokens, cfg.global_batch_size, cfg.seed, pad_id)
+        val = val_batches(val_tokens, cfg.global_batch_size, pad_id)[
+            : cfg.eval_batches or None
+        ]
+    except (
+        OSError,
+        ValueError,
+    ) as error:  # a missing path, a bad column, no such model
+        # (model.ModelError is a ValueError)
+        config.fail(str(error))
+    model.config.id2label = dict(enumerate(texts.label_names))
+    model.config.label2id = {name: i for i, name in enumerate(texts.label_names)}
+    model = model.to(env.device)
+    num_params = sum(p.numel() for p in model.parameters())
+
+    # event: MODEL
+
+    # algorithm: low_precision_layernorm
+    # Under bf16 autocast, LayerNorm runs in bf16 rather than autocast's fp32: half the
+    # memory traffic of a memory-bound op. Parameters and checkpoints are unchanged.
+    use_low_precision_layernorm(model)
+    # end algorithm: low_precision_layernorm
+
+    # Shard or replicate for the launch: FSDP2 per transformer layer then the root, DDP,
+    # or nothing. The layers are the model's own `_no_split_modules` (model.py).
+    blocks = transformer_blocks(model)
+    model = fsdp.parallelize(model, blocks, env, parallel)
+
+    # Decoupled weight decay on weight matrices; biases and LayerNorm gains have none.
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        [
+            {
+                "params": [p for p in params if p.dim() >= 2],
+                "weight_decay": cfg.weight_decay,
+            },
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+    )
+    early_stopping = EarlyStopping(
+        cfg.early_stopping_metric, cfg.early_stopping_patience, cfg.max_duration
+    )
+    # What a checkpoint holds; an algorithm with state of its own adds an entry at
+    # OPTIMIZER, before the resume below restores all of it.
+    state = {"model": model, "optimizer": optimizer, "early_stopping": early_stopping}
+
+    # event: OPTIMIZER
+
+    # Resume: load_path, else this run's newest complete checkpoint, restores model,
+    # optimizer, progress and RNG, saved on any number of ranks. The batch order is a
+    # function of progress (the global sample cursor): nothing is replayed.
+    progress = Progress(batches_per_epoch=train_batches.batches_per_epoch)
+    checkpointer = checkpoint.Checkpointer(
+        cfg.save_folder or run_dir / "checkpoints",
+        keep=cfg.save_num_checkpoints_to_keep,
+        async_save=cfg.save_async,
+    )
+    try:
+        resumed = checkpointer.resume(
+            state,
+            progress,
+            load_path=cfg.load_path,
+            weights_only=cfg.load_weights_only,
+            autoresume=cfg.autoresume,
+            seed=cfg.seed,
+        )
+    except checkpoint.CheckpointError as error:  # names the file or the mismatched keys
+        config.fail(str(error))
+    monitor = Monitor(
+        run_dir, progress, cfg.max_duration, cfg.global_batch_size, env.is_main
+    )
+    monitor.record_run(config.to_toml(cfg), Path(__file__), env.device, env.world_size)
+    monitor.info(f"data: {texts.source}")
+    monitor.info(
+        f"texts: {len(train_tokens):,} train, {len(val_tokens):,} validation; "
+        f"labels: {', '.join(texts.label_names)}"
+    )
+    monitor.info(
+        f"model: {cfg.model}, {num_params:,} parameters, {len(blocks)} FSDP units"
+    )
+    monitor.info(f"parallelism: {parallel.parallelism}, {env.world_size} process(es)")
+    for line in resumed.describe() if resumed else []:
+        monitor.info(line)
+    # The microbatch size: fixed, or auto (the largest that fits, found by halving on
+    # out-of-memory; a resumed run reuses the size it found before).
+    microbatching = microbatch.Search(
+        model,
+        blocks,
+        env,
+        cfg.device_microbatch_size,
+        per_rank_batch=cfg.global_batch_size // env.world_size,
+        max_size=cfg.max_device_microbatch_size,
+        resumed=resumed.extra if resumed else None,
+        log=monitor.info,
+        timeout=timedelta(seconds=cfg.dist_timeout),
+    )
+    stop = False
+
+    # event: FIT_START
+
+    while not progress.reached(cfg.max_duration) and not stop:
+        # event: EPOCH_START
+
+        epoch = progress.epoch
+        for index in range(progress.batch_in_epoch, train_batches.batches_per_epoch):
+            # This rank's share of global batch `index` in the epoch's seeded order,
+            # padded to the longest text in the global batch.
+            batch = train_batches.get(epoch, index, env.rank, env.world_size)
+            batch = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
+
+            # event: BATCH_START
+
+            lr = lr_at(progress.fraction(cfg.max_duration), cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+
+            # Gradient accumulation: each microbatch's summed loss is divided by the
+            # global batch size, so gradients are the global-batch mean whatever the
+            # microbatch size and world size. DDP and FSDP average gradients over
+            # ranks: hence the factor world_size.
+            loss_scale = env.world_size / cfg.global_batch_size
+            # Out of memory on any rank (while the size is still being searched): every
+            # rank drops this attempt's gradients and retries the same batch at half the
+            # microbatch size. Fixed or already found: a single attempt, nothing added.
+            for attempt in microbatching.attempts(seq_len=batch["input_ids"].shape[1]):
+                with attempt:
+                    loss_sum = torch.zeros((), device=env.device)
+                    micros = microbatches(batch, attempt.size)
+                    for i, micro in enumerate(micros):
+                        # event: MICROBATCH_START
+
+                        # Reduce gradients over ranks once, in the last backward.
+                        fsdp.sync_gradients(model, i == len(micros) - 1)
+                        logits = forward(model, micro, cfg)
+
+                        # event: AFTER_FORWARD
+
+                        loss = F.cross_entropy(
+                            logits.float(), micro["labels"], reduction="sum"
+                        )
+
+                        # event: LOSS
+
+                        (loss * loss_scale).backward()
+                        loss_sum += loss.detach()
+
+            # event: AFTER_BACKWARD
+
+            # algorithm: layer_freezing
+            # Freeze the earliest layers progressively: drop their gradients, so AdamW
+            # neither steps nor decays them. A function of progress: resumes the same.
+            frozen_layers = frozen_layer_count(
+                progress.fraction(cfg.max_duration),
+                len(blocks),
+                cfg.layer_freezing_start,
+                cfg.layer_freezing_level,
+            )
+            for block in blocks[:frozen_layers]:
+                for param in block.parameters():
+                    param.grad = None
+            # end algorithm: layer_freezing
+
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            num_tokens = train_batches.num_tokens(epoch, index)  # real ones, all ranks
+            progress.advance(samples=cfg.global_batch_size, tokens=num_tokens)
+
+            # event: BATCH_END
+
+            monitor.update(progress)
+            finished = progress.reached(cfg.max_duration)
+            metrics = {}
+            if progress.at_interval(cfg.eval_interval, cfg.max_duration) or finished:
+                # event: EVAL
+
+                # Evaluation time does not count against the logged throughput.
+                with monitor.paused():
+                    metrics.update(
+                        evaluate(model, val, texts.num_labels, cfg, env, microbatching)
+                    )
+                stop = early_stopping.should_stop(metrics, progress)
+            if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
+                metrics["loss"] = (
+                    dist.reduce_sum(loss_sum).item() / cfg.global_batch_size
+                )
+                metrics["lr"] = lr
+                metrics["microbatch_size"] = attempt.size
+
+                # algorithm: layer_freezing
+                metrics["frozen_layers"] = frozen_layers
+                # end algorithm: layer_freezing
+
+                monitor.log(progress, **metrics)
+            if (
+                progress.at_interval(cfg.save_interval, cfg.max_duration)
+                or finished
+                or stop
+            ):
+                with monitor.paused():
+                    checkpointer.save(state, progress, extra=microbatching.state_dict())
+            if finished or stop:
+                break
+
+        # event: EPOCH_END
+
+    # event: FIT_END
+
+    checkpointer.close()  # an async save in flight: finished and marked complete
+    if stop:
+        metric, patience = cfg.early_stopping_metric, cfg.early_stopping_patience
+        monitor.info(f"early stop: no better {metric} for {patience}")
+    # model + tokenizer for transformers' from_pretrained (evaluation, serving)
+    save_pretrained(model, tokenizer, run_dir / "hf", env)
+    monitor.info(
+        f"done: step {progress.batch}; outputs in {run_dir}, model in {run_dir}/hf"
+    )
+    monitor.close()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        dist.shutdown()  # leave the process group, also after an error

@@ -1,0 +1,118 @@
+"""layer_freezing and low_precision_layernorm on the text_classification task: their effects,
+and layer freezing's bitwise resume after the process dies (Composer's cannot resume)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from conftest import scaffold_cli  # noqa: E402
+from projects import checkout_env, project_modules, read_metrics  # noqa: E402
+from runtime.checkpoint import export_safetensors  # noqa: E402
+
+SMALL = ["--device=cpu", "--max_seq_len=16", "--global_batch_size=4", "--device_microbatch_size=2",
+         "--eval_batches=1", "--eval_interval=2ba", "--lr=1e-3"]
+# train.py, dying like a killed job (no cleanup, no atexit) right after the step-2 checkpoint.
+CRASH_AFTER_STEP_2 = """
+import os, runpy, sys
+import runtime.checkpoint as checkpoint
+save = checkpoint.Checkpointer.save
+def save_then_die(self, *args, **kwargs):
+    path = save(self, *args, **kwargs)
+    if path.name == "step-2":
+        os._exit(17)
+    return path
+checkpoint.Checkpointer.save = save_then_die
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))  # the project's data.py and model.py
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory, isolated_home: Path) -> Path:
+    root = tmp_path_factory.mktemp("hf-algorithms")
+    recipe = root / "recipe.toml"
+    recipe.write_text('[answers]\ntask = "text_classification"\nmodel_family = "hf"\nmodel = "tiny"\n'
+                      "[algorithms.layer_freezing]\nstart = 0.0\nlevel = 1.0\n"
+                      "[algorithms.low_precision_layernorm]\n")
+    result = scaffold_cli("new", "--recipe", str(recipe), str(root / "p"))
+    assert result.returncode == 0, result.stderr
+    return root / "p"
+
+
+def train(project: Path, workdir: Path, *args: str, crash: bool = False) -> subprocess.CompletedProcess[str]:
+    prefix = [sys.executable, "-c", CRASH_AFTER_STEP_2] if crash else [sys.executable]
+    return subprocess.run([*prefix, str(project / "train.py"), *SMALL, *args], cwd=workdir, env=checkout_env(),
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_layer_freezing_freezes_earliest_layers_and_resumes_bitwise(project: Path, tmp_path: Path) -> None:
+    common = ["--max_duration=4ba", "--save_interval=1ba", "--save_num_checkpoints_to_keep=0"]
+    whole = train(project, tmp_path, "--run_name=whole", *common)
+    assert whole.returncode == 0, whole.stderr
+    records = read_metrics(tmp_path, "whole")
+    # 3 units (embeddings, 2 layers); step k drops the first int(3 * (k - 1) / 4) units' gradients.
+    assert [r["frozen_layers"] for r in records] == [0, 0, 1, 2]
+
+    def weights(step: int) -> dict[str, torch.Tensor]:
+        out = tmp_path / f"step-{step}.safetensors"
+        export_safetensors(tmp_path / "runs" / "whole" / "checkpoints" / f"step-{step}", out)
+        return load_file(out)
+
+    w = {step: weights(step) for step in (1, 2, 3, 4)}
+
+    def changed(prefix: str, a: int, b: int) -> bool:
+        keys = [k for k in w[a] if k.startswith(prefix)]
+        assert keys, prefix
+        return any(not torch.equal(w[a][k], w[b][k]) for k in keys)
+
+    embeddings, layer0, layer1 = "bert.embeddings.", "bert.encoder.layer.0.", "bert.encoder.layer.1."
+    assert changed(embeddings, 1, 2) and not changed(embeddings, 2, 4)  # frozen from step 3
+    assert changed(layer0, 2, 3) and not changed(layer0, 3, 4)  # frozen at step 4
+    assert changed(layer1, 3, 4) and changed("classifier.", 3, 4)  # never frozen
+
+    crashed = train(project, tmp_path, "--run_name=resumed", *common, crash=True)
+    assert crashed.returncode == 17, crashed.stderr
+    resumed = train(project, tmp_path, "--run_name=resumed", *common)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr
+    keys = ("step", "loss", "lr", "frozen_layers", "accuracy", "val_loss")
+    assert [[r.get(k) for k in keys] for r in read_metrics(tmp_path, "resumed")] == [
+        [r.get(k) for k in keys] for r in records
+    ]
+
+
+def test_low_precision_layernorm_normalizes_in_bf16_under_autocast_only(project: Path) -> None:
+    with project_modules(project) as modules:
+        train_module = modules["train"]
+        torch.manual_seed(0)
+        # fp32 input, as the residual stream is: autocast leaves LayerNorm in fp32 (on CUDA it
+        # even upcasts bf16 input); the low-precision one normalizes in bf16.
+        model = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.LayerNorm(8, bias=False))
+        with torch.no_grad():
+            model[0].weight.uniform_(0.5, 1.5)
+            model[0].bias.uniform_(-0.5, 0.5)
+        plain = {k: v.clone() for k, v in model.state_dict().items()}
+        x = torch.randn(4, 8) * 3 + 1
+        with torch.autocast("cpu", torch.bfloat16):
+            before = model(x)
+        eager_before = model(x)
+        assert train_module.use_low_precision_layernorm(model) == 2
+        assert model.state_dict().keys() == plain.keys()  # checkpoints unchanged
+        with torch.autocast("cpu", torch.bfloat16):
+            after = model(x)
+        assert before.dtype == torch.float32 and after.dtype == torch.bfloat16
+        expected = torch.nn.functional.layer_norm(
+            torch.nn.functional.layer_norm(x.bfloat16(), (8,), model[0].weight.bfloat16(), model[0].bias.bfloat16()),
+            (8,), model[1].weight.bfloat16())
+        assert torch.equal(after, expected)
+        assert torch.allclose(after.float(), before, atol=5e-2) and not torch.equal(after.float(), before)
+        assert torch.equal(model(x), eager_before)  # without autocast: the plain LayerNorm
