@@ -131,3 +131,16 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         """Parameter count, the tied embedding counted once."""
         return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward), for MFU: 6N + attention.
+
+        6N: each weight is one multiply-add (2 FLOPs) forward and two backward; N
+        counts the tied embedding once (it is the output projection's matmul) but
+        not a position table, which is a lookup. Attention: QK^T and the weighted
+        sum of V, 2 * 2 * seq_len * width per layer forward, times 3 with backward
+        (PaLM, appendix B; the causal mask's skipped half is counted, as usual).
+        """
+        table = getattr(self, "wpe", None)
+        n = self.num_params() - (table.weight.numel() if table is not None else 0)
+        return 6 * n + 12 * self.config.n_layer * seq_len * self.config.n_embd

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 
 from data import Batches, load_tokens, val_batches
 from model import GPT, PRESETS, GPTConfig, Preset
-from runtime import checkpoint, config, dist, fsdp, microbatch
-from runtime.monitor import Monitor
+from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, profile
+from runtime import trackers
+from runtime.monitor import Monitor, RunningSum
 from runtime.time import Progress, Time, as_fraction
 
 
@@ -66,6 +67,14 @@ class Config:
     eval_interval: Time = Time.parse("100ba")  # validation loss every ...
     eval_batches: int = 8  # validation batches per evaluation
     log_interval: Time = Time.parse("1ba")  # a metrics.jsonl line every ...
+    trackers: str = ""  # also log to: tensorboard,mlflow,wandb
+    # early stopping: when early_stop_metric (e.g. val_loss; "": never) has not improved
+    # by more than early_stop_min_delta for early_stop_patience
+    early_stop_metric: str = ""
+    early_stop_patience: Time = Time.parse("0.1dur")
+    early_stop_min_delta: float = 0.0
+    early_stop_mode: Literal["min", "max"] = "min"  # min: lower is better (losses)
+    profile: str = ""  # START:END, e.g. 20ba:25ba: torch.profiler traces of those steps
     save_interval: Time = Time.parse("200ba")  # and at the end
     save_num_checkpoints_to_keep: int = 2  # older ones are deleted; 0 keeps all
     save_folder: str = ""  # "": runs/<run_name>/checkpoints
@@ -103,6 +112,10 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
         hybrid_shard_size=cfg.hybrid_shard_size,
     )
     problem = fsdp.check(parallel, env) or microbatch.check(cfg.device_microbatch_size)
+    problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
+    problem = problem or early_stop.check(
+        cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_min_delta
+    )
     if problem:
         config.fail(problem)
     for name in ("seq_len", "global_batch_size", "eval_batches"):
@@ -262,6 +275,9 @@ def main() -> None:
         run_dir, progress, cfg.max_duration, cfg.global_batch_size, env.is_main
     )
     monitor.record_run(config.to_toml(cfg), Path(__file__), env.device, env.world_size)
+    flops_per_token = fsdp.unwrap(model).flops_per_token(cfg.seq_len)  # see model.py
+    monitor.measure(env.device, env.world_size, cfg.precision, flops_per_token)
+    monitor.open_trackers(cfg.trackers, config.to_toml(cfg))  # rank 0 writes them
     monitor.info(f"data: {tokens.source}")
     monitor.info(f"tokens: {len(tokens.train):,} train, {len(tokens.val):,} validation")
     monitor.info(f"model: {cfg.model}, {num_params:,} parameters")
@@ -282,9 +298,22 @@ def main() -> None:
         timeout=timedelta(seconds=cfg.dist_timeout),
     )
 
+    train_loss = RunningSum(env.device)  # summed on the device, read at logged steps
+    stopper = early_stop.EarlyStopper(
+        cfg.early_stop_metric,
+        cfg.early_stop_patience,
+        cfg.early_stop_min_delta,
+        cfg.early_stop_mode,
+        resumed=resumed.extra if resumed else None,  # a stopped run stays stopped
+        log=monitor.info,
+    )
+    profiler = profile.Profiler(
+        cfg.profile, run_dir, env.rank, env.device, cfg.max_duration, monitor.info
+    )
+
     # event: FIT_START
 
-    while not progress.reached(cfg.max_duration):
+    while not progress.reached(cfg.max_duration) and not stopper.stopped:
         # event: EPOCH_START
 
         epoch = progress.epoch
@@ -365,10 +394,12 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             progress.advance(samples=cfg.global_batch_size, tokens=num_tokens)
+            train_loss.add(loss_sum, num_tokens)  # no device sync
 
             # event: BATCH_END
 
             monitor.update(progress)
+            profiler.step(progress)  # records the --profile window, writes its traces
             finished = progress.reached(cfg.max_duration)
             metrics = {}
             if progress.at_interval(cfg.eval_interval, cfg.max_duration) or finished:
@@ -378,7 +409,7 @@ def main() -> None:
                 with monitor.paused():
                     metrics["val_loss"] = evaluate(model, val, cfg, env, attempt.size)
             if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
-                metrics["loss"] = dist.reduce_sum(loss_sum).item() / num_tokens
+                metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks
                 metrics["lr"] = lr
                 metrics["microbatch_size"] = attempt.size
 
@@ -391,6 +422,7 @@ def main() -> None:
                 # end algorithm: seq_length_warmup
 
                 monitor.log(progress, **metrics)
+            finished = stopper.update(progress, metrics, cfg.max_duration) or finished
             if progress.at_interval(cfg.save_interval, cfg.max_duration) or finished:
                 with monitor.paused():
                     checkpoint.save(
@@ -398,7 +430,7 @@ def main() -> None:
                         model,
                         optimizer,
                         progress,
-                        extra=microbatching.state_dict(),
+                        extra=microbatching.state_dict() | stopper.state_dict(),
                         keep=cfg.save_num_checkpoints_to_keep,
                         async_save=cfg.save_async,
                     )
