@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from projects import checkout_env
 from runtime import trackers
 from runtime.trackers import Trackers
 
@@ -98,9 +102,16 @@ def test_wandb_offline_run_files_and_resume_keeps_the_id(tmp_path: Path, monkeyp
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = tmp_path / "runs" / "exp"
     run_dir.mkdir(parents=True)
-    log_steps("wandb", run_dir, range(1, 4), offset=0.0)
-    run_id = json.loads((run_dir / "trackers.json").read_text())["wandb"]
-    log_steps("wandb", run_dir, range(4, 6), offset=0.0, resume_step=3)
+    # Each attempt in a process of its own, as a crashed and resumed training run is.
+    attempt = ("import sys; from pathlib import Path; from test_trackers import log_steps; "
+               "log_steps('wandb', Path(sys.argv[1]), range(int(sys.argv[2]), int(sys.argv[3])), 0.0, int(sys.argv[4]))")
+    env = {**checkout_env(), "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), checkout_env()["PYTHONPATH"]])}
+    for first, end, resume_step in ((1, 4, 0), (4, 6, 3)):
+        done = subprocess.run([sys.executable, "-c", attempt, str(run_dir), str(first), str(end), str(resume_step)],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        if first == 1:
+            run_id = json.loads((run_dir / "trackers.json").read_text())["wandb"]
     files = sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb")))
     assert len(files) == 2 and all(f.endswith(f"run-{run_id}.wandb") for f in files)  # the same run id
     history, config = [], {}
