@@ -94,8 +94,9 @@ def test_cli_check_and_diff_of_an_unedited_project(generated: dict[str, Path]) -
     project = generated[RECIPE]
     result = scaffold_cli("check", str(project))
     assert result.returncode == 0, result.stderr
-    assert re.search(r"gradient_clipping +intact +3/3", result.stdout), result.stdout
-    assert re.search(r"alibi +intact +5/5", result.stdout), result.stdout
+    for name in ("gradient_clipping", "alibi"):  # every fenced block of theirs, in any file
+        count = sum(path.read_text().count(f"# algorithm: {name}\n") for path in project.glob("*.py"))
+        assert re.search(rf"{name} +intact +{count}/{count}", result.stdout), result.stdout
     assert "event markers: 14 of 14 in place" in result.stdout
     assert "ok: upgrade, add and remove can proceed" in result.stdout
     result = scaffold_cli("diff", str(project))
@@ -129,6 +130,16 @@ def test_fences_are_comments_not_text_in_strings() -> None:
 # --- edits the merge can carry: notes, exit 0 ------------------------------------------------
 
 
+def clip_block_lines(project: Path) -> tuple[int, int]:
+    """The 1-based first and last lines of gradient clipping's AFTER_BACKWARD fence in train.py."""
+    lines = (project / "train.py").read_text().splitlines()
+    first = next(i for i, line in enumerate(lines, 1)
+                 if line == "            # algorithm: gradient_clipping")
+    last = next(i for i, line in enumerate(lines, 1)
+                if i > first and line == "            # end algorithm: gradient_clipping")
+    return first, last
+
+
 def test_an_edited_block_is_reported_and_diffed_under_its_algorithm(project: Path) -> None:
     edit(project, "            grad_norm = fsdp.clip_grad_norm_(\n", "            grad_norm = 2 * fsdp.clip_grad_norm_(\n")
     edit(project, "    beta2: float = 0.95\n", "    beta2: float = 0.99\n", "outside any block")
@@ -137,7 +148,7 @@ def test_an_edited_block_is_reported_and_diffed_under_its_algorithm(project: Pat
 
     assert report.ok, report.problems
     assert status(report, "gradient_clipping") == EDITED
-    assert "train.py:356" in report.state("gradient_clipping").detail
+    assert f"train.py:{clip_block_lines(project)[0]}" in report.state("gradient_clipping").detail
     assert status(report, "seq_length_warmup") == INTACT and status(report, "alibi") == INTACT
     lines = diff(project)
     text = "\n".join(lines)
@@ -362,7 +373,8 @@ def test_remove_of_an_edited_block_shows_it_and_asks_for_force(project: Path) ->
 
     assert result.returncode == 2, result.stdout + result.stderr
     assert "you changed gradient_clipping's code" in result.stderr
-    assert "train.py:356-363 (main after AFTER_BACKWARD)" in result.stderr
+    first, last = clip_block_lines(project)
+    assert f"train.py:{first}-{last} (main after AFTER_BACKWARD)" in result.stderr
     assert "    grad_norm = 2 * fsdp.clip_grad_norm_(" in result.stderr  # the edited block, shown
     assert "scaffold remove gradient_clipping --force" in result.stderr
     assert snapshot(project) == before
