@@ -208,12 +208,6 @@ def main() -> None:
     env, parallel = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
-    # One live start per run: a second (a requeue racing a dying job) is refused. The OS
-    # lock is held until this process ends; the kernel drops it even after kill -9.
-    try:
-        run_lock = runlock.acquire(run_dir)
-    except runlock.RunInUse as error:
-        config.fail(str(error))
     try:
         tokens = load_tokens(cfg.data, cfg.vocab_size)
         train_batches = Batches(
@@ -223,6 +217,14 @@ def main() -> None:
             tokens.val, cfg.seq_len, cfg.global_batch_size, cfg.eval_batches
         )
     except (OSError, ValueError) as error:  # a missing path, too little data
+        config.fail(str(error))
+
+    # One live start per run: a second (a requeue racing a dying job) is refused. The OS
+    # lock is held until this process ends; the kernel drops it even after kill -9. Taken
+    # after the data is read: a data error leaves no run folder behind.
+    try:
+        run_lock = runlock.acquire(run_dir)
+    except runlock.RunInUse as error:
         config.fail(str(error))
 
     model_config = GPTConfig(
