@@ -31,8 +31,9 @@ from model import (
     clear_step_stats,
     update_running_stats,
 )
-from runtime import checkpoint, config, dist, fsdp, microbatch
-from runtime.monitor import Monitor
+from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, preempt
+from runtime import profile, runlock, trackers
+from runtime.monitor import Monitor, RunningSum
 from runtime.time import Progress, Time, as_fraction
 
 
@@ -76,6 +77,14 @@ class Config:
     eval_interval: Time = Time.parse("10ep")  # top-1/top-5 every ...
     eval_batches: int = 0  # validation batches per evaluation; 0: the whole split
     log_interval: Time = Time.parse("1ba")  # a metrics.jsonl line every ...
+    trackers: str = ""  # also log to: tensorboard,mlflow,wandb
+    # early stopping: when early_stop_metric (e.g. val_top1, with mode max; "": never)
+    # has not improved by more than early_stop_min_delta for early_stop_patience
+    early_stop_metric: str = ""
+    early_stop_patience: Time = Time.parse("0.1dur")
+    early_stop_min_delta: float = 0.0
+    early_stop_mode: Literal["min", "max"] = "min"  # min: lower is better (losses)
+    profile: str = ""  # START:END, e.g. 20ba:25ba: torch.profiler traces of those steps
     save_interval: Time = Time.parse("40ep")  # and at the end
     save_num_checkpoints_to_keep: int = 2  # older ones are deleted; 0 keeps all
     save_folder: str = ""  # "": runs/<run_name>/checkpoints
@@ -91,6 +100,8 @@ class Config:
     hybrid_shard_size: int = 0  # HYBRID_SHARD group size; 0: processes per node
     precision: Literal["fp32", "amp_bf16", "bf16"] = "fp32"  # bf16: FSDP
     activation_checkpointing: bool = False  # recompute block activations in backward
+    # torch.compile each block in place (keys unchanged); auto: on CUDA, off on the CPU
+    compile: bool | Literal["auto"] = "auto"
     cpu_offload: bool = False  # FSDP parameters and optimizer step on the CPU (CUDA)
     dist_timeout: int = 600  # seconds a collective waits before the job fails
 
@@ -111,8 +122,15 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
         activation_checkpointing=cfg.activation_checkpointing,
         cpu_offload=cfg.cpu_offload,
         hybrid_shard_size=cfg.hybrid_shard_size,
+        compile=fsdp.resolve_compile(cfg.compile, env.device),
     )
+    # `auto` settled for this device: the run's config.toml records what ran.
+    cfg.compile = parallel.compile
     problem = fsdp.check(parallel, env) or microbatch.check(cfg.device_microbatch_size)
+    problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
+    problem = problem or early_stop.check(
+        cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_min_delta
+    )
     if problem:
         config.fail(problem)
     for name in ("global_batch_size", "bn_group_size", "image_size"):
@@ -142,7 +160,16 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     except ValueError as error:
         config.fail(f"lr_warmup: {error}")
 
-    dist.init_process_group(env, timeout=timedelta(seconds=cfg.dist_timeout))
+    # FSDP and DDP need a process group, on one process too (a group of one rank).
+    needs_group = parallel.parallelism != "none"
+    dist.init_process_group(
+        env, timedelta(seconds=cfg.dist_timeout), required=needs_group
+    )
+    if env.device.type == "cuda":
+        # TF32 tensor cores for fp32 matmuls and convolutions (10-bit mantissa
+        # products, fp32 sums).
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
     return env, parallel
 
 
@@ -163,34 +190,39 @@ def evaluate(
     images: data.ImageData,
     cfg: Config,
     env: dist.DistEnv,
-    microbatch_size: int,
+    microbatching: microbatch.Search,
 ) -> dict[str, float]:
     """Cross-entropy, top-1 and top-5 accuracy on the validation split (BatchNorm in
     evaluation mode: running statistics). Every rank scores its share of each batch,
-    the same number of forward passes (the last batch is padded, with weight 0); the
-    sums are added over ranks."""
+    the same number of forwards (under FSDP each one all-gathers the weights): the
+    last batch is padded, with weight 0; the sums are added over ranks."""
     model.eval()
-    sums = torch.zeros(4, device=env.device)  # loss, top-1 hits, top-5 hits, samples
     k = min(5, len(images.classes))
-    num_batches = cfg.eval_batches or len(val)
-    for batch in range(min(num_batches, len(val))):
-        pixels, labels, weight = (t.to(env.device) for t in val[batch])
-        for x, y, w in zip(
-            pixels.split(microbatch_size),
-            labels.split(microbatch_size),
-            weight.split(microbatch_size),
-        ):
-            with torch.autocast(env.device.type, torch.bfloat16, enabled=is_amp(cfg)):
-                logits = model(data.normalize(x, images)).float()
-            top = logits.topk(k, dim=1).indices == y[:, None]
-            sums += torch.stack(
-                [
-                    (F.cross_entropy(logits, y, reduction="none") * w).sum(),
-                    (top[:, 0] * w).sum(),
-                    (top.any(dim=1) * w).sum(),
-                    w.sum(),
-                ]
-            )
+    num_batches = min(cfg.eval_batches or len(val), len(val))
+    # auto: out of memory on any rank halves evaluation's size on every rank.
+    for attempt in microbatching.eval_attempts(seq_len=cfg.image_size):
+        with attempt:
+            sums = torch.zeros(4, device=env.device)  # loss, top-1, top-5 hits, samples
+            for batch in range(num_batches):
+                pixels, labels, weight = (t.to(env.device) for t in val[batch])
+                for x, y, w in zip(
+                    pixels.split(attempt.size),
+                    labels.split(attempt.size),
+                    weight.split(attempt.size),
+                ):
+                    with torch.autocast(
+                        env.device.type, torch.bfloat16, enabled=is_amp(cfg)
+                    ):
+                        logits = model(data.normalize(x, images)).float()
+                    top = logits.topk(k, dim=1).indices == y[:, None]
+                    sums += torch.stack(
+                        [
+                            (F.cross_entropy(logits, y, reduction="none") * w).sum(),
+                            (top[:, 0] * w).sum(),
+                            (top.any(dim=1) * w).sum(),
+                            w.sum(),
+                        ]
+                    )
     model.train()
     loss, top1, top5, count = dist.reduce_sum(sums).tolist()
     return {
@@ -225,6 +257,14 @@ def main() -> None:
         val = data.Batches(images, "val", **batches)
     except (OSError, ValueError) as error:  # a missing path, a bad file, too few images
         config.fail(str(error))
+
+    # One live start per run: a second (a requeue racing a dying job) is refused. The OS
+    # lock is held until this process ends; the kernel drops it even after kill -9. Taken
+    # after the data is read: a data error leaves no run folder behind.
+    try:
+        run_lock = runlock.acquire(run_dir)
+    except runlock.RunInUse as error:
+        config.fail(str(error))
     # Decoding images from disk happens in worker processes while the model trains.
     num_workers = cfg.num_workers if images.on_disk else 0
 
@@ -243,8 +283,6 @@ def main() -> None:
     # or nothing.
     model = fsdp.parallelize(model, model.blocks, env, parallel)
 
-    # event: OPTIMIZER
-
     # Decay conv and linear weights; BatchNorm parameters and biases stay undecayed.
     params = list(model.parameters())
     decayed = [p for p in params if p.dim() >= 2]
@@ -260,19 +298,30 @@ def main() -> None:
         )
     else:
         optimizer = torch.optim.AdamW(
-            groups, lr=cfg.lr, betas=(cfg.momentum, cfg.beta2)
+            groups,
+            lr=cfg.lr,
+            betas=(cfg.momentum, cfg.beta2),
+            # CUDA: one fused kernel for the whole update instead of several per tensor.
+            fused=env.device.type == "cuda" and not cfg.cpu_offload,
         )
+    # What a checkpoint holds; an algorithm with state of its own (EMA weights, say)
+    # adds an entry at OPTIMIZER, before the resume below restores all of it.
+    state = {"model": model, "optimizer": optimizer}
+
+    # event: OPTIMIZER
 
     # Resume: load_path, else this run's newest complete checkpoint, restores model
     # (with BatchNorm running statistics), optimizer, progress and RNG, saved on any
     # number of ranks. The batch order is a function of progress: nothing is replayed.
     progress = Progress(batches_per_epoch=train_batches.batches_per_epoch)
-    save_folder = Path(cfg.save_folder or run_dir / "checkpoints")
+    checkpointer = checkpoint.Checkpointer(
+        cfg.save_folder or run_dir / "checkpoints",
+        keep=cfg.save_num_checkpoints_to_keep,
+        async_save=cfg.save_async,
+    )
     try:
-        resumed = checkpoint.resume(
-            save_folder,
-            model,
-            optimizer,
+        resumed = checkpointer.resume(
+            state,
             progress,
             load_path=cfg.load_path,
             weights_only=cfg.load_weights_only,
@@ -285,6 +334,10 @@ def main() -> None:
         run_dir, progress, cfg.max_duration, cfg.global_batch_size, env.is_main
     )
     monitor.record_run(config.to_toml(cfg), Path(__file__), env.device, env.world_size)
+    monitor.measure(env.device, env.world_size, cfg.precision)  # memory, ETA
+    monitor.open_trackers(
+        cfg.trackers, config.to_toml(cfg)
+    )  # rank 0; resumes their runs
     monitor.info(f"data: {images.source}")
     monitor.info(
         f"images: {len(images.train):,} train, {len(images.val):,} validation, "
@@ -309,9 +362,25 @@ def main() -> None:
         multiple_of=cfg.bn_group_size,
     )
 
+    train_loss = RunningSum(env.device)  # summed on the device, read at logged steps
+    stopper = early_stop.EarlyStopper(
+        cfg.early_stop_metric,
+        cfg.early_stop_patience,
+        cfg.early_stop_min_delta,
+        cfg.early_stop_mode,
+        resumed=resumed.extra if resumed else None,  # a stopped run stays stopped
+        log=monitor.info,
+    )
+    profiler = profile.Profiler(
+        cfg.profile, run_dir, env.rank, env.device, cfg.max_duration, monitor.info
+    )
+    # SIGUSR1 (SLURM's pre-emption notice) or SIGTERM: finish the step, save, stop.
+    preemption = preempt.Preemption()
+
     # event: FIT_START
 
-    while not progress.reached(cfg.max_duration):
+    stopping = False
+    while not (progress.reached(cfg.max_duration) or stopping or stopper.stopped):
         # event: EPOCH_START
 
         epoch = progress.epoch
@@ -380,49 +449,59 @@ def main() -> None:
             # BatchNorm running statistics: once per step, from the whole global batch.
             update_running_stats(model, dist.reduce_sum)
             progress.advance(samples=cfg.global_batch_size, tokens=0)
+            train_loss.add(loss_sum, cfg.global_batch_size)  # no device sync
 
             # event: BATCH_END
 
             monitor.update(progress)
+            profiler.step(progress)  # records the --profile window, writes its traces
             finished = progress.reached(cfg.max_duration)
+            # SIGUSR1/SIGTERM on any rank: every rank saves and stops after this step.
+            stopping = preemption.agreed()
             metrics = {}
             if progress.at_interval(cfg.eval_interval, cfg.max_duration) or finished:
                 # event: EVAL
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
-                    metrics.update(evaluate(model, val, images, cfg, env, attempt.size))
+                    metrics.update(
+                        evaluate(model, val, images, cfg, env, microbatching)
+                    )
             if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
-                metrics["loss"] = (
-                    dist.reduce_sum(loss_sum).item() / cfg.global_batch_size
-                )
+                metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks
                 metrics["lr"] = lr
                 metrics["microbatch_size"] = attempt.size
 
                 monitor.log(progress, **metrics)
-            if progress.at_interval(cfg.save_interval, cfg.max_duration) or finished:
+            finished = stopper.update(progress, metrics, cfg.max_duration) or finished
+            if (
+                progress.at_interval(cfg.save_interval, cfg.max_duration)
+                or finished
+                or stopping
+            ):
                 with monitor.paused():
-                    checkpoint.save(
-                        save_folder,
-                        model,
-                        optimizer,
+                    checkpointer.save(
+                        state,
                         progress,
-                        extra=microbatching.state_dict(),
-                        keep=cfg.save_num_checkpoints_to_keep,
-                        async_save=cfg.save_async,
+                        extra=microbatching.state_dict() | stopper.state_dict(),
                     )
-            if finished:
+            if finished or stopping:
                 break
 
         # event: EPOCH_END
 
     # event: FIT_END
 
-    checkpoint.wait()  # an async save in flight: finished and marked complete
-    monitor.info(
-        f"done: step {progress.batch}, {progress.sample:,} samples; in {run_dir}"
-    )
+    checkpointer.close()  # an async save in flight: finished and marked complete
+    outcome = f"done: step {progress.batch}, {progress.sample:,} samples"
+    if stopping:  # exit status 0; under SLURM the batch script requeues the job
+        outcome = (
+            f"stopped by {preemption.stopped_by} after step {progress.batch}, saved"
+        )
+    monitor.info(f"{outcome}; outputs in {run_dir}")
     monitor.close()
+    preemption.close()  # the previous signal handlers again
+    run_lock.release()  # the next start of this run may begin
 
 
 if __name__ == "__main__":

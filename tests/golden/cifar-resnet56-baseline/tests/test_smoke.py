@@ -26,13 +26,13 @@ CRASH_AFTER_STEP_4 = """
 import os, runpy, sys
 sys.path.insert(0, sys.argv[1])
 import runtime.checkpoint as checkpoint
-save = checkpoint.save
-def save_then_die(*args, **kwargs):
-    path = save(*args, **kwargs)
+save = checkpoint.Checkpointer.save
+def save_then_die(self, *args, **kwargs):
+    path = save(self, *args, **kwargs)
     if path.name == "step-4":
         os._exit(17)
     return path
-checkpoint.save = save_then_die
+checkpoint.Checkpointer.save = save_then_die
 sys.argv = sys.argv[2:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
