@@ -291,9 +291,9 @@ def main() -> None:
     except (OSError, ValueError) as error:  # a missing path, too little data
         config.fail(str(error))
 
-    # One live start per run: a second (a requeue racing a dying job) is refused. The OS
-    # lock is held until this process ends; the kernel drops it even after kill -9. Taken
-    # after the data is read: a data error leaves no run folder behind.
+    # One live start per run: a second (a requeue racing a dying job) is refused. The
+    # OS lock is held until this process ends; the kernel drops it even after kill -9.
+    # Taken after the data is read: a data error leaves no run folder behind.
     try:
         run_lock = runlock.acquire(run_dir)
     except runlock.RunInUse as error:
