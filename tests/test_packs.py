@@ -190,8 +190,9 @@ def test_every_algorithm_renders_alone_and_trains(
     for spot in train_spots:
         if spot in EVENTS:
             assert spot in places, (name, spot, places)
-        if spot in TRAIN_POINTS:  # replaced host code, right under its event point
-            assert TRAIN_POINTS[spot] in places, (name, spot, places)
+        if spot in TRAIN_POINTS:  # replaced host code: builds what its event point then names
+            marker = f"# event: {TRAIN_POINTS[spot]}"
+            assert train.index(f"# algorithm: {name}") < train.index(marker), (name, spot, places)
     sections = [spot for spot in train_spots if spot not in EVENTS and spot not in TRAIN_POINTS
                 and spot != "metrics"]
     assert places.count("module") == len(sections)
