@@ -16,7 +16,6 @@ machine spreads over all of them. Medians over seeds; one `speedup: <arm> = X` l
 from __future__ import annotations
 
 import argparse
-import hashlib
 import subprocess
 import sys
 from pathlib import Path

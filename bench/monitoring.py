@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
-import time
 
 from _common import ALLOCATOR, bench_env, generate, scratch
 

@@ -20,7 +20,6 @@ import difflib
 import re
 import tempfile
 import textwrap
-import warnings
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -436,17 +435,16 @@ def read_answers(project: Path) -> dict[str, Any]:
         answers = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:
         raise CheckError(f"{path} is not valid YAML ({error}); restore it from git history") from None
-    if not isinstance(answers, dict) or not answers.get("_commit"):
-        raise CheckError(f"{path} records no template version (_commit); restore it from git history")
+    if not isinstance(answers, dict):
+        raise CheckError(f"{path} holds no answers; restore it from git history")
     return answers
 
 
 @contextmanager
 def pristine_render(answers: dict[str, Any], version: str) -> Iterator[Path]:
     """The project as template `version` renders it with `answers`, in a temporary folder."""
-    import copier
-
-    from scaffold.history import HISTORY_SRC, has_version, history_path
+    from scaffold.history import has_version, history_path
+    from scaffold.render import render_version
 
     if not has_version(history_path(), version):
         raise CheckError(f"the template history does not hold version {version}, which the project records; "
@@ -454,12 +452,9 @@ def pristine_render(answers: dict[str, Any], version: str) -> Iterator[Path]:
     data = {key: value for key, value in answers.items() if not key.startswith("_")}
     with tempfile.TemporaryDirectory(prefix="scaffold-pristine.") as scratch:
         dest = Path(scratch) / "project"
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                copier.run_copy(HISTORY_SRC, str(dest), data=data, vcs_ref=version, defaults=True,
-                                unsafe=True, quiet=True)
-            except Exception as error:  # copier's and jinja's errors share no base class
+        try:
+            render_version(data, dest, version)
+        except Exception as error:  # copier's and jinja's errors share no base class
                 raise CheckError(f"template {version} cannot render this project's answers ({' '.join(str(error).split())}); "
                                  f"restore {ANSWERS_FILE} from git history") from None
         yield dest
@@ -472,6 +467,9 @@ def _prepare(project: Path) -> tuple[Path, dict[str, Any], str]:
     if not project.is_dir():
         raise CheckError(f"{project} is not a folder; pass the folder of a scaffold project")
     answers = read_answers(project)
+    if not answers.get("_commit"):
+        raise CheckError(f"{project / ANSWERS_FILE} records no template version (_commit); restore "
+                         "the file from git history")
     installed_release().prepare_history()
     return project, answers, str(answers["_commit"])
 

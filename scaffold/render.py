@@ -42,6 +42,12 @@ def render(answers: dict[str, Any], dest: Path, release: TemplateRelease | None 
     template version the project records (a development install's may be `X.Y.Z+dev.HASH`)."""
     release = release or installed_release()
     version = release.prepare_history()
+    render_version(answers, dest, version)
+    return version
+
+
+def render_version(answers: dict[str, Any], dest: Path, version: str) -> None:
+    """Render template `version` of the template history with `answers` into `dest`."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # copier's "dirty template" and similar notices
         copier.run_copy(
@@ -53,7 +59,6 @@ def render(answers: dict[str, Any], dest: Path, release: TemplateRelease | None 
             unsafe=True,  # the template's black filter is a jinja extension
             quiet=True,
         )
-    return version
 
 
 def commit_all(project: Path, message: str) -> None:
