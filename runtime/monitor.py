@@ -39,7 +39,7 @@ from runtime.time import Progress, Time, TimeUnit
 # Dense peak FLOP/s per device, from the vendors' data sheets (sparsity not counted), keyed by
 # a pattern searched in `torch.cuda.get_device_name()`, first match wins (so the more specific
 # names come first). Columns: fp32 (CUDA cores), tf32 (tensor cores, used for fp32 matmuls when
-# `torch.backends.cuda.matmul.allow_tf32` or float32_matmul_precision allows), bf16.
+# `tf32_matmuls()`), bf16.
 # A GPU missing here logs no MFU and says so; add a row (a pull request is welcome).
 PEAK_FLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     (r"H200", {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12}),
@@ -53,6 +53,13 @@ PEAK_FLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     (r"RTX 4090", {"fp32": 82.6e12, "tf32": 82.6e12, "bf16": 165.2e12}),
     (r"V100", {"fp32": 15.7e12, "tf32": 15.7e12, "bf16": 0.0}),  # no bf16 tensor cores
 )
+
+
+def tf32_matmuls() -> bool:
+    """Whether fp32 matmuls run on TF32 tensor cores. Read through the backend API of torch
+    2.9+, which also reflects the legacy settings; the legacy getters raise once a script has
+    used the new API (as the generated loops do)."""
+    return torch.backends.cuda.matmul.fp32_precision == "tf32"
 
 
 def peak_flops(device_name: str, precision: str, tf32: bool = False) -> float | None:
@@ -215,8 +222,7 @@ class Monitor:
             self._cuda = device
             torch.cuda.reset_peak_memory_stats(device)
             name = torch.cuda.get_device_name(device)
-            tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
-            peak = peak or peak_flops(name, precision, tf32)
+            peak = peak or peak_flops(name, precision, tf32_matmuls())
         elif peak is None:
             self.info(f"mfu: not measured on {device.type} (no peak FLOP/s to compare with)")
             return

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+from projects import checkout_env
 from runtime.monitor import Monitor
 from runtime.time import Progress, Time
 
@@ -234,3 +237,19 @@ def test_running_sum_reads_the_device_only_when_popped() -> None:
     running.add(torch.tensor(1.0), 4)
     assert running.pop() == 0.25  # started over
     assert running.pop() != running.pop()  # nothing since: nan
+
+
+def test_tf32_is_read_whichever_api_turned_it_on() -> None:
+    """The loops turn TF32 on with torch's backend API; after that the legacy getter
+    (torch.get_float32_matmul_precision) raises, so MFU must read the backend API."""
+    script = (
+        "import torch\n"
+        "from runtime.monitor import tf32_matmuls\n"
+        "assert not tf32_matmuls()\n"
+        "torch.backends.cuda.matmul.fp32_precision = 'tf32'\n"
+        "assert tf32_matmuls()\n"
+    )
+    legacy = "import torch\nfrom runtime.monitor import tf32_matmuls\ntorch.set_float32_matmul_precision('high')\nassert tf32_matmuls()\n"
+    for code in (script, legacy):
+        result = subprocess.run([sys.executable, "-c", code], env=checkout_env(), capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
