@@ -262,10 +262,14 @@ class Monitor:
         elapsed = max(now - self._last_time - self._paused, 1e-9)
         steps = progress.batch - self._last_batch
         record: dict[str, Any] = {"step": progress.batch, "epoch": progress.epoch, **metrics}
-        record["samples"], record["tokens"] = progress.sample, progress.token  # x axes for plots
+        counts_tokens = progress.token > 0  # language tasks; images have no tokens to count
+        record["samples"] = progress.sample  # x axes for plots
+        if counts_tokens:
+            record["tokens"] = progress.token
         if steps > 0:
             record["samples_per_s"] = (progress.sample - self._last_samples) / elapsed
-            record["tokens_per_s"] = (progress.token - self._last_tokens) / elapsed
+            if counts_tokens:
+                record["tokens_per_s"] = (progress.token - self._last_tokens) / elapsed
             record["step_ms"] = 1000 * elapsed / steps
             flops = (progress.token - self._last_tokens) * self._flops_per_token + (
                 progress.sample - self._last_samples

@@ -25,6 +25,18 @@ def make(run_dir: Path, step: int = 0, enabled: bool = True) -> tuple[Monitor, P
     return Monitor(run_dir, progress, Time.parse("100ba"), GLOBAL_BATCH, enabled=enabled), progress
 
 
+def test_a_task_without_tokens_logs_samples_only(tmp_path: Path) -> None:
+    """Image classification counts samples, not tokens: no tokens=0, tokens_per_s=0 columns."""
+    run_dir = tmp_path / "run"
+    monitor, progress = make(run_dir)
+    progress.advance(samples=GLOBAL_BATCH, tokens=0)
+    monitor.log(progress, loss=2.5)
+    monitor.close()
+    (record,) = records(run_dir)
+    assert record["samples"] == GLOBAL_BATCH and record["samples_per_s"] > 0
+    assert "tokens" not in record and "tokens_per_s" not in record
+
+
 def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

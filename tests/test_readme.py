@@ -13,8 +13,11 @@ def readme_commands() -> list[str]:
 
 
 def test_ci_runs_the_readme_test_command_verbatim() -> None:
-    main, tests = readme_commands()
+    main, tests, *others = readme_commands()
     assert "scaffold new --recipe gpt2-speedup" in main and "python train.py" in main
+    shipped = {path.stem for path in (REPO / "templates" / "recipes").glob("*.toml")}
+    for command in others:  # the other recipes' main jobs name shipped recipes
+        assert re.search(r"scaffold new --recipe (\S+)", command).group(1) in shipped, command
     assert "pytest" in tests
     ci_lines = (REPO / ".ci" / "run").read_text().splitlines()
     assert tests in ci_lines
