@@ -158,6 +158,10 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
         config.fail(f"muon_momentum={cfg.muon_momentum} must be in [0, 1)")
     if cfg.muon_ns_steps < 1:
         config.fail(f"muon_ns_steps={cfg.muon_ns_steps} must be at least 1")
+    if cfg.lr <= 0:
+        config.fail(
+            f"lr={cfg.lr}: muon's matrices follow lr's schedule scaled to muon_lr; use lr > 0"
+        )
     # end algorithm: muon
 
     # FSDP and DDP need a process group, on one process too (a group of one rank).
