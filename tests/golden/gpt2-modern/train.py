@@ -159,8 +159,9 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     if cfg.muon_ns_steps < 1:
         config.fail(f"muon_ns_steps={cfg.muon_ns_steps} must be at least 1")
     if cfg.lr <= 0:
+        # Muon's learning rate is lr's schedule rescaled to peak at muon_lr.
         config.fail(
-            f"lr={cfg.lr}: muon's matrices follow lr's schedule scaled to muon_lr; use lr > 0"
+            f"lr={cfg.lr} must be above 0: muon's rate is lr's schedule, rescaled"
         )
     # end algorithm: muon
 
