@@ -186,20 +186,155 @@ def test_fsdp_units_come_from_no_split_modules(generated: dict[str, Path]) -> No
         assert [type(b).__name__ for b in blocks_of(gpt2)] == ["GPT2Block"] * 2
 
 
-def test_early_stopping_counts_patience_in_time_units(generated: dict[str, Path]) -> None:
-    with project_modules(generated[RECIPE]) as modules:
-        from runtime.time import Progress, Time
+def test_early_stopping_on_accuracy_saves_says_why_exports_and_a_rerun_trains_no_further(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
+    """The shared runtime.early_stop on this task's metrics: lr=0 keeps accuracy flat from the
+    first evaluation (step 1), so with mode max and patience 3ba the run stops at step 4 of 30,
+    saves a checkpoint there, says why, writes hf/; a rerun trains no further."""
+    data = write_csv(tmp_path / "toy.csv", toy_rows())
+    args = (*SMALL[:3], f"--data={data}", "--max_duration=30ba", "--run_name=plateau", "--lr=0",
+            "--eval_interval=1ba", "--save_interval=100ba", "--early_stop_metric=accuracy",
+            "--early_stop_mode=max", "--early_stop_patience=3ba")
+    result = run_train(generated[RECIPE], tmp_path, *args)
+    assert result.returncode == 0, result.stderr
+    assert [r["step"] for r in read_metrics(tmp_path, "plateau")] == [1, 2, 3, 4]
+    assert "early stopping: on accuracy (maximize" in result.stdout
+    assert "early stopping at step 4: accuracy has not improved" in result.stdout
+    run = tmp_path / "runs" / "plateau"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-4"]
+    assert (run / "hf" / "config.json").is_file()
+    again = run_train(generated[RECIPE], tmp_path, *args)
+    assert again.returncode == 0, again.stderr
+    assert "nothing to train" in again.stdout
+    assert [r["step"] for r in read_metrics(tmp_path, "plateau")] == [1, 2, 3, 4]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-4"]
 
-        stopper = modules["train"].EarlyStopping("accuracy", Time.parse("3ba"), Time.parse("100ba"))
-        progress = Progress(batches_per_epoch=10)
-        stops = []
-        for accuracy in [0.5, 0.6, 0.6, 0.55, 0.6, 0.7, 0.7]:
-            progress.advance(samples=8, tokens=80)
-            stops.append(stopper.should_stop({"accuracy": accuracy, "val_loss": 1.0}, progress))
-        assert stops == [False, False, False, False, True, False, False]
-        restored = modules["train"].EarlyStopping("accuracy", Time.parse("3ba"), Time.parse("100ba"))
-        restored.load_state_dict(stopper.state_dict())  # what a checkpoint holds
-        progress.advance(samples=8, tokens=80)
-        assert restored.should_stop({"accuracy": 0.1, "val_loss": 1.0}, progress) is False
-        progress.advance(samples=8, tokens=80)
-        assert restored.should_stop({"accuracy": 0.1, "val_loss": 1.0}, progress) is True
+
+def test_sigterm_saves_and_stops_a_second_start_is_refused_and_a_rerun_continues_bitwise(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
+    """Pre-emption and the run lock on this task: SIGTERM finishes the step, saves, says so and
+    exits 0 without exporting hf/ (the run is not done); while the run lives, a second start of
+    it is refused (exit 2, nothing changed); the same command then continues it bitwise."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from projects import checkout_env
+
+    data = write_csv(tmp_path / "toy.csv", toy_rows())
+    args = [*SMALL, f"--data={data}", "--max_duration=20ba", "--eval_interval=1000ba",
+            "--save_interval=1000ba", "--log_interval=1ba"]
+    project = generated[RECIPE]
+    whole = run_train(project, tmp_path, *args, "--run_name=whole")
+    assert whole.returncode == 0, whole.stderr
+    command = [sys.executable, str(project / "train.py"), "--device=cpu", *args, "--run_name=pre"]
+    first = subprocess.Popen(command, cwd=tmp_path, env=checkout_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        metrics = tmp_path / "runs" / "pre" / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert first.poll() is None, "training ended before the signal"
+            assert time.monotonic() < deadline, "no metrics"
+            time.sleep(0.05)
+        os.kill(first.pid, signal.SIGSTOP)  # paused mid-run, holding the run lock
+        second = run_train(project, tmp_path, *args, "--run_name=pre")
+        assert second.returncode == 2, second.stderr
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and f"pid {first.pid}" in lines[0], lines
+        os.kill(first.pid, signal.SIGTERM)  # delivered when it goes on
+        os.kill(first.pid, signal.SIGCONT)
+        output, _ = first.communicate(timeout=240)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 0, output[-3000:]
+    stopped = [r["step"] for r in read_metrics(tmp_path, "pre")][-1]
+    assert stopped < 20 and f"stopped by SIGTERM after step {stopped}, saved" in output
+    run = tmp_path / "runs" / "pre"
+    assert (run / "checkpoints" / f"step-{stopped}" / "COMPLETE").is_file()
+    assert not (run / "hf").exists()  # exported when the run finishes
+
+    again = run_train(project, tmp_path, *args, "--run_name=pre")
+    assert again.returncode == 0, again.stderr
+    assert "resumed from" in again.stdout and (run / "hf" / "config.json").is_file()
+
+    def trajectory(run_name: str) -> list[tuple]:
+        return [(r["step"], r["loss"], r["lr"]) for r in read_metrics(tmp_path, run_name)]
+
+    assert trajectory("pre") == trajectory("whole")
+
+
+def test_trackers_profiler_and_storage_errors(generated: dict[str, Path], tmp_path: Path) -> None:
+    """--trackers and --profile are checked up front (exit 2, nothing written) and work; a
+    checkpoint storage failure is one `error:` line and exit status 1."""
+    import json
+
+    project = generated[RECIPE]
+    data = write_csv(tmp_path / "toy.csv", toy_rows())
+    base = (*SMALL, f"--data={data}", "--eval_interval=2ba")
+    for bad, message in (("--trackers=tensorboard,comet", "unknown tracker 'comet'"),
+                         ("--profile=5ba", "START:END"),
+                         ("--early_stop_min_delta=-1", "early_stop_min_delta=-1.0 must be >= 0")):
+        result = run_train(project, tmp_path, *base, "--early_stop_metric=f1", bad)
+        assert result.returncode == 2 and message in result.stderr, (bad, result.stderr)
+    assert not (tmp_path / "runs").exists()
+
+    trackers = ["--trackers=tensorboard"] if _installed("tensorboard") else []
+    result = run_train(project, tmp_path, *base, "--max_duration=4ba", "--run_name=watched",
+                       "--profile=1ba:3ba", "--log_interval=2ba", *trackers)
+    assert result.returncode == 0, result.stderr
+    records = read_metrics(tmp_path, "watched")
+    assert [r["step"] for r in records] == [2, 4] and all(r["rss_gb"] > 0 for r in records)
+    assert "profile: steps 2-3 recorded in" in result.stdout
+    trace = json.loads((tmp_path / "runs" / "watched" / "profile" / "rank0.trace.json").read_text())
+    assert any(e.get("name", "").startswith("Optimizer.step#AdamW") for e in trace["traceEvents"])
+    if trackers:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(tmp_path / "runs" / "watched" / "tensorboard"))
+        events.Reload()
+        assert [(e.step, round(e.value, 5)) for e in events.Scalars("accuracy")] == [
+            (r["step"], round(r["accuracy"], 5)) for r in records]
+
+    (tmp_path / "blocker").write_text("a file where a folder is wanted")
+    failed = run_train(project, tmp_path, *base, "--max_duration=1ba", "--run_name=stored",
+                       f"--save_folder={tmp_path / 'blocker' / 'ck'}")
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    lines = failed.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: checkpoint step-1 was not saved"), lines
+
+
+def _installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+@pytest.mark.slow
+def test_compile_matches_eager_with_a_hugging_face_model(generated: dict[str, Path], tmp_path: Path) -> None:
+    """--compile=true compiles each transformer layer's forward in place: losses match eager
+    (dynamic padding: the varying length recompiles once), and the checkpoint and hf/ keys are
+    unchanged (a cold compile costs tens of seconds on this machine: slow). Dropout is off:
+    compiled dropout draws its masks from inductor's own generator, other masks than eager's."""
+    project = generated[RECIPE]
+    data = write_csv(tmp_path / "toy.csv", toy_rows())
+    model = pretrained_bert(tmp_path / "bert", dropout=0.0)
+    args = (*SMALL, f"--data={data}", f"--model={model}", "--max_duration=4ba", "--eval_interval=2ba")
+    eager = run_train(project, tmp_path, *args, "--run_name=eager")
+    assert eager.returncode == 0, eager.stderr
+    compiled = run_train(project, tmp_path, *args, "--run_name=compiled", "--compile=true", timeout=600)
+    assert compiled.returncode == 0, compiled.stderr
+    assert "compile = true" in (tmp_path / "runs" / "compiled" / "config.toml").read_text()
+    reference = read_metrics(tmp_path, "eager")
+    ours = read_metrics(tmp_path, "compiled")
+    for key in ("loss", "val_loss", "accuracy"):
+        assert [r.get(key) for r in ours] == pytest.approx([r.get(key) for r in reference], rel=1e-4), key
+    a = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "runs" / "compiled" / "hf")
+    b = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "runs" / "eager" / "hf")
+    assert list(a.state_dict()) == list(b.state_dict())

@@ -27,8 +27,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from data import Batches, load_texts, tokenize, val_batches
 from model import load_model, load_tokenizer, transformer_blocks
-from runtime import checkpoint, config, dist, fsdp, microbatch
-from runtime.monitor import Monitor
+from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, preempt
+from runtime import profile, runlock, trackers
+from runtime.monitor import Monitor, RunningSum
 from runtime.time import Progress, Time, as_fraction
 
 
@@ -63,14 +64,18 @@ class Config:
     layer_freezing_level: float = 1.0  # share of layers frozen at the end
     # end algorithm: layer_freezing
 
-    # evaluation, early stopping, logging, checkpoints
+    # evaluation, logging, checkpoints
     eval_interval: Time = Time.parse("1ep")  # validation metrics every ...
     eval_batches: int = 0  # validation batches per evaluation; 0: the whole set
-    early_stopping_metric: Literal["", "accuracy", "f1", "val_loss"] = ""  # "": off
-    early_stopping_patience: Time = Time.parse(
-        "1ep"
-    )  # stop without a new best for this long
     log_interval: Time = Time.parse("1ba")  # a metrics.jsonl line every ...
+    trackers: str = ""  # also log to: tensorboard,mlflow,wandb
+    # early stopping: when early_stop_metric (e.g. accuracy, with mode max; "": never)
+    # has not improved by more than early_stop_min_delta for early_stop_patience
+    early_stop_metric: str = ""
+    early_stop_patience: Time = Time.parse("0.1dur")
+    early_stop_min_delta: float = 0.0
+    early_stop_mode: Literal["min", "max"] = "min"  # min: lower is better (losses)
+    profile: str = ""  # START:END, e.g. 20ba:25ba: torch.profiler traces of those steps
     save_interval: Time = Time.parse("1ep")  # and at the end
     save_num_checkpoints_to_keep: int = 2  # older ones are deleted; 0 keeps all
     save_folder: str = ""  # "": runs/<run_name>/checkpoints
@@ -84,9 +89,11 @@ class Config:
         "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"
     ] = "FULL_SHARD"
     hybrid_shard_size: int = 0  # HYBRID_SHARD group size; 0: processes per node
-    # bf16: FSDP policy; amp_bf16 (autocast) is the default on a GPU
+    # auto: amp_bf16 (autocast) on CUDA, fp32 on the CPU; bf16: FSDP's policy
     precision: Literal["auto", "fp32", "amp_bf16", "bf16"] = "auto"
     activation_checkpointing: bool = False  # recompute layer activations in backward
+    # torch.compile each layer in place (keys unchanged); auto: on CUDA, off on the CPU
+    compile: bool | Literal["auto"] = "auto"
     cpu_offload: bool = False  # FSDP parameters and optimizer step on the CPU (CUDA)
     dist_timeout: int = 600  # seconds a collective waits before the job fails
 
@@ -100,17 +107,22 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
         env = dist.environment(cfg.device)  # rank, world size, device, from torchrun
     except ValueError as error:
         config.fail(str(error))
-    if cfg.precision == "auto":  # bf16 autocast where the hardware has it
-        cfg.precision = "amp_bf16" if env.device.type == "cuda" else "fp32"
     parallel = fsdp.ParallelConfig(
         parallelism=fsdp.resolve_parallelism(cfg.parallelism, env.world_size),
         sharding_strategy=cfg.sharding_strategy,
-        precision=cfg.precision,
+        precision=fsdp.resolve_precision(cfg.precision, env.device),
         activation_checkpointing=cfg.activation_checkpointing,
         cpu_offload=cfg.cpu_offload,
         hybrid_shard_size=cfg.hybrid_shard_size,
+        compile=fsdp.resolve_compile(cfg.compile, env.device),
     )
+    # `auto` settled for this device: the run's config.toml records what ran.
+    cfg.precision, cfg.compile = parallel.precision, parallel.compile
     problem = fsdp.check(parallel, env) or microbatch.check(cfg.device_microbatch_size)
+    problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
+    problem = problem or early_stop.check(
+        cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_min_delta
+    )
     if problem:
         config.fail(problem)
     for name in ("max_seq_len", "global_batch_size"):
@@ -144,6 +156,9 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     dist.init_process_group(
         env, timedelta(seconds=cfg.dist_timeout), required=needs_group
     )
+    if env.device.type == "cuda":
+        # TF32 tensor cores for fp32 matmuls (10-bit mantissa products, fp32 sums).
+        torch.set_float32_matmul_precision("high")
     return env, parallel
 
 
@@ -194,35 +209,6 @@ def use_low_precision_layernorm(model: torch.nn.Module) -> int:
 
 
 # end algorithm: low_precision_layernorm
-
-
-class EarlyStopping:
-    """Stop when `metric` has not improved for `patience` (a Time); checkpointed."""
-
-    def __init__(self, metric: str, patience: Time, max_duration: Time) -> None:
-        self.metric, self.patience, self.max_duration = metric, patience, max_duration
-        # best score (higher is better) and the progress counters when it was reached
-        self.best = torch.tensor([-float("inf"), 0, 0, 0, 0], dtype=torch.float64)
-
-    def should_stop(self, metrics: dict[str, float], progress: Progress) -> bool:
-        if not self.metric:
-            return False
-        score = (
-            -metrics["val_loss"] if self.metric == "val_loss" else metrics[self.metric]
-        )
-        counts = [progress.epoch, progress.batch, progress.sample, progress.token]
-        if score > self.best[0]:
-            self.best = torch.tensor([score, *counts], dtype=torch.float64)
-            return False
-        patience = progress.resolve(self.patience, self.max_duration)
-        unit = ["ep", "ba", "sp", "tok"].index(patience.unit.value)
-        return counts[unit] - self.best[1 + unit].item() >= patience.value
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"best": self.best.clone()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.best = state["best"].clone()
 
 
 def microbatches(
@@ -353,12 +339,18 @@ def main() -> None:
         val = val_batches(val_tokens, cfg.global_batch_size, pad_id)[
             : cfg.eval_batches or None
         ]
-    except (
-        OSError,
-        ValueError,
-    ) as error:  # a missing path, a bad column, no such model
-        # (model.ModelError is a ValueError)
+    except (OSError, ValueError) as error:
+        # a missing path, a bad column, no such model (model.ModelError is a ValueError)
         config.fail(str(error))
+
+    # One live start per run: a second (a requeue racing a dying job) is refused. The
+    # OS lock is held until this process ends; the kernel drops it even after kill -9.
+    # Taken after the data is read: a data error leaves no run folder behind.
+    try:
+        run_lock = runlock.acquire(run_dir)
+    except runlock.RunInUse as error:
+        config.fail(str(error))
+
     model.config.id2label = dict(enumerate(texts.label_names))
     model.config.label2id = {name: i for i, name in enumerate(texts.label_names)}
     model = model.to(env.device)
@@ -389,13 +381,12 @@ def main() -> None:
         ],
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
+        # CUDA: one fused kernel for the whole update instead of several per tensor.
+        fused=env.device.type == "cuda" and not cfg.cpu_offload,
     )
-    early_stopping = EarlyStopping(
-        cfg.early_stopping_metric, cfg.early_stopping_patience, cfg.max_duration
-    )
-    # What a checkpoint holds; an algorithm with state of its own adds an entry at
-    # OPTIMIZER, before the resume below restores all of it.
-    state = {"model": model, "optimizer": optimizer, "early_stopping": early_stopping}
+    # What a checkpoint holds; an algorithm with state of its own (EMA weights, say)
+    # adds an entry at OPTIMIZER, before the resume below restores all of it.
+    state = {"model": model, "optimizer": optimizer}
 
     # event: OPTIMIZER
 
@@ -423,6 +414,8 @@ def main() -> None:
         run_dir, progress, cfg.max_duration, cfg.global_batch_size, env.is_main
     )
     monitor.record_run(config.to_toml(cfg), Path(__file__), env.device, env.world_size)
+    monitor.measure(env.device, env.world_size, cfg.precision)  # memory, ETA
+    monitor.open_trackers(cfg.trackers, config.to_toml(cfg))  # rank 0 writes them
     monitor.info(f"data: {texts.source}")
     monitor.info(
         f"texts: {len(train_tokens):,} train, {len(val_tokens):,} validation; "
@@ -447,11 +440,26 @@ def main() -> None:
         log=monitor.info,
         timeout=timedelta(seconds=cfg.dist_timeout),
     )
-    stop = False
+
+    train_loss = RunningSum(env.device)  # summed on the device, read at logged steps
+    stopper = early_stop.EarlyStopper(
+        cfg.early_stop_metric,
+        cfg.early_stop_patience,
+        cfg.early_stop_min_delta,
+        cfg.early_stop_mode,
+        resumed=resumed.extra if resumed else None,  # a stopped run stays stopped
+        log=monitor.info,
+    )
+    profiler = profile.Profiler(
+        cfg.profile, run_dir, env.rank, env.device, cfg.max_duration, monitor.info
+    )
+    # SIGUSR1 (SLURM's pre-emption notice) or SIGTERM: finish the step, save, stop.
+    preemption = preempt.Preemption()
 
     # event: FIT_START
 
-    while not progress.reached(cfg.max_duration) and not stop:
+    stopping = False
+    while not (progress.reached(cfg.max_duration) or stopping or stopper.stopped):
         # event: EPOCH_START
 
         epoch = progress.epoch
@@ -517,11 +525,15 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=True)
             num_tokens = train_batches.num_tokens(epoch, index)  # real ones, all ranks
             progress.advance(samples=cfg.global_batch_size, tokens=num_tokens)
+            train_loss.add(loss_sum, cfg.global_batch_size)  # no device sync
 
             # event: BATCH_END
 
             monitor.update(progress)
+            profiler.step(progress)  # records the --profile window, writes its traces
             finished = progress.reached(cfg.max_duration)
+            # SIGUSR1/SIGTERM on any rank: every rank saves and stops after this step.
+            stopping = preemption.agreed()
             metrics = {}
             if progress.at_interval(cfg.eval_interval, cfg.max_duration) or finished:
                 # event: EVAL
@@ -531,11 +543,8 @@ def main() -> None:
                     metrics.update(
                         evaluate(model, val, texts.num_labels, cfg, env, microbatching)
                     )
-                stop = early_stopping.should_stop(metrics, progress)
             if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
-                metrics["loss"] = (
-                    dist.reduce_sum(loss_sum).item() / cfg.global_batch_size
-                )
+                metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks
                 metrics["lr"] = lr
                 metrics["microbatch_size"] = attempt.size
 
@@ -544,14 +553,19 @@ def main() -> None:
                 # end algorithm: layer_freezing
 
                 monitor.log(progress, **metrics)
+            finished = stopper.update(progress, metrics, cfg.max_duration) or finished
             if (
                 progress.at_interval(cfg.save_interval, cfg.max_duration)
                 or finished
-                or stop
+                or stopping
             ):
                 with monitor.paused():
-                    checkpointer.save(state, progress, extra=microbatching.state_dict())
-            if finished or stop:
+                    checkpointer.save(
+                        state,
+                        progress,
+                        extra=microbatching.state_dict() | stopper.state_dict(),
+                    )
+            if finished or stopping:
                 break
 
         # event: EPOCH_END
@@ -559,19 +573,24 @@ def main() -> None:
     # event: FIT_END
 
     checkpointer.close()  # an async save in flight: finished and marked complete
-    if stop:
-        metric, patience = cfg.early_stopping_metric, cfg.early_stopping_patience
-        monitor.info(f"early stop: no better {metric} for {patience}")
-    # model + tokenizer for transformers' from_pretrained (evaluation, serving)
-    save_pretrained(model, tokenizer, run_dir / "hf", env)
-    monitor.info(
-        f"done: step {progress.batch}; outputs in {run_dir}, model in {run_dir}/hf"
-    )
+    outcome = f"done: step {progress.batch}, {progress.sample:,} samples"
+    if stopping:  # exit status 0; under SLURM the batch script requeues the job
+        outcome = (
+            f"stopped by {preemption.stopped_by} after step {progress.batch}, saved"
+        )
+    else:  # model + tokenizer for transformers' from_pretrained (evaluation, serving)
+        save_pretrained(model, tokenizer, run_dir / "hf", env)
+        outcome += f", model in {run_dir}/hf"
+    monitor.info(f"{outcome}; outputs in {run_dir}")
     monitor.close()
+    preemption.close()  # the previous signal handlers again
+    run_lock.release()  # the next start of this run may begin
 
 
 if __name__ == "__main__":
     try:
         main()
+    except checkpoint.StorageError as error:  # a full disk, a refusing store: one line
+        config.fail(str(error), status=1)
     finally:
         dist.shutdown()  # leave the process group, also after an error
