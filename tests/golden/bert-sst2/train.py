@@ -142,7 +142,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     )
     if env.device.type == "cuda":
         # TF32 tensor cores for fp32 matmuls (10-bit mantissa products, fp32 sums).
-        torch.set_float32_matmul_precision("high")
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
     return env, parallel
 
 
