@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import pytest
 import torch
 from PIL import Image
 
-from projects import checkout_env, project_modules, read_metrics, run_train
+from projects import checkout_env, hand_counted_forward_flops, project_modules, read_metrics, run_train
 
 RECIPE = "cifar-resnet56-baseline"
 TESTS = Path(__file__).resolve().parent
@@ -231,6 +232,18 @@ def bad_folder(kind: str, root: Path) -> tuple[Path, str]:
             (root / name).write_bytes(b"\0" * 3073 * (10 if name == "data_batch_3.bin" else 10_000))
         return root, f"{root / 'data_batch_3.bin'} is missing or truncated (30,730 of 30,730,000 bytes)"
     raise AssertionError(kind)
+
+
+def test_the_log_states_training_flops_per_image_for_mfu(project: Path, modules, tmp_path: Path) -> None:
+    """The FLOPs MFU divides by: every convolution and the head of one 8x8 digit, x3."""
+    result = ok(run_train(project, tmp_path, *small("--max_duration=1ba"), "--run_name=flops"))
+    logged = float(re.search(r"model: (\S+) training FLOPs per sample", result.stdout).group(1))
+    model_module = modules["model"]
+    torch.manual_seed(0)
+    net = model_module.ResNet(model_module.ResNetConfig(
+        num_classes=10, in_channels=1, bn_group_size=2, **model_module.PRESETS["tiny"]))
+    expected = 3 * hand_counted_forward_flops(net, torch.zeros(1, 1, 8, 8))
+    assert abs(logged - expected) <= 1e-3 * expected, (logged, expected)
 
 
 @pytest.mark.parametrize("kind", ["not-imagefolder", "classes-differ", "undecodable", "cifar-truncated"])

@@ -33,7 +33,7 @@ from model import (
 )
 from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, preempt
 from runtime import profile, runlock, trackers
-from runtime.monitor import Monitor, RunningSum
+from runtime.monitor import Monitor, RunningSum, training_flops
 from runtime.time import Progress, Time, as_fraction
 
 
@@ -279,6 +279,10 @@ def main() -> None:
 
     # event: MODEL
 
+    # Training FLOPs per image, for MFU (GPUs only): one validation image's forward,
+    # counted by torch, x3 for the backward. Counted here, after any model surgery.
+    example = torch.from_numpy(val.transform(0)).permute(2, 0, 1)[None].to(env.device)
+    flops_per_sample = training_flops(model, data.normalize(example, images))
     # Shard or replicate for the launch: FSDP2 per residual block then the root, DDP,
     # or nothing.
     model = fsdp.parallelize(model, model.blocks, env, parallel)
@@ -334,7 +338,10 @@ def main() -> None:
         run_dir, progress, cfg.max_duration, cfg.global_batch_size, env.is_main
     )
     monitor.record_run(config.to_toml(cfg), Path(__file__), env.device, env.world_size)
-    monitor.measure(env.device, env.world_size, cfg.precision)  # memory, ETA
+    # MFU, memory, ETA
+    monitor.measure(
+        env.device, env.world_size, cfg.precision, flops_per_sample=flops_per_sample
+    )
     monitor.open_trackers(
         cfg.trackers, config.to_toml(cfg)
     )  # rank 0; resumes their runs
