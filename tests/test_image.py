@@ -178,6 +178,24 @@ def test_batches_are_pure_functions_of_seed_epoch_and_index(modules) -> None:
     assert weight.sum() == 60 and last_pixels.shape[0] == 100
 
 
+def test_training_and_evaluation_sizes_are_separate(modules, tmp_path: Path) -> None:
+    """FixRes: training crops at image_size; evaluation resizes the short side to
+    eval_resize and takes the centre eval_image_size crop of that."""
+    data = modules["data"]
+    folder = tmp_path / "f"
+    gradient = np.tile(np.arange(40, dtype=np.uint8)[None, :, None] * 6, (20, 1, 3))  # 40 wide, 20 high
+    for split in ("train", "val"):
+        for name in ("a", "b"):
+            (folder / split / name).mkdir(parents=True)
+            Image.fromarray(gradient).save(folder / split / name / "0.png")
+    images = data.load_images(str(folder))
+    train = data.Batches(images, "train", 2, seed=0, image_size=12)
+    val = data.Batches(images, "val", 2, seed=0, image_size=16, resize=20)
+    assert train[0][0].shape == (2, 3, 12, 12) and val[0][0].shape == (2, 3, 16, 16)
+    # Resized to 40x20 (short side 20: the size it already had), centre 16x16: columns 12..27.
+    assert np.array_equal(val[0][0][0, 0, 0].numpy(), np.arange(12, 28, dtype=np.uint8) * 6)
+
+
 def write_png(path: Path, color: tuple[int, int, int], size: tuple[int, int] = (20, 14)) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.new("RGB", size, color).save(path)
@@ -266,6 +284,7 @@ def test_bad_data_is_one_line_exit_2_nothing_written(kind: str, project: Path, t
         (["--model=resnet5"], "resnet50"),
         (["--optimizer=lamb"], "optimizer"),
         (["--data=/no/such/images"], "no such folder"),
+        (["--eval_image_size=64", "--eval_resize=32"], "at most the resized short side"),
     ],
 )
 def test_bad_config_is_one_line_exit_2(args: list[str], message: str, project: Path, tmp_path: Path) -> None:

@@ -44,9 +44,12 @@ class Config:
     data: str = (
         ""  # "": scikit-learn's digits; or an ImageFolder tree, cifar-10-batches-bin
     )
-    image_size: int = (
-        224  # ImageFolder crops (CIFAR and the digits keep 32 and 8 pixels)
-    )
+    # ImageFolder sizes (CIFAR and the digits keep their 32 and 8 pixels). Training at a
+    # smaller crop than evaluation matches the apparent object size of the two (Touvron
+    # et al. 2019, "FixRes"): Composer's ResNet recipes train at 176, evaluate at 224.
+    image_size: int = 224  # training: random-resized crops of this size
+    eval_image_size: int = 0  # evaluation: centre crop; 0: image_size
+    eval_resize: int = 0  # short side resized first; 0: crop / 0.875
     num_workers: int = 8  # processes decoding images from disk (in-memory data: none)
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     # model
@@ -136,6 +139,13 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     for name in ("global_batch_size", "bn_group_size", "image_size"):
         if getattr(cfg, name) < 1:
             config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
+    cfg.eval_image_size = cfg.eval_image_size or cfg.image_size  # 0: settled here
+    cfg.eval_resize = cfg.eval_resize or round(cfg.eval_image_size / 0.875)
+    if cfg.eval_image_size < 1 or cfg.eval_resize < cfg.eval_image_size:
+        config.fail(
+            f"eval_image_size={cfg.eval_image_size}, eval_resize={cfg.eval_resize}: the "
+            "crop must be at least 1 pixel and at most the resized short side"
+        )
     if cfg.eval_batches < 0 or cfg.num_workers < 0:
         config.fail("eval_batches and num_workers must be at least 0")
     if cfg.global_batch_size % env.world_size:
@@ -200,7 +210,7 @@ def evaluate(
     k = min(5, len(images.classes))
     num_batches = min(cfg.eval_batches or len(val), len(val))
     # auto: out of memory on any rank halves evaluation's size on every rank.
-    for attempt in microbatching.eval_attempts(seq_len=cfg.image_size):
+    for attempt in microbatching.eval_attempts(seq_len=cfg.eval_image_size):
         with attempt:
             sums = torch.zeros(4, device=env.device)  # loss, top-1, top-5 hits, samples
             for batch in range(num_batches):
@@ -254,7 +264,8 @@ def main() -> None:
             world_size=env.world_size,
         )
         train_batches = data.Batches(images, "train", **batches)
-        val = data.Batches(images, "val", **batches)
+        val_sizes = dict(image_size=cfg.eval_image_size, resize=cfg.eval_resize)
+        val = data.Batches(images, "val", **(batches | val_sizes))
     except (OSError, ValueError) as error:  # a missing path, a bad file, too few images
         config.fail(str(error))
 
@@ -279,9 +290,10 @@ def main() -> None:
 
     # event: MODEL
 
-    # Training FLOPs per image, for MFU (GPUs only): one validation image's forward,
+    # Training FLOPs per image, for MFU (GPUs only): one training image's forward,
     # counted by torch, x3 for the backward. Counted here, after any model surgery.
-    example = torch.from_numpy(val.transform(0)).permute(2, 0, 1)[None].to(env.device)
+    example = train_batches.transform(0).copy()  # (H, W, C) at the training size
+    example = torch.from_numpy(example).permute(2, 0, 1)[None].to(env.device)
     flops_per_sample = training_flops(model, data.normalize(example, images))
     # Shard or replicate for the launch: FSDP2 per residual block then the root, DDP,
     # or nothing.
