@@ -19,11 +19,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import black
 import pytest
 import torch
 import torch.nn.functional as F
 
 from projects import checkout_env, project_modules, read_metrics, run_train
+from scaffold.jinja_black import BLACK_MODE
 from scaffold.render import new_project
 
 TESTS = Path(__file__).resolve().parent
@@ -62,6 +64,16 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "recipe.toml").write_text(RECIPE)
     new_project(str(root / "recipe.toml"), root / "p", [], "p")
     return root / "p"
+
+
+def test_all_five_together_render_black_clean_in_the_declared_order(project: Path) -> None:
+    train = (project / "train.py").read_text()
+    assert black.format_str(train, mode=BLACK_MODE) == train
+    batch_start = train[train.index("# event: BATCH_START") : train.index("# event: MICROBATCH_START")]
+    fences = [line.strip().removeprefix("# algorithm: ") for line in batch_start.splitlines()
+              if line.strip().startswith("# algorithm: ")]
+    # label_smoothing declares before = [mixup, cutmix]; the others keep alphabetical order
+    assert fences == ["colout", "cutout", "label_smoothing", "cutmix", "mixup"]
 
 
 @pytest.fixture(scope="module")
@@ -206,10 +218,6 @@ def test_smoothing_then_mixup_loss_equals_the_hand_computation(project: Path, mo
     """Label smoothing runs before MixUp (declared order); the loss of the first step is
     lam * smoothed loss(own label) + (1 - lam) * smoothed loss(partner's label), with lam
     and the partners drawn from (seed, step 0)."""
-    train_py = (project / "train.py").read_text()
-    assert train_py.index("# algorithm: label_smoothing\n            #") < train_py.index(
-        "# algorithm: mixup\n            #") and train_py.index(
-        "# algorithm: label_smoothing\n            #") < train_py.index("# algorithm: cutmix\n            #")
     rows = train_once(project, tmp_path / "w", monkeypatch, *TARGETS_ONLY, "--mixup_prob=1",
                       "--cutmix_prob=0")
     inputs, labels, net = first_batch(modules)
