@@ -15,6 +15,7 @@ subprocesses (kill -9 and its resume) and one torchrun on 2 ranks.
 from __future__ import annotations
 
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,8 +25,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import scaffold_cli
 from projects import checkout_env, project_modules, read_metrics, run_train
+from scaffold.catalog import CatalogError, load_algorithms
 from scaffold.jinja_black import BLACK_MODE
+from scaffold.paths import template_dir
 from scaffold.render import new_project
 
 TESTS = Path(__file__).resolve().parent
@@ -328,3 +332,41 @@ def test_mixing_is_the_same_on_2_ranks_any_microbatch_and_after_kill_9(project: 
             assert abs(ours[4] - theirs[4]) <= TOLERANCE
     losses = [row[1] for row in reference]
     assert min(abs(a - b) for a, b in zip(losses, losses[1:])) > 10 * TOLERANCE
+
+
+# ---------------------------------------------------------------- hyperparameter ranges at generation
+
+
+@pytest.mark.parametrize(
+    ("refused", "accepted", "message"),
+    [
+        ("label_smoothing.smoothing=1", "label_smoothing.smoothing=0",
+         "label_smoothing.smoothing = 1.0 is outside its range [0, 1)"),
+        ("mixup.alpha=0", "mixup.alpha=1e-3", "mixup.alpha = 0.0 is outside its range (0, inf)"),
+        ("cutmix.prob=1.5", "cutmix.prob=0", "cutmix.prob = 1.5 is outside its range [0, 1]"),
+        ("colout.p_row=-0.1", "colout.p_row=0", "colout.p_row = -0.1 is outside its range [0, 1)"),
+        ("cutout.num_holes=0", "cutout.num_holes=1", "cutout.num_holes = 0 is outside its range [1, inf)"),
+    ],
+)
+def test_scaffold_new_refuses_a_hyperparameter_out_of_range(refused: str, accepted: str, message: str,
+                                                             tmp_path: Path) -> None:
+    """The declared `range` of algorithm.toml, checked when the project is generated: one
+    line, exit 2, nothing written; the range's closed end is accepted."""
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(RECIPE)
+    dest = tmp_path / "p"
+    result = scaffold_cli("new", "--recipe", str(recipe), str(dest), "--set", refused)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"error: {message}; fix the recipe or the --set value"]
+    assert not dest.exists()
+    assert scaffold_cli("new", "--recipe", str(recipe), str(dest), "--set", accepted).returncode == 0
+
+
+@pytest.mark.parametrize("bad", ['range = "0..1"', 'range = "[0.5, 1)"'])
+def test_a_malformed_range_or_a_default_outside_it_is_a_catalog_error(bad: str, tmp_path: Path) -> None:
+    template = tmp_path / "templates"
+    shutil.copytree(template_dir(), template)
+    toml = template / "algorithms" / "label_smoothing" / "algorithm.toml"
+    toml.write_text(toml.read_text().replace('range = "[0, 1)"', bad))
+    with pytest.raises(CatalogError, match="hyperparameter 'smoothing' has range"):
+        load_algorithms(template)
