@@ -352,6 +352,15 @@ def loader(
     )
 
 
+def step_rng(seed: int, step: int, stream: str) -> np.random.Generator:
+    """A generator for the random choices a training step makes over its whole global
+    batch (a mixing partner per sample, a mask per sample): seeded by (seed, step,
+    stream), so every rank draws the same, on any world size, after any resume.
+    `stream` names who draws; different names give independent draws."""
+    tag = int.from_bytes(stream.encode(), "little")  # the name as a number
+    return np.random.default_rng([seed, step, tag])
+
+
 def normalize(images: torch.Tensor, data: ImageData) -> torch.Tensor:
     """uint8 pixels to floats, standardized per channel (done on the device: 4x less
     to copy there)."""

@@ -413,6 +413,10 @@ def main() -> None:
             pixels = pixels.to(env.device, non_blocking=True)
             labels = labels.to(env.device, non_blocking=True)
             inputs = data.normalize(pixels, images)
+            # What the loss compares the logits with: class indices, or (once an
+            # algorithm at BATCH_START rewrites them) class probabilities, a row per
+            # sample; cross-entropy takes either. Evaluation scores the hard labels.
+            targets = labels
 
             # event: BATCH_START
 
@@ -433,9 +437,9 @@ def main() -> None:
                     clear_step_stats(model)
                     loss_sum = torch.zeros((), device=env.device)
                     microbatches = list(
-                        zip(inputs.split(attempt.size), labels.split(attempt.size))
+                        zip(inputs.split(attempt.size), targets.split(attempt.size))
                     )
-                    for i, (micro_inputs, micro_labels) in enumerate(microbatches):
+                    for i, (micro_inputs, micro_targets) in enumerate(microbatches):
                         # event: MICROBATCH_START
 
                         # Reduce gradients over ranks once, in the last backward.
@@ -448,7 +452,7 @@ def main() -> None:
                         # event: AFTER_FORWARD
 
                         loss = F.cross_entropy(
-                            logits.float(), micro_labels, reduction="sum"
+                            logits.float(), micro_targets, reduction="sum"
                         )
 
                         # event: LOSS
