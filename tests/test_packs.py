@@ -14,6 +14,7 @@ from pathlib import Path
 
 import black
 import pytest
+import yaml
 
 from conftest import scaffold_cli
 from projects import project_modules
@@ -215,14 +216,22 @@ def test_deleting_an_algorithms_fences_by_hand_leaves_no_dangling_name(
 ) -> None:
     """An algorithm owns its Config fields, checks, helpers and metrics: cut every one of its
     fenced blocks out of train.py and the project still trains."""
-    recipe = next(r for r, p in generated.items() if f"# algorithm: {algorithm}\n" in (p / "train.py").read_text())
-    project = project_copy(generated[recipe])
+    recipe = next((r for r, p in generated.items() if f"# algorithm: {algorithm}\n" in (p / "train.py").read_text()),
+                  None)
+    task = CATALOG[algorithm].tasks[0]
+    if recipe is None:  # in no shipped recipe: a project of its own, on its first task
+        project = tmp_path / "p"
+        family = TASKS[task].models[0]
+        new_project(str(recipe_for(tmp_path, task, family, [algorithm])), project, [], "p")
+    else:
+        project = project_copy(generated[recipe])
+        task = yaml.safe_load((project / ".copier-answers.yml").read_text())["task"]
     train = project / "train.py"
     fence = re.compile(rf"\n[ ]*# algorithm: {algorithm}\n.*?# end algorithm: {algorithm}\n", re.S)
     text, cuts = fence.subn("\n", train.read_text())
     assert cuts >= 2
     train.write_text(text)
-    rows = train_in_process(project, tmp_path / "work", monkeypatch)
+    rows = train_in_process(project, tmp_path / "work", monkeypatch, *TASK_ARGS.get(task, []))
     assert [row["step"] for row in rows if "loss" in row] == [1, 2]
 
 
