@@ -6,7 +6,7 @@ from the baseline recipe (cifar-resnet56-baseline) plus that one algorithm at it
 and one without any. All projects train the same CIFAR-style ResNet on the embedded digits, in
 this one process (no interpreter start-up in the timings), interleaved: each round runs the
 baseline, then every algorithm, then the baseline again; an algorithm's ratio in a round is
-its median step time over the mean of the two baselines around it, and the printed price is
+its median step time over the mean of the two baselines' around it, and the printed price is
 the median of the rounds' ratios. Evaluation and checkpoints are outside the timed steps (the
 loop pauses its clock for them); the first WARMUP_STEPS steps of each run are not counted.
 
@@ -15,7 +15,8 @@ loop pauses its clock for them); the first WARMUP_STEPS steps of each run are no
     python bench/vision_algorithms.py --only blurpool,channels_last
 
 Prints one line per algorithm: `price: <name> = <step-time ratio vs baseline>` (above 1:
-slower steps). A price says nothing about accuracy: it is the per-step cost, for judging
+slower steps), the ratio of CPU time per step (torch single-threaded: robust on a machine
+shared with other jobs), with the wall-clock ratio beside it. A price says nothing about accuracy: it is the per-step cost, for judging
 recipes by time to accuracy.
 """
 
@@ -69,21 +70,37 @@ def generate(root: Path, name: str, algorithm: str | None) -> Path:
     return root / name
 
 
-def step_ms(project: Path, workdir: Path, run: str, args: list[str]) -> float:
-    """Median step time (ms) of one run of the project's main(), in this process."""
+def step_times(project: Path, workdir: Path, run: str, args: list[str]) -> tuple[float, float]:
+    """Median (CPU ms, wall ms) per step of one run of the project's main(), in this process.
+
+    CPU time is this thread's (torch runs single-threaded here, the data in-process): on a
+    machine shared with other jobs it counts the work, not the waiting for a core. Taken
+    between the loop's once-per-step Monitor.update calls."""
+    from runtime.monitor import Monitor
+
+    stamps: list[tuple[float, float]] = []
+    update = Monitor.update
+
+    def timed_update(self, *a, **k):
+        stamps.append((time.thread_time(), time.perf_counter()))
+        return update(self, *a, **k)
+
     workdir.mkdir(exist_ok=True)
     os.chdir(workdir)
+    Monitor.update = timed_update
     with project_modules(project) as modules:
         sys.argv = ["train.py", f"--run_name={run}", *args]
         try:
             with redirect_stdout(io.StringIO()):
                 modules["train"].main()
         finally:
+            Monitor.update = update
             from runtime import dist
 
             dist.shutdown()
-    rows = [json.loads(line) for line in (workdir / "runs" / run / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median([row["step_ms"] for row in rows if "step_ms" in row][WARMUP_STEPS:])
+    steps = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(stamps, stamps[1:])][WARMUP_STEPS:]
+    return (1000 * statistics.median(cpu for cpu, _ in steps),
+            1000 * statistics.median(wall for _, wall in steps))
 
 
 def main() -> None:
@@ -127,19 +144,22 @@ def main() -> None:
     print(f"model {model}, {steps} steps per run ({WARMUP_STEPS} not timed), {rounds} rounds, "
           f"threads {args.threads or 'default'}, allocator {allocator}, load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
-    ratios: dict[str, list[float]] = {name: [] for name in names}
+    cpu_ratios: dict[str, list[float]] = {name: [] for name in names}
+    wall_ratios: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(rounds):
-        before = step_ms(projects["baseline"], root / "work", f"base-{round_}-a", run)
-        times = {name: step_ms(projects[name], root / "work", f"{name}-{round_}", run) for name in names}
-        after = step_ms(projects["baseline"], root / "work", f"base-{round_}-b", run)
-        baseline = (before + after) / 2
+        before = step_times(projects["baseline"], root / "work", f"base-{round_}-a", run)
+        times = {name: step_times(projects[name], root / "work", f"{name}-{round_}", run) for name in names}
+        after = step_times(projects["baseline"], root / "work", f"base-{round_}-b", run)
         for name in names:
-            ratios[name].append(times[name] / baseline)
-        shown = " ".join(f"{name}={ms:.1f}" for name, ms in times.items())
-        print(f"round {round_}: baseline {before:.1f}/{after:.1f} ms/step; {shown}", flush=True)
+            cpu_ratios[name].append(2 * times[name][0] / (before[0] + after[0]))
+            wall_ratios[name].append(2 * times[name][1] / (before[1] + after[1]))
+        shown = " ".join(f"{name}={cpu:.1f}/{wall:.1f}" for name, (cpu, wall) in times.items())
+        print(f"round {round_} (CPU/wall ms per step): baseline {before[0]:.1f}/{before[1]:.1f} "
+              f"{after[0]:.1f}/{after[1]:.1f}; {shown}", flush=True)
     for name in names:
-        note = f"  ({', '.join(f'{k}={v}' for k, v in ACTING[name].items())})" if name in ACTING else ""
-        print(f"price: {name} = {statistics.median(ratios[name]):.3f}{note}")
+        note = f"; at {', '.join(f'{k}={v}' for k, v in ACTING[name].items())}" if name in ACTING else ""
+        print(f"price: {name} = {statistics.median(cpu_ratios[name]):.3f}  "
+              f"(CPU time; wall clock {statistics.median(wall_ratios[name]):.3f}{note})")
     print(f"({time.perf_counter() - started:.0f} s; load average now {os.getloadavg()[0]:.1f})")
 
 
