@@ -402,9 +402,18 @@ def test_stochastic_depth_block_mode_with_ddp_is_refused(projects: dict[str, Pat
 
 
 def test_all_four_together_train(projects: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    losses = train(projects["all"], tmp_path, monkeypatch, "--max_duration=2ba", "--device_microbatch_size=4",
-                   "--eval_interval=2ba")
+    args = ["--max_duration=2ba", "--device_microbatch_size=4", "--eval_interval=2ba"]
+    losses = train(projects["all"], tmp_path, monkeypatch, *args)
     assert len(losses) == 2 and all(loss == loss for loss in losses)
+    # The same under FSDP2 (a group of one process): model surgery happens before sharding,
+    # the blur filters are unsaved buffers, the SE gates are sharded with their blocks.
+    fsdp = subprocess.run([sys.executable, str(projects["all"] / "train.py"), *run_args(*args, "--parallelism=fsdp"),
+                           "--run_name=fsdp"], cwd=tmp_path, env=checkout_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    rows = (tmp_path / "runs" / "fsdp" / "metrics.jsonl").read_text().splitlines()
+    sharded = [json.loads(row)["loss"] for row in rows if "loss" in json.loads(row)]
+    assert max(abs(a - b) for a, b in zip(sharded, losses, strict=True)) <= 1e-5
     train_py = (projects["all"] / "train.py").read_text()
     at_model = train_py[train_py.index("# event: MODEL") :]
     order = [at_model.index(f"# algorithm: {name}\n") for name in ALL]
