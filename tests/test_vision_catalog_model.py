@@ -327,6 +327,16 @@ def test_stochastic_depth_draws_are_a_function_of_seed_step_block_and_global_sam
     assert set(one.scales.flatten().tolist()) == {0.0, 2.0}
 
 
+def test_stochastic_depth_warmup_ramps_the_rates_in_the_loop(
+    projects: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    train(projects["stochastic_depth"], tmp_path, monkeypatch, "--max_duration=4ba", "--device_microbatch_size=4",
+          "--stochastic_depth_drop_warmup=0.5dur", "--stochastic_depth_drop_rate=0.4", run="warm")
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "warm" / "metrics.jsonl").read_text().splitlines()]
+    # Steps start at 0, 1/4, 2/4, 3/4 of training: the rates ramp 0, 1/2, 1, 1 of drop_rate.
+    assert [row["drop_rate"] for row in rows] == pytest.approx([0.0, 0.2, 0.4, 0.4])
+
+
 class Stop(BaseException):
     """Ends a run right after a save, like a job whose allocation ran out."""
 
@@ -399,6 +409,21 @@ def test_stochastic_depth_block_mode_with_ddp_is_refused(projects: dict[str, Pat
 
 
 # ---------------------------------------------------------------- together, and add/remove
+
+
+@pytest.mark.parametrize(("arg", "message"), [
+    ("--blurpool_min_channels=-1", "error: blurpool_min_channels=-1 must be at least 0"),
+    ("--squeeze_excite_latent_channels=0", "error: squeeze_excite_latent_channels=0.0 must be above 0"),
+    ("--stochastic_depth_drop_rate=1.5", "error: stochastic_depth_drop_rate=1.5 must be in [0, 1]"),
+    ("--stochastic_depth_drop_warmup=3ep", "error: stochastic_depth_drop_warmup: '3ep' cannot be compared"),
+])
+def test_bad_hyperparameters_are_one_error_line(arg: str, message: str, projects: dict[str, Path], tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        train(projects["all"], tmp_path, monkeypatch, "--max_duration=2ba", arg)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip().startswith(message)
+    assert not (tmp_path / "runs").exists()
 
 
 def test_all_four_together_train(projects: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
