@@ -111,6 +111,16 @@ def reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def gather_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's `tensor` (the same shape on each) concatenated along rows, in rank order:
+    the global batch when each rank holds a contiguous share of it (a copy on one process)."""
+    if not is_distributed():
+        return tensor.clone()
+    parts = [torch.empty_like(tensor) for _ in range(world_size())]
+    torch_dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts)
+
+
 def padded_share(batch: torch.Tensor, env: DistEnv) -> tuple[torch.Tensor, int]:
     """This rank's rows of `batch`, padded so every rank gets as many; and how many are real.
 

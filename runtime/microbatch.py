@@ -300,6 +300,19 @@ class Attempt:
         return True  # swallowed: `attempts` retries the batch at a smaller size
 
 
+    def reduce_deferred_gradients(self) -> None:
+        """Make the gradients so far global inside an attempt, for a loop that needs them
+        before the attempt ends (SAM's ascent direction). Only DDP while searching defers
+        gradient sync (see the module docstring): every rank votes here (a failed peer
+        ends this attempt on all), then the gradients are all-reduced as DDP would.
+        Otherwise they are global already (FSDP reduces in the last microbatch) and this
+        does nothing."""
+        search = self._search
+        if self.searching and isinstance(search.model, DistributedDataParallel):
+            search._sync()
+            search._all_reduce_gradients()
+
+
 class Search:
     """The microbatch size for the loop: fixed, or found by halving (see the module docstring)."""
 
@@ -409,13 +422,16 @@ class Search:
     def _settle(self, seq_len: int) -> None:
         if isinstance(self.model, DistributedDataParallel):
             # Deferred during the search (see the module docstring): reduce by hand, as DDP does.
-            world = self.env.world_size
-            for param in self.model.module.parameters():
-                if param.grad is not None:
-                    torch_dist.all_reduce(param.grad.div_(world))
+            self._all_reduce_gradients()
         if self.settled_len == 0:
             self._log(f"microbatch size: {self.size} fits (sequence length {seq_len})")
         self.settled_len = seq_len
+
+    def _all_reduce_gradients(self) -> None:
+        world = self.env.world_size
+        for param in self.model.module.parameters():
+            if param.grad is not None:
+                torch_dist.all_reduce(param.grad.div_(world))
 
     def _give_up(self, seq_len: int) -> None:
         message = (
