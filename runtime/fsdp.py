@@ -119,9 +119,13 @@ def parallelize(
     blocks: Iterable[nn.Module],
     env: DistEnv,
     config: ParallelConfig,
+    *,
+    trained: bool = True,
 ) -> nn.Module:
     """Apply activation checkpointing, compilation and FSDP2 or DDP, in that order (as
-    torchtitan does); returns the module to train."""
+    torchtitan does); returns the module to train. `trained=False` (a module that only runs
+    forwards, see `parallelize_copy`): every FSDP unit reshards after forward, so between
+    forwards its parameters are the sharded DTensors, never left gathered for a backward."""
     blocks = list(blocks)
     if config.activation_checkpointing:
         for block in blocks:
@@ -145,10 +149,11 @@ def parallelize(
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if config.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
-    reshard = config.sharding_strategy != "SHARD_GRAD_OP"
+    reshard = config.sharding_strategy != "SHARD_GRAD_OP" or not trained
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again right away by backward: keep them.
-        fully_shard(block, reshard_after_forward=reshard and i < len(blocks) - 1, **options)
+        keep = trained and i == len(blocks) - 1
+        fully_shard(block, reshard_after_forward=reshard and not keep, **options)
     fully_shard(model, reshard_after_forward=reshard, **options)
     return model
 
@@ -218,7 +223,8 @@ def parallelize_copy(model: nn.Module, blocks: Iterable[nn.Module], env: DistEnv
     need no communication (its state dict reshards on resume like the model's); under DDP
     or one process left whole (no gradients to synchronise). Compiled like the model."""
     if config.parallelism == "fsdp" and config.sharding_strategy != "NO_SHARD":
-        return parallelize(model, blocks, env, replace(config, activation_checkpointing=False))
+        config = replace(config, activation_checkpointing=False)
+        return parallelize(model, blocks, env, config, trained=False)
     if config.compile:
         compile_blocks(blocks)
     return model
