@@ -289,7 +289,7 @@ def test_two_ranks_equal_one_process(args: list[str], inject: str, project: Path
     (the kept samples' mean: a different choice would change it), validation scores of the
     live and averaged weights equal one process's; with an injected OOM the step retries."""
     env = {"SCAFFOLD_INJECT_OOM": inject} if inject else None
-    launch = [*SMALL, "--max_duration=4ba", "--eval_interval=2ba", "--run_name=two", *args]
+    launch = [*small(*args), "--max_duration=4ba", "--eval_interval=2ba", "--run_name=two"]
     result = ok(torchrun(2, project / "train.py", *launch, cwd=tmp_path, env=env))
     rows = read_metrics(tmp_path, "two")
     assert [r["step"] for r in rows] == [r["step"] for r in reference]
