@@ -111,12 +111,12 @@ def reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def all_gather_batch(tensor: torch.Tensor) -> torch.Tensor:
-    """Every rank's `tensor` (equal shapes), concatenated along dim 0 in rank order: the
-    global batch when each rank holds its share. One process: the tensor itself."""
-    if not is_distributed() or torch_dist.get_world_size() == 1:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(torch_dist.get_world_size())]
+def gather_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's `tensor` (the same shape on each) concatenated along rows, in rank order:
+    the global batch when each rank holds a contiguous share of it (a copy on one process)."""
+    if not is_distributed():
+        return tensor.clone()
+    parts = [torch.empty_like(tensor) for _ in range(world_size())]
     torch_dist.all_gather(parts, tensor.contiguous())
     return torch.cat(parts)
 

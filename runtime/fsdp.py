@@ -40,7 +40,7 @@ over lengths 8..64 and microbatches 4, 2, 1, all made in the first two lengths; 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -119,9 +119,13 @@ def parallelize(
     blocks: Iterable[nn.Module],
     env: DistEnv,
     config: ParallelConfig,
+    *,
+    trained: bool = True,
 ) -> nn.Module:
     """Apply activation checkpointing, compilation and FSDP2 or DDP, in that order (as
-    torchtitan does); returns the module to train."""
+    torchtitan does); returns the module to train. `trained=False` (a module that only runs
+    forwards, see `parallelize_copy`): every FSDP unit reshards after forward, so between
+    forwards its parameters are the sharded DTensors, never left gathered for a backward."""
     blocks = list(blocks)
     if config.activation_checkpointing:
         for block in blocks:
@@ -145,10 +149,11 @@ def parallelize(
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if config.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
-    reshard = config.sharding_strategy != "SHARD_GRAD_OP"
+    reshard = config.sharding_strategy != "SHARD_GRAD_OP" or not trained
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again right away by backward: keep them.
-        fully_shard(block, reshard_after_forward=reshard and i < len(blocks) - 1, **options)
+        keep = trained and i == len(blocks) - 1
+        fully_shard(block, reshard_after_forward=reshard and not keep, **options)
     fully_shard(model, reshard_after_forward=reshard, **options)
     return model
 
@@ -192,12 +197,37 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
     norm first, so every rank scales by the same factor.
     """
     parameters = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in parameters]
+    total_norm = grad_norm(parameters)
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
+    return total_norm
+
+
+def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
+    """The global L2 norm of the parameters' gradients, the same on every rank.
+
+    With sharded (DTensor) gradients each rank holds part of the norm: it is reduced to the
+    full norm. DDP's and a single process's gradients are whole already.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
     total_norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     if isinstance(total_norm, DTensor):
         total_norm = total_norm.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
     return total_norm
+
+
+def parallelize_copy(model: nn.Module, blocks: Iterable[nn.Module], env: DistEnv,
+                     config: ParallelConfig) -> nn.Module:
+    """A copy of the model that is not trained (averaged weights, say), laid out like the
+    model `parallelize` returns: under FSDP2 sharded per block then root with the same
+    mesh, so each of its tensors has the placement of the model's and rank-local updates
+    need no communication (its state dict reshards on resume like the model's); under DDP
+    or one process left whole (no gradients to synchronise). Compiled like the model."""
+    if config.parallelism == "fsdp" and config.sharding_strategy != "NO_SHARD":
+        config = replace(config, activation_checkpointing=False)
+        return parallelize(model, blocks, env, config, trained=False)
+    if config.compile:
+        compile_blocks(blocks)
+    return model
 
 
 def unwrap(model: nn.Module) -> nn.Module:

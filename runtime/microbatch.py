@@ -300,6 +300,19 @@ class Attempt:
         return True  # swallowed: `attempts` retries the batch at a smaller size
 
 
+    def reduce_deferred_gradients(self) -> None:
+        """Make the gradients so far global inside an attempt, for a loop that needs them
+        before the attempt ends (SAM's ascent direction). Only DDP while searching defers
+        gradient sync (see the module docstring): every rank votes here (a failed peer
+        ends this attempt on all), then the gradients are all-reduced as DDP would.
+        Otherwise they are global already (FSDP reduces in the last microbatch) and this
+        does nothing."""
+        search = self._search
+        if self.searching and isinstance(search.model, DistributedDataParallel):
+            search._sync()
+            search._all_reduce_gradients()
+
+
 class Search:
     """The microbatch size for the loop: fixed, or found by halving (see the module docstring)."""
 
@@ -345,8 +358,12 @@ class Search:
 
     # ------------------------------------------------------------ loop API
 
-    def attempts(self, seq_len: int = 0) -> Iterator[Attempt]:
-        """Attempts at one batch: one if the size is settled for `seq_len`, else until one fits."""
+    def attempts(self, seq_len: int = 0, rows: int = 0) -> Iterator[Attempt]:
+        """Attempts at one batch: one if the size is settled for `seq_len`, else until one fits.
+
+        `rows`: the samples in this rank's batch, if known. A batch with fewer rows than the
+        size that succeeded (cut short, e.g. by selective backprop) does not prove that size
+        fits a full batch: the size is kept but not settled, and the next batch searches on."""
         if not self.auto or seq_len <= self.settled_len:
             yield Attempt(self, self.size, searching=False)
             return
@@ -356,7 +373,7 @@ class Search:
                 yield attempt
                 if attempt.ok:
                     self.size = attempt.size
-                    self._settle(seq_len)
+                    self._settle(seq_len, proven=not 0 < rows < attempt.size)
         finally:
             fsdp.defer_gradient_sync(self.model, False)
 
@@ -406,16 +423,21 @@ class Search:
             if self.injection is None:
                 self._remove()
 
-    def _settle(self, seq_len: int) -> None:
+    def _settle(self, seq_len: int, proven: bool = True) -> None:
         if isinstance(self.model, DistributedDataParallel):
             # Deferred during the search (see the module docstring): reduce by hand, as DDP does.
-            world = self.env.world_size
-            for param in self.model.module.parameters():
-                if param.grad is not None:
-                    torch_dist.all_reduce(param.grad.div_(world))
+            self._all_reduce_gradients()
+        if not proven:
+            return
         if self.settled_len == 0:
             self._log(f"microbatch size: {self.size} fits (sequence length {seq_len})")
         self.settled_len = seq_len
+
+    def _all_reduce_gradients(self) -> None:
+        world = self.env.world_size
+        for param in self.model.module.parameters():
+            if param.grad is not None:
+                torch_dist.all_reduce(param.grad.div_(world))
 
     def _give_up(self, seq_len: int) -> None:
         message = (

@@ -37,8 +37,10 @@ EVENTS = (
 # module-level helper functions and logged metrics.
 TRAIN_SECTIONS = ("imports", "config", "checks", "functions", "metrics")
 # Code of train.py an algorithm may replace (at most one algorithm each), and the event it
-# follows: `train.optimizer` stands instead of the task's optimizer construction.
-TRAIN_POINTS = {"optimizer": "OPTIMIZER"}
+# belongs to: `train.optimizer` stands instead of the task's optimizer construction;
+# `train.backward` instead of the call of forward_backward() inside a microbatch attempt (an
+# algorithm that runs it twice, as SAM does: out of memory in either retries the whole step).
+TRAIN_POINTS = {"optimizer": "OPTIMIZER", "backward": "AFTER_BACKWARD"}
 SNIPPET_SUFFIX = ".py.jinja"
 # A hyperparameter's `range`: an interval, brackets closed, parentheses open, inf allowed.
 RANGE = re.compile(r"([\[(])\s*(-?inf|[-+0-9.e]+)\s*,\s*(-?inf|[-+0-9.e]+)\s*([\])])")

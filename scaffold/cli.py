@@ -256,16 +256,24 @@ def export(
         ),
     ],
     out_file: Annotated[Path, typer.Argument(metavar="OUT", help="The .safetensors file to write.")],
+    entry: Annotated[
+        str,
+        typer.Option(
+            "--entry",
+            help="The checkpoint entry to export (e.g. model, ema); default: the one the run named "
+            "(the EMA weights when ema is on with export_ema), else model.",
+        ),
+    ] = "",
 ) -> None:
     """Consolidate a sharded checkpoint's model weights into one safetensors file (no GPUs needed)."""
     from runtime.checkpoint import CheckpointError, export_safetensors  # torch: slow to import
 
     try:
-        info = export_safetensors(source, out_file)
+        info = export_safetensors(source, out_file, entry)
     except CheckpointError as error:
         raise _fail(str(error)) from None
     out.print(
-        f"wrote {info['file']}: {info['tensors']} tensors ({info['numel']:,} values) "
+        f"wrote {info['file']}: {info['tensors']} tensors ({info['numel']:,} values) of '{info['entry']}' "
         f"from {info['checkpoint']} (step {info['step']})",
         markup=False,
     )

@@ -110,9 +110,12 @@ class Checkpointer:
     owns the asynchronous save in flight, the process group those saves talk over, the
     `load_path` the run started from and the newest complete checkpoint (named when a save fails).
     `state` maps names to modules, optimizers and objects with state dicts (see `contents`).
+    `export` names the module entry of `state` whose weights `scaffold export` writes out (an
+    entry holding averaged weights, say); every checkpoint records it in train_state.json.
     """
 
-    def __init__(self, folder: Path | str, *, keep: int = 0, async_save: bool = False) -> None:
+    def __init__(self, folder: Path | str, *, keep: int = 0, async_save: bool = False,
+                 export: str = "model") -> None:
         self.remote = storage.Remote(str(folder)) if storage.is_remote(folder) else None
         self.location = str(self.remote) if self.remote else str(storage.local_path(folder))
         # Where DCP writes: the folder itself, or this rank's staging folder for a remote one.
@@ -120,6 +123,7 @@ class Checkpointer:
         self.folder = self.scratch / "save" if self.remote else storage.local_path(folder)
         self.keep = keep
         self.async_save = async_save
+        self.export = export
         self.origin: str | None = None  # carried into every checkpoint of this run
         self.last_complete: str | None = None  # where a rerun would resume from
         self._pending: tuple[str, Future] | None = None  # an asynchronous save in flight
@@ -297,7 +301,8 @@ class Checkpointer:
             torch.save(rng, path / f"rng-rank{dist.rank()}.pt")
             if dist.rank() == 0:
                 train_state = {"progress": progress.state_dict(), "world_size": dist.world_size(),
-                               "extra": extra or {}, "origin": self.origin}
+                               "extra": extra or {}, "origin": self.origin,
+                               "export": self.export}
                 layout.write_atomic(path / TRAIN_STATE, json.dumps(train_state, indent=2))
 
         self._agree(name, stage)

@@ -14,7 +14,7 @@ from runtime.checkpoint import layout, reading, storage
 from runtime.checkpoint.layout import CheckpointError
 
 
-def export_safetensors(source: Path | str, out_file: Path | str) -> dict[str, Any]:
+def export_safetensors(source: Path | str, out_file: Path | str, entry: str = "") -> dict[str, Any]:
     """Consolidate a checkpoint's model weights into one safetensors file.
 
     `source` is a step-<N> folder, or a run or checkpoints folder (its newest complete
@@ -23,6 +23,10 @@ def export_safetensors(source: Path | str, out_file: Path | str) -> dict[str, An
     copies, so `model.load_state_dict(safetensors.torch.load_file(out))` works unchanged
     (and re-ties them: both names load into the one shared parameter). The file's metadata
     records the source checkpoint and its step. Returns a summary dict.
+
+    `entry` is the module entry of the loop's `state` to export; "" takes the one the run
+    recorded in train_state.json (`Checkpointer(export=...)`: e.g. averaged weights), else
+    "model".
     """
     if storage.is_remote(source):
         remote = storage.Remote(str(source))
@@ -30,35 +34,38 @@ def export_safetensors(source: Path | str, out_file: Path | str) -> dict[str, An
             found = remote.resolve(remote.root)
             with tempfile.TemporaryDirectory(prefix="scaffold-export-") as scratch:
                 local = remote.download(found, Path(scratch))
-                return {**_export(local, out_file, remote.display(found)), "checkpoint": remote.display(found)}
+                return {**_export(local, out_file, remote.display(found), entry),
+                        "checkpoint": remote.display(found)}
         except CheckpointError:
             raise
         except Exception as error:  # noqa: BLE001 - unreachable or refusing store
             from runtime.checkpoint.failures import cause
 
             raise CheckpointError(f"cannot read {remote}: {cause(error)}") from error
-    return _export(layout.resolve(storage.local_path(source)), out_file, None)
+    return _export(layout.resolve(storage.local_path(source)), out_file, None, entry)
 
 
-def _export(path: Path, out_file: Path | str, name: str | None) -> dict[str, Any]:
+def _export(path: Path, out_file: Path | str, name: str | None, entry: str) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     metadata = reading.read_metadata(path)
     reading.check_files(path, metadata)
+    train_state = layout.read_train_state(path)
+    entry = entry or str(train_state.get("export", "model"))
     weights = {
-        key.removeprefix("model."): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        key.removeprefix(f"{entry}."): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+        if key.startswith(f"{entry}.") and isinstance(meta, TensorStorageMetadata)
     }
     if not weights:
-        raise CheckpointError(f"{path} holds no model weights")
-    reading.load({"model": weights}, path, no_dist=True)
-    step = int(layout.read_train_state(path)["progress"]["batch"])
+        raise CheckpointError(f"{path} holds no weights of state entry '{entry}'")
+    reading.load({entry: weights}, path, no_dist=True)
+    step = int(train_state["progress"]["batch"])
     out = Path(out_file)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp),
               metadata={"checkpoint": name or str(path), "step": str(step), "format": "pt"})
     os.replace(tmp, out)
-    return {"checkpoint": path, "step": step, "tensors": len(weights),
+    return {"checkpoint": path, "step": step, "entry": entry, "tensors": len(weights),
             "numel": sum(v.numel() for v in weights.values()), "file": out}

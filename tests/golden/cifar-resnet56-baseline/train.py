@@ -323,6 +323,8 @@ def main() -> None:
     # What a checkpoint holds; an algorithm with state of its own (EMA weights, say)
     # adds an entry at OPTIMIZER, before the resume below restores all of it.
     state = {"model": model, "optimizer": optimizer}
+    # The state entry whose weights `scaffold export` writes out for inference.
+    export_entry = "model"
 
     # event: OPTIMIZER
 
@@ -334,6 +336,7 @@ def main() -> None:
         cfg.save_folder or run_dir / "checkpoints",
         keep=cfg.save_num_checkpoints_to_keep,
         async_save=cfg.save_async,
+        export=export_entry,
     )
     try:
         resumed = checkpointer.resume(
@@ -417,6 +420,7 @@ def main() -> None:
             # algorithm at BATCH_START rewrites them) class probabilities, a row per
             # sample; cross-entropy takes either. Evaluation scores the hard labels.
             targets = labels
+            samples = cfg.global_batch_size  # trained on this step, summed over ranks
 
             # event: BATCH_START
 
@@ -425,40 +429,47 @@ def main() -> None:
                 group["lr"] = lr
 
             # Gradient accumulation: each microbatch's summed loss is divided by the
-            # global batch size (all ranks), so gradients are the global-batch mean
-            # whatever the microbatch size and world size. DDP and FSDP average
-            # gradients over ranks: hence the factor world_size.
-            loss_scale = env.world_size / cfg.global_batch_size
+            # samples trained on in this step over all ranks (the global batch size,
+            # unless an algorithm cut the batch), so gradients are their mean whatever
+            # the microbatch size and world size. DDP and FSDP average gradients over
+            # ranks: hence the factor world_size.
+            loss_scale = env.world_size / samples
+
+            def forward_backward(size: int) -> torch.Tensor:
+                """Forward and backward over this rank's batch in microbatches of `size`
+                samples; gradients add up in .grad. Returns the summed loss."""
+                loss_sum = torch.zeros((), device=env.device)
+                microbatches = list(zip(inputs.split(size), targets.split(size)))
+                for i, (micro_inputs, micro_targets) in enumerate(microbatches):
+                    # event: MICROBATCH_START
+
+                    # Reduce gradients over ranks once, in the last backward.
+                    fsdp.sync_gradients(model, i == len(microbatches) - 1)
+                    with torch.autocast(
+                        env.device.type, torch.bfloat16, enabled=is_amp(cfg)
+                    ):
+                        logits = model(micro_inputs)
+
+                    # event: AFTER_FORWARD
+
+                    loss = F.cross_entropy(
+                        logits.float(), micro_targets, reduction="sum"
+                    )
+
+                    # event: LOSS
+
+                    (loss * loss_scale).backward()
+                    loss_sum += loss.detach()
+                return loss_sum
+
             # Out of memory on any rank (while the size is still being searched): every
             # rank drops this attempt's gradients (and BatchNorm statistics) and retries
             # the same batch at half the microbatch size.
-            for attempt in microbatching.attempts(seq_len=inputs.shape[-1]):
+            rows = inputs.shape[0]  # a cut batch does not prove a size fits a full one
+            for attempt in microbatching.attempts(seq_len=inputs.shape[-1], rows=rows):
                 with attempt:
                     clear_step_stats(model)
-                    loss_sum = torch.zeros((), device=env.device)
-                    microbatches = list(
-                        zip(inputs.split(attempt.size), targets.split(attempt.size))
-                    )
-                    for i, (micro_inputs, micro_targets) in enumerate(microbatches):
-                        # event: MICROBATCH_START
-
-                        # Reduce gradients over ranks once, in the last backward.
-                        fsdp.sync_gradients(model, i == len(microbatches) - 1)
-                        with torch.autocast(
-                            env.device.type, torch.bfloat16, enabled=is_amp(cfg)
-                        ):
-                            logits = model(micro_inputs)
-
-                        # event: AFTER_FORWARD
-
-                        loss = F.cross_entropy(
-                            logits.float(), micro_targets, reduction="sum"
-                        )
-
-                        # event: LOSS
-
-                        (loss * loss_scale).backward()
-                        loss_sum += loss.detach()
+                    loss_sum = forward_backward(attempt.size)
 
             # event: AFTER_BACKWARD
 
@@ -472,7 +483,7 @@ def main() -> None:
             # BatchNorm running statistics: once per step, from the whole global batch.
             update_running_stats(model, dist.reduce_sum)
             progress.advance(samples=cfg.global_batch_size, tokens=0)
-            train_loss.add(loss_sum, cfg.global_batch_size)  # no device sync
+            train_loss.add(loss_sum, samples)  # no device sync
 
             # event: BATCH_END
 
