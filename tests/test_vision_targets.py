@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from conftest import scaffold_cli
 from projects import checkout_env, project_modules, read_metrics, run_train
-from scaffold.catalog import CatalogError, load_algorithms
+from scaffold.catalog import CatalogError, catalog_order, load_algorithms
 from scaffold.jinja_black import BLACK_MODE
 from scaffold.paths import template_dir
 from scaffold.render import new_project
@@ -76,8 +76,11 @@ def test_all_five_together_render_black_clean_in_the_declared_order(project: Pat
     batch_start = train[train.index("# event: BATCH_START") : train.index("# event: MICROBATCH_START")]
     fences = [line.strip().removeprefix("# algorithm: ") for line in batch_start.splitlines()
               if line.strip().startswith("# algorithm: ")]
-    # label_smoothing declares before = [mixup, cutmix]; the others keep alphabetical order
-    assert fences == ["colout", "cutout", "label_smoothing", "cutmix", "mixup"]
+    # The catalog's order: label_smoothing declares before = [mixup, cutmix], and that holds.
+    order = catalog_order(load_algorithms(template_dir()))
+    assert fences == [name for name in order if name in fences]
+    assert sorted(fences) == ["colout", "cutmix", "cutout", "label_smoothing", "mixup"]
+    assert fences.index("label_smoothing") < min(fences.index("mixup"), fences.index("cutmix"))
 
 
 @pytest.fixture(scope="module")
