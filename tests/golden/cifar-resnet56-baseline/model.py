@@ -318,16 +318,18 @@ def check_model(name: str) -> str | None:
     except Exception as error:  # not installed, or built for another torch
         reason = (str(error).splitlines() or [type(error).__name__])[0]
         return (
-            f"model={name} needs torchvision, which fails to import ({reason}); install "
-            f"a torchvision built for this torch ({torch.__version__}) or a pair that "
-            "imports together (CPU: e.g. pip install torch==2.14.1 torchvision==0.29.1; "
-            "CUDA: the pair for your CUDA from pytorch.org), or use a preset"
+            f"model={name} needs torchvision, which fails to import ({reason}); "
+            f"install a torchvision built for this torch ({torch.__version__}) or a "
+            "pair that imports together (CPU: e.g. pip install torch==2.14.1 "
+            "torchvision==0.29.1; CUDA: the pair for your CUDA from pytorch.org), or "
+            "use a preset"
         )
     arch = name.removeprefix(TORCHVISION)
     if arch not in torchvision.models.list_models(module=torchvision.models):
         return (
-            f"model={name}: torchvision has no classification model {arch!r}; list them "
-            "with python -c 'import torchvision.models as m; print(m.list_models(m))'"
+            f"model={name}: torchvision has no classification model {arch!r}; list "
+            "them with python -c 'import torchvision.models as m; "
+            "print(m.list_models(m))'"
         )
     return None
 
