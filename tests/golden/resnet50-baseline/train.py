@@ -58,7 +58,7 @@ class Config:
     # become ghost BatchNorm as below: TorchvisionNet in model.py); or auto: the
     # recipe's resnet50 with --data, `tiny` on the embedded digits (1,437 8x8
     # images: a CPU demo of minutes, where resnet50 would take much longer)
-    model: Preset | Literal["auto"] | str = "auto"
+    model: Preset | Literal["auto"] | str = "auto"  # auto, a preset, torchvision:NAME
     # BatchNorm statistics are taken over groups of this many samples ("ghost"
     # BatchNorm), so a step does not depend on the microbatch size or the number of
     # ranks: both the per-rank batch and device_microbatch_size must be multiples of it
