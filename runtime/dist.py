@@ -111,6 +111,16 @@ def reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def all_gather_batch(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's `tensor` (equal shapes), concatenated along dim 0 in rank order: the
+    global batch when each rank holds its share. One process: the tensor itself."""
+    if not is_distributed() or torch_dist.get_world_size() == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(torch_dist.get_world_size())]
+    torch_dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts)
+
+
 def padded_share(batch: torch.Tensor, env: DistEnv) -> tuple[torch.Tensor, int]:
     """This rank's rows of `batch`, padded so every rank gets as many; and how many are real.
 

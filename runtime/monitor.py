@@ -75,6 +75,33 @@ def peak_flops(device_name: str, precision: str, tf32: bool = False) -> float | 
     return None
 
 
+def training_flops(model: torch.nn.Module, example: torch.Tensor | dict[str, torch.Tensor]) -> float:
+    """Training FLOPs (forward + backward) of one forward on `example`, counted by torch.
+
+    For models without a closed-form count (convolutions, Hugging Face models): torch's
+    `FlopCounterMode` counts the matmuls and convolutions of one forward in evaluation mode
+    (no dropout, no BatchNorm statistics updated, no gradients), and the backward is taken as
+    twice the forward, the usual 3x (each weight's product forward, two products backward).
+    `example` is a batch (a tensor, or a dict of keyword tensors); divide by what it holds.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    was_training = model.training
+    model.eval()
+    try:
+        # Attention through the math kernel: its matmuls are counted on every device (the
+        # counter knows CUDA's fused kernels but not the CPU's flash kernel).
+        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            if isinstance(example, dict):
+                model(**example)
+            else:
+                model(example)
+    finally:
+        model.train(was_training)
+    return 3.0 * counter.get_total_flops()
+
+
 def rss_gb() -> float:
     """This process's resident memory (GB): /proc on Linux, else the peak so far."""
     try:
@@ -218,6 +245,9 @@ class Monitor:
         (every rank is assumed to run the same device). On the CPU, MFU is left out.
         """
         self._flops_per_token, self._flops_per_sample = flops_per_token, flops_per_sample
+        for flops, unit in ((flops_per_token, "token"), (flops_per_sample, "sample")):
+            if flops:
+                self.info(f"model: {flops:.4g} training FLOPs per {unit}")
         if device.type == "cuda":
             self._cuda = device
             torch.cuda.reset_peak_memory_stats(device)

@@ -40,6 +40,8 @@ TRAIN_SECTIONS = ("imports", "config", "checks", "functions", "metrics")
 # follows: `train.optimizer` stands instead of the task's optimizer construction.
 TRAIN_POINTS = {"optimizer": "OPTIMIZER"}
 SNIPPET_SUFFIX = ".py.jinja"
+# A hyperparameter's `range`: an interval, brackets closed, parentheses open, inf allowed.
+RANGE = re.compile(r"([\[(])\s*(-?inf|[-+0-9.e]+)\s*,\s*(-?inf|[-+0-9.e]+)\s*([\])])")
 
 
 class RecipeError(ValueError):
@@ -57,6 +59,7 @@ class Hyperparameter:
     default: Any
     help: str
     choices: tuple[Any, ...] = ()  # empty: any value of the type
+    range: str = ""  # an interval a number must lie in, e.g. "[0, 1)", "(0, inf)"; "": any
 
 
 @dataclass(frozen=True)
@@ -196,9 +199,14 @@ def load_algorithms(template: Path) -> dict[str, Algorithm]:
         name = meta_path.parent.name
         hyperparameters = {
             key: Hyperparameter(key, spec["type"], spec["default"], spec.get("help", ""),
-                                tuple(spec.get("choices", ())))
+                                tuple(spec.get("choices", ())), str(spec.get("range", "")))
             for key, spec in meta.get("hyperparameters", {}).items()
         }
+        for hp in hyperparameters.values():
+            if hp.range and (hp.type not in ("int", "float") or not _in_range(hp.default, hp.range)):
+                raise CatalogError(f"{meta_path}: hyperparameter '{hp.name}' has range {hp.range!r}; a "
+                                   "range is an interval such as \"[0, 1)\" on an int or float that "
+                                   "holds its default")
         spots = tuple(sorted(_spot_of(path) for path in meta_path.parent.glob(f"*{SNIPPET_SUFFIX}")))
         algorithms[name] = Algorithm(
             name=name,
@@ -360,11 +368,30 @@ def _coerce(value: Any, kind: str, where: str) -> Any:
     return value
 
 
+def _in_range(value: Any, interval: str) -> bool:
+    """Whether the number `value` lies in `interval` ("[0, 1)": 0 <= value < 1); False for
+    an interval that does not parse."""
+    match = RANGE.fullmatch(interval.strip())
+    if match is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        low, high = float(match[2]), float(match[3])
+    except ValueError:
+        return False
+    above = value >= low if match[1] == "[" else value > low
+    below = value <= high if match[4] == "]" else value < high
+    return above and below
+
+
 def _hyperparameter(hp: Hyperparameter, value: Any, where: str) -> Any:
-    """A hyperparameter's value, checked against its type and (if declared) its choices."""
+    """A hyperparameter's value, checked against its type and (if declared) its choices and
+    range."""
     value = _coerce(value, hp.type, where)
     if hp.choices and value not in hp.choices:
         raise RecipeError(f"{where} = {value!r} is not one of {', '.join(map(repr, hp.choices))}; "
+                          "fix the recipe or the --set value")
+    if hp.range and not _in_range(value, hp.range):
+        raise RecipeError(f"{where} = {value!r} is outside its range {hp.range}; "
                           "fix the recipe or the --set value")
     return value
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import pytest
 import torch
 from PIL import Image
 
-from projects import checkout_env, project_modules, read_metrics, run_train
+from projects import checkout_env, hand_counted_forward_flops, project_modules, read_metrics, run_train
 
 RECIPE = "cifar-resnet56-baseline"
 TESTS = Path(__file__).resolve().parent
@@ -177,6 +178,24 @@ def test_batches_are_pure_functions_of_seed_epoch_and_index(modules) -> None:
     assert weight.sum() == 60 and last_pixels.shape[0] == 100
 
 
+def test_training_and_evaluation_sizes_are_separate(modules, tmp_path: Path) -> None:
+    """FixRes: training crops at image_size; evaluation resizes the short side to
+    eval_resize and takes the centre eval_image_size crop of that."""
+    data = modules["data"]
+    folder = tmp_path / "f"
+    gradient = np.tile(np.arange(40, dtype=np.uint8)[None, :, None] * 6, (20, 1, 3))  # 40 wide, 20 high
+    for split in ("train", "val"):
+        for name in ("a", "b"):
+            (folder / split / name).mkdir(parents=True)
+            Image.fromarray(gradient).save(folder / split / name / "0.png")
+    images = data.load_images(str(folder))
+    train = data.Batches(images, "train", 2, seed=0, image_size=12)
+    val = data.Batches(images, "val", 2, seed=0, image_size=16, resize=20)
+    assert train[0][0].shape == (2, 3, 12, 12) and val[0][0].shape == (2, 3, 16, 16)
+    # Resized to 40x20 (short side 20: the size it already had), centre 16x16: columns 12..27.
+    assert np.array_equal(val[0][0][0, 0, 0].numpy(), np.arange(12, 28, dtype=np.uint8) * 6)
+
+
 def write_png(path: Path, color: tuple[int, int, int], size: tuple[int, int] = (20, 14)) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.new("RGB", size, color).save(path)
@@ -233,6 +252,18 @@ def bad_folder(kind: str, root: Path) -> tuple[Path, str]:
     raise AssertionError(kind)
 
 
+def test_the_log_states_training_flops_per_image_for_mfu(project: Path, modules, tmp_path: Path) -> None:
+    """The FLOPs MFU divides by: every convolution and the head of one 8x8 digit, x3."""
+    result = ok(run_train(project, tmp_path, *small("--max_duration=1ba"), "--run_name=flops"))
+    logged = float(re.search(r"model: (\S+) training FLOPs per sample", result.stdout).group(1))
+    model_module = modules["model"]
+    torch.manual_seed(0)
+    net = model_module.ResNet(model_module.ResNetConfig(
+        num_classes=10, in_channels=1, bn_group_size=2, **model_module.PRESETS["tiny"]))
+    expected = 3 * hand_counted_forward_flops(net, torch.zeros(1, 1, 8, 8))
+    assert abs(logged - expected) <= 1e-3 * expected, (logged, expected)
+
+
 @pytest.mark.parametrize("kind", ["not-imagefolder", "classes-differ", "undecodable", "cifar-truncated"])
 def test_bad_data_is_one_line_exit_2_nothing_written(kind: str, project: Path, tmp_path: Path) -> None:
     root, message = bad_folder(kind, tmp_path / "data")
@@ -253,6 +284,7 @@ def test_bad_data_is_one_line_exit_2_nothing_written(kind: str, project: Path, t
         (["--model=resnet5"], "resnet50"),
         (["--optimizer=lamb"], "optimizer"),
         (["--data=/no/such/images"], "no such folder"),
+        (["--eval_image_size=64", "--eval_resize=32"], "at most the resized short side"),
     ],
 )
 def test_bad_config_is_one_line_exit_2(args: list[str], message: str, project: Path, tmp_path: Path) -> None:

@@ -265,3 +265,31 @@ def test_tf32_is_read_whichever_api_turned_it_on() -> None:
     for code in (script, legacy):
         result = subprocess.run([sys.executable, "-c", code], env=checkout_env(), capture_output=True, text=True)
         assert result.returncode == 0, result.stderr
+
+
+def test_training_flops_of_a_linear_layer_and_a_convolution_are_the_hand_count() -> None:
+    """Forward: 2 FLOPs per multiply-add; training: 3x the forward."""
+    from runtime.monitor import training_flops
+
+    linear = torch.nn.Linear(16, 8)
+    assert training_flops(linear, torch.zeros(4, 16)) == 3 * 2 * 4 * 16 * 8
+    conv = torch.nn.Conv2d(3, 5, kernel_size=3, padding=1)  # 8x8 output positions
+    assert training_flops(conv, torch.zeros(2, 3, 8, 8)) == 3 * 2 * 2 * (8 * 8) * 5 * 3 * 3 * 3
+    # Counting leaves the module as it was: training mode, no gradients.
+    assert conv.training and conv.weight.grad is None
+    dropout_net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)).eval()
+    training_flops(dropout_net, {"input": torch.zeros(1, 4)})
+    assert not dropout_net.training
+
+
+def test_training_flops_count_attention_on_every_device() -> None:
+    """scaled_dot_product_attention: QK^T and the weighted sum, 2 * 2 * L^2 * width forward."""
+    from runtime.monitor import training_flops
+
+    class Attention(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # (batch, heads, L, head width)
+            return torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+
+    heads, length, width = 2, 16, 8
+    flops = training_flops(Attention(), torch.zeros(1, heads, length, width))
+    assert flops == 3 * 4 * length**2 * heads * width

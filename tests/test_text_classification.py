@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 import torch  # noqa: E402
 
-from projects import project_modules, read_metrics, run_train  # noqa: E402
+from projects import hand_counted_forward_flops, project_modules, read_metrics, run_train  # noqa: E402
 
 RECIPE = "bert-sst2"
 SMALL = ["--max_seq_len=16", "--global_batch_size=8", "--device_microbatch_size=4", "--lr=3e-3"]
@@ -83,6 +84,13 @@ def test_fine_tunes_a_saved_model_and_the_result_loads_with_transformers(
                        "--run_name=ft", "--max_duration=24ba", "--eval_interval=12ba")
     assert result.returncode == 0, result.stderr
     assert "labels: neg, pos" in result.stdout and "3 FSDP units" in result.stdout
+    # The FLOPs MFU divides by, per token of a 16-token sequence: every weight matrix, and
+    # per layer the two attention products (QK^T and the weighted sum: 4 * 16^2 * width).
+    logged = float(re.search(r"model: (\S+) training FLOPs per token", result.stdout).group(1))
+    reference = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2)
+    tokens = torch.ones(1, 16, dtype=torch.long)
+    forward = hand_counted_forward_flops(reference, input_ids=tokens) + 2 * 4 * 16**2 * 32
+    assert abs(logged - 3 * forward / 16) <= 1e-3 * logged, (logged, 3 * forward / 16)
     evals = [r for r in read_metrics(tmp_path, "ft") if "accuracy" in r]
     assert len(evals) == 2 and evals[-1]["accuracy"] > 0.75 and evals[-1]["f1"] > 0.75, evals
 

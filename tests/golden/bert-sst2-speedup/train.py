@@ -29,7 +29,7 @@ from data import Batches, load_texts, tokenize, val_batches
 from model import load_model, load_tokenizer, transformer_blocks
 from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, preempt
 from runtime import profile, runlock, trackers
-from runtime.monitor import Monitor, RunningSum
+from runtime.monitor import Monitor, RunningSum, training_flops
 from runtime.time import Progress, Time, as_fraction
 
 
@@ -364,6 +364,12 @@ def main() -> None:
     use_low_precision_layernorm(model)
     # end algorithm: low_precision_layernorm
 
+    # Training FLOPs per token, for MFU (GPUs only): the forward of one max_seq_len
+    # sequence, counted by torch, x3 for the backward, over its tokens. Shorter texts
+    # do less attention work per token than this, so their MFU reads slightly high; the
+    # weights' part, most of the work, is exact.
+    example = torch.ones(1, cfg.max_seq_len, dtype=torch.long, device=env.device)
+    flops_per_token = training_flops(model, {"input_ids": example}) / cfg.max_seq_len
     # Shard or replicate for the launch: FSDP2 per transformer layer then the root, DDP,
     # or nothing. The layers are the model's own `_no_split_modules` (model.py).
     blocks = transformer_blocks(model)
@@ -414,7 +420,8 @@ def main() -> None:
         run_dir, progress, cfg.max_duration, cfg.global_batch_size, env.is_main
     )
     monitor.record_run(config.to_toml(cfg), Path(__file__), env.device, env.world_size)
-    monitor.measure(env.device, env.world_size, cfg.precision)  # memory, ETA
+    # MFU, memory, ETA
+    monitor.measure(env.device, env.world_size, cfg.precision, flops_per_token)
     monitor.open_trackers(cfg.trackers, config.to_toml(cfg))  # rank 0 writes them
     monitor.info(f"data: {texts.source}")
     monitor.info(

@@ -10,7 +10,7 @@ package ships, without importing it. A fixed 20% of it is held out for validatio
   nothing is unpickled).
 
 Augmentation: random-resized crop and horizontal flip for ImageFolder data (evaluation:
-resize the short side to image_size / 0.875, centre crop); pad-and-crop and flip for
+resize the short side to eval_resize, centre crop); pad-and-crop and flip for
 CIFAR; pad-and-crop (no flip: a mirrored digit is another digit) for the digits.
 Every random choice is drawn from a generator seeded by (seed, epoch, sample index), and
 epoch e visits the samples in a permutation seeded by (seed, e): any batch is a pure
@@ -255,10 +255,10 @@ def random_resized_crop(
     return crop[:, ::-1] if rng.random() < 0.5 else crop
 
 
-def center_crop(image: Image.Image, size: int) -> np.ndarray:
-    """Evaluation: the short side resized to size / 0.875, then the centre crop."""
+def center_crop(image: Image.Image, size: int, resize: int) -> np.ndarray:
+    """Evaluation: the short side resized to `resize`, then the centre size x size."""
     width, height = image.size
-    scale = size / 0.875 / min(width, height)
+    scale = resize / min(width, height)
     w, h = max(size, round(width * scale)), max(size, round(height * scale))
     left, top = (w - size) // 2, (h - size) // 2
     return np.asarray(
@@ -285,9 +285,11 @@ class Batches(torch.utils.data.Dataset):
         epoch: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        resize: int = 0,
     ) -> None:
         self.data, self.split, self.train = data, getattr(data, split), split == "train"
         self.batch_size, self.seed, self.image_size = batch_size, seed, image_size
+        self.resize = resize or round(image_size / 0.875)  # evaluation's short side
         self.epoch, self.rank, self.world_size = epoch, rank, world_size
         if self.train:
             self.batches_per_epoch = len(self.split) // batch_size  # no partial batch
@@ -328,7 +330,7 @@ class Batches(torch.utils.data.Dataset):
         if kind == "folder":
             if self.train:
                 return random_resized_crop(image, self.image_size, rng)
-            return center_crop(image, self.image_size)
+            return center_crop(image, self.image_size, self.resize)
         if not self.train:
             return image
         return pad_crop_flip(
@@ -348,6 +350,15 @@ def loader(
         num_workers=num_workers,
         pin_memory=pin_memory,
     )
+
+
+def step_rng(seed: int, step: int, stream: str) -> np.random.Generator:
+    """A generator for the random choices a training step makes over its whole global
+    batch (a mixing partner per sample, a mask per sample): seeded by (seed, step,
+    stream), so every rank draws the same, on any world size, after any resume.
+    `stream` names who draws; different names give independent draws."""
+    tag = int.from_bytes(stream.encode(), "little")  # the name as a number
+    return np.random.default_rng([seed, step, tag])
 
 
 def normalize(images: torch.Tensor, data: ImageData) -> torch.Tensor:

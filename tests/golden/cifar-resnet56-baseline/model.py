@@ -175,7 +175,27 @@ def update_running_stats(
         m.step_stats = None
 
 
-class BasicBlock(nn.Module):
+class ResidualBlock(nn.Module):
+    """relu(residual(x) + shortcut(x)); BasicBlock and Bottleneck define the branch.
+
+    `branch` is a generic extension point, None by default: an algorithm may set it (at
+    MODEL) to a callable (block, x) -> the branch's output, run instead of
+    `block.residual(x)`, to skip or scale the branch (e.g. stochastic depth). Not a
+    module: parameters and checkpoint keys do not change.
+    """
+
+    branch: Callable[[ResidualBlock, torch.Tensor], torch.Tensor | float] | None = None
+    shortcut: nn.Module
+
+    def residual(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.residual(x) if self.branch is None else self.branch(self, x)
+        return F.relu(y + self.shortcut(x))
+
+
+class BasicBlock(ResidualBlock):
     """Two 3x3 convolutions; the shortcut adds the input back."""
 
     expansion = 1
@@ -192,13 +212,12 @@ class BasicBlock(nn.Module):
         self.bn2.last_in_block = True  # gamma starts at 0 (ResNet.init_weights)
         self.shortcut = shortcut(c_in, width, stride, config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def residual(self, x: torch.Tensor) -> torch.Tensor:
         y = F.relu(self.bn1(self.conv1(x)))
-        y = self.bn2(self.conv2(y))
-        return F.relu(y + self.shortcut(x))
+        return self.bn2(self.conv2(y))
 
 
-class Bottleneck(nn.Module):
+class Bottleneck(ResidualBlock):
     """1x1 down to `width`, 3x3 (strided: "ResNet v1.5"), 1x1 up to 4 x width."""
 
     expansion = 4
@@ -217,11 +236,10 @@ class Bottleneck(nn.Module):
         self.bn3.last_in_block = True
         self.shortcut = shortcut(c_in, c_out, stride, config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def residual(self, x: torch.Tensor) -> torch.Tensor:
         y = F.relu(self.bn1(self.conv1(x)))
         y = F.relu(self.bn2(self.conv2(y)))
-        y = self.bn3(self.conv3(y))
-        return F.relu(y + self.shortcut(x))
+        return self.bn3(self.conv3(y))
 
 
 class PadShortcut(nn.Module):

@@ -36,7 +36,7 @@ from model import (
 )
 from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, preempt
 from runtime import profile, runlock, trackers
-from runtime.monitor import Monitor, RunningSum
+from runtime.monitor import Monitor, RunningSum, training_flops
 from runtime.time import Progress, Time, as_fraction
 
 
@@ -47,9 +47,12 @@ class Config:
     data: str = (
         ""  # "": scikit-learn's digits; or an ImageFolder tree, cifar-10-batches-bin
     )
-    image_size: int = (
-        224  # ImageFolder crops (CIFAR and the digits keep 32 and 8 pixels)
-    )
+    # ImageFolder sizes (CIFAR and the digits keep their 32 and 8 pixels). Training at a
+    # smaller crop than evaluation matches the apparent object size of the two (Touvron
+    # et al. 2019, "FixRes"): Composer's ResNet recipes train at 176, evaluate at 224.
+    image_size: int = 224  # training: random-resized crops of this size
+    eval_image_size: int = 0  # evaluation: centre crop; 0: image_size
+    eval_resize: int = 0  # short side resized first; 0: crop / 0.875
     num_workers: int = 8  # processes decoding images from disk (in-memory data: none)
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     # model
@@ -147,6 +150,13 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     for name in ("global_batch_size", "bn_group_size", "image_size"):
         if getattr(cfg, name) < 1:
             config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
+    cfg.eval_image_size = cfg.eval_image_size or cfg.image_size  # 0: settled here
+    cfg.eval_resize = cfg.eval_resize or round(cfg.eval_image_size / 0.875)
+    if cfg.eval_image_size < 1 or cfg.eval_resize < cfg.eval_image_size:
+        config.fail(
+            f"eval_image_size={cfg.eval_image_size}, eval_resize={cfg.eval_resize}: the "
+            "crop must be at least 1 pixel and at most the resized short side"
+        )
     if cfg.eval_batches < 0 or cfg.num_workers < 0:
         config.fail("eval_batches and num_workers must be at least 0")
     if cfg.global_batch_size % env.world_size:
@@ -211,7 +221,7 @@ def evaluate(
     k = min(5, len(images.classes))
     num_batches = min(cfg.eval_batches or len(val), len(val))
     # auto: out of memory on any rank halves evaluation's size on every rank.
-    for attempt in microbatching.eval_attempts(seq_len=cfg.image_size):
+    for attempt in microbatching.eval_attempts(seq_len=cfg.eval_image_size):
         with attempt:
             sums = torch.zeros(4, device=env.device)  # loss, top-1, top-5 hits, samples
             for batch in range(num_batches):
@@ -265,7 +275,8 @@ def main() -> None:
             world_size=env.world_size,
         )
         train_batches = data.Batches(images, "train", **batches)
-        val = data.Batches(images, "val", **batches)
+        val_sizes = dict(image_size=cfg.eval_image_size, resize=cfg.eval_resize)
+        val = data.Batches(images, "val", **(batches | val_sizes))
     except (OSError, ValueError) as error:  # a missing path, a bad file, too few images
         config.fail(str(error))
 
@@ -299,6 +310,11 @@ def main() -> None:
 
     # event: MODEL
 
+    # Training FLOPs per image, for MFU (GPUs only): one training image's forward,
+    # counted by torch, x3 for the backward. Counted here, after any model surgery.
+    example = train_batches.transform(0).copy()  # (H, W, C) at the training size
+    example = torch.from_numpy(example).permute(2, 0, 1)[None].to(env.device)
+    flops_per_sample = training_flops(model, data.normalize(example, images))
     # Shard or replicate for the launch: FSDP2 per residual block then the root, DDP,
     # or nothing.
     model = fsdp.parallelize(model, model.blocks, env, parallel)
@@ -354,7 +370,10 @@ def main() -> None:
         run_dir, progress, cfg.max_duration, cfg.global_batch_size, env.is_main
     )
     monitor.record_run(config.to_toml(cfg), Path(__file__), env.device, env.world_size)
-    monitor.measure(env.device, env.world_size, cfg.precision)  # memory, ETA
+    # MFU, memory, ETA
+    monitor.measure(
+        env.device, env.world_size, cfg.precision, flops_per_sample=flops_per_sample
+    )
     monitor.open_trackers(
         cfg.trackers, config.to_toml(cfg)
     )  # rank 0; resumes their runs
@@ -414,6 +433,10 @@ def main() -> None:
             pixels = pixels.to(env.device, non_blocking=True)
             labels = labels.to(env.device, non_blocking=True)
             inputs = data.normalize(pixels, images)
+            # What the loss compares the logits with: class indices, or (once an
+            # algorithm at BATCH_START rewrites them) class probabilities, a row per
+            # sample; cross-entropy takes either. Evaluation scores the hard labels.
+            targets = labels
 
             # event: BATCH_START
 
@@ -434,9 +457,9 @@ def main() -> None:
                     clear_step_stats(model)
                     loss_sum = torch.zeros((), device=env.device)
                     microbatches = list(
-                        zip(inputs.split(attempt.size), labels.split(attempt.size))
+                        zip(inputs.split(attempt.size), targets.split(attempt.size))
                     )
-                    for i, (micro_inputs, micro_labels) in enumerate(microbatches):
+                    for i, (micro_inputs, micro_targets) in enumerate(microbatches):
                         # event: MICROBATCH_START
 
                         # Reduce gradients over ranks once, in the last backward.
@@ -449,7 +472,7 @@ def main() -> None:
                         # event: AFTER_FORWARD
 
                         loss = F.cross_entropy(
-                            logits.float(), micro_labels, reduction="sum"
+                            logits.float(), micro_targets, reduction="sum"
                         )
 
                         # event: LOSS
