@@ -154,8 +154,8 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     cfg.eval_resize = cfg.eval_resize or round(cfg.eval_image_size / 0.875)
     if cfg.eval_image_size < 1 or cfg.eval_resize < cfg.eval_image_size:
         config.fail(
-            f"eval_image_size={cfg.eval_image_size}, eval_resize={cfg.eval_resize}: the "
-            "crop must be at least 1 pixel and at most the resized short side"
+            f"eval_image_size={cfg.eval_image_size}, eval_resize={cfg.eval_resize}: "
+            "the crop must be at least 1 pixel and at most the resized short side"
         )
     if cfg.eval_batches < 0 or cfg.num_workers < 0:
         config.fail("eval_batches and num_workers must be at least 0")
