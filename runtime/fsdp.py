@@ -34,7 +34,10 @@ one extra compile each, not one per length (a microbatch of 1 sample adds one mo
 specializes sizes 0 and 1). Measured in tests/test_compile.py: at most 5 training graphs
 over lengths 8..64 and microbatches 4, 2, 1, all made in the first two lengths; evaluation
 (no grad) adds its own. The recompile limit
-(torch._dynamo.config.recompile_limit, 8) is not reached.
+(torch._dynamo.config.recompile_limit, 8) is not reached. In a generated gpt2-speedup run
+(sequence-length warmup 8..64, 8 lengths in 10 steps) one process and each DDP rank made at most
+3 graphs: DDP recompiling at every length (pytorch issue 140229) comes from compiling the DDP
+module, which regional compilation never does.
 """
 
 from __future__ import annotations

@@ -163,3 +163,41 @@ def test_alibi_flex_attention_inside_compiled_blocks_matches_the_dense_bias(
             monkeypatch.setattr(model_module, "alibi_uses_flex", lambda device, dropout: True)
             for idx, logits in zip(inputs, expected):
                 torch.testing.assert_close(flex(idx), logits, atol=1e-5, rtol=1e-5)
+
+
+COMPILE_COUNTS = Path(__file__).resolve().parent / "compile_counts.py"
+
+
+@pytest.mark.slow
+def test_sequence_length_warmup_under_compile_recompiles_a_bounded_number_of_times(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
+    """gpt2-speedup (ALiBi + sequence-length warmup) with --compile=true, one process and DDP on
+    2 ranks (pytorch issue 140229: a DDP-wrapped compiled model recompiled at every new length).
+    Here the blocks are compiled, not the DDP module, and dynamo's automatic dynamic shapes make
+    the sequence dimension symbolic at the first new length: the lengths 8..64 (a new one each step) cost
+    the first graph, one symbolic graph and evaluation's own, on every rank; the recompile limit
+    is never hit (compile_counts.py makes that an error)."""
+    project = generated["gpt2-speedup"]
+    args = ["--device=cpu", "--compile=true", "--seq_len=64", "--seq_length_warmup_min_len=8",
+            "--seq_length_warmup_duration=0.7dur", "--global_batch_size=4", "--device_microbatch_size=2",
+            "--max_duration=10ba", "--eval_interval=10ba", "--eval_batches=1", "--dist_timeout=600"]
+
+    def launch(prefix: list[str], name: str, *extra: str) -> tuple[list[int], list[dict]]:
+        command = [*prefix, str(COMPILE_COUNTS), str(project / "train.py"), *args, *extra,
+                   f"--run_name={name}"]
+        result = subprocess.run(command, cwd=tmp_path, env=checkout_env(), capture_output=True, text=True,
+                                timeout=1500)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        counts = [line.split() for line in result.stdout.splitlines() if line.startswith("compile-counts")]
+        assert all(words[3] == "breaks=0" for words in counts), counts
+        return [int(words[2].removeprefix("graphs=")) for words in counts], read_metrics(tmp_path, name)
+
+    one, records = launch([sys.executable], "one")
+    lengths = [r["seq_len"] for r in records]
+    assert len(set(lengths)) >= 6 and lengths == sorted(lengths) and lengths[-1] == 64, lengths
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    ddp, ddp_records = launch(torchrun, "ddp", "--parallelism=ddp")
+    assert len(one) == 1 and len(ddp) == 2
+    assert max(one + ddp) <= 3, (one, ddp)  # not one graph per length
+    assert [r["loss"] for r in ddp_records] == pytest.approx([r["loss"] for r in records], rel=1e-4)

@@ -12,6 +12,9 @@ as the identity (Goyal et al. 2017, "Accurate, Large Minibatch SGD").
 BatchNorm here is "ghost" BatchNorm (see `BatchNorm2d`): statistics over fixed groups of
 `bn_group_size` samples, so a training step does not depend on how the global batch is
 split over ranks and microbatches.
+
+`--model=torchvision:NAME` trains a torchvision classification model instead (see
+`TorchvisionNet`; torchvision is optional and checked at start-up by `check_model`).
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ PRESETS: dict[Preset, dict] = {
     "resnet50": dict(block="bottleneck", layers=(3, 4, 6, 3)),  # 25.6M
     "resnet101": dict(block="bottleneck", layers=(3, 4, 23, 3)),  # 44.5M
 }
+# `--model=torchvision:NAME`: any of torchvision.models' classification builders.
+TORCHVISION = "torchvision:"
 
 
 class BatchNorm2d(nn.BatchNorm2d):
@@ -313,6 +318,106 @@ class ResNet(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def check_model(name: str) -> str | None:
+    """None if `name` is a preset or a torchvision model that can be built here, else
+    the problem in one line (checked at start-up, before anything is written)."""
+    if name in PRESETS:
+        return None
+    if not name.startswith(TORCHVISION):
+        presets = ", ".join(PRESETS)
+        return f"model={name!r} is not a preset ({presets}) nor torchvision:NAME"
+    try:
+        import torchvision.models  # optional: only torchvision:NAME needs it
+    except Exception as error:  # not installed, or built for another torch
+        reason = (str(error).splitlines() or [type(error).__name__])[0]
+        return (
+            f"model={name} needs torchvision, which fails to import ({reason}); "
+            f"install a torchvision built for this torch ({torch.__version__}) or a "
+            "pair that imports together (CPU: e.g. pip install torch==2.14.1 "
+            "torchvision==0.29.1; CUDA: the pair for your CUDA from pytorch.org), or "
+            "use a preset"
+        )
+    arch = name.removeprefix(TORCHVISION)
+    if arch not in torchvision.models.list_models(module=torchvision.models):
+        return (
+            f"model={name}: torchvision has no classification model {arch!r}; list "
+            "them with python -c 'import torchvision.models as m; "
+            "print(m.list_models(m))'"
+        )
+    return None
+
+
+def use_ghost_batchnorm(module: nn.Module, group_size: int) -> None:
+    """Replace torch's BatchNorm2d layers inside `module` by this file's ghost
+    BatchNorm2d, in place: same parameters, buffers, eps, momentum and state-dict keys.
+    """
+    for name, child in module.named_children():
+        plain = type(child) is nn.BatchNorm2d
+        usable = plain and child.affine and child.track_running_stats
+        if usable and child.momentum is not None:
+            ghost = BatchNorm2d(child.num_features, group_size)
+            ghost.eps, ghost.momentum = child.eps, child.momentum
+            ghost.load_state_dict(child.state_dict())
+            setattr(module, name, ghost)
+        else:
+            use_ghost_batchnorm(child, group_size)
+
+
+class TorchvisionNet(nn.Module):
+    """A torchvision classification model (`--model=torchvision:resnet50`), built by
+    torchvision.models.get_model with random weights (weights=None: nothing is
+    downloaded) and fitted to this loop:
+    - its BatchNorm2d layers become ghost BatchNorm (`use_ghost_batchnorm`), so a step
+      does not depend on the microbatch size or the number of ranks, as with ResNet;
+      a model with other BatchNorm layers (1d, 3d, no running statistics) is refused;
+    - grey images (the digits) are repeated into the 3 channels torchvision expects;
+    - `blocks` (FSDP2 units, activation checkpointing, compilation): the children of
+      its top-level containers (torchvision ResNet's layer1..4 blocks, the stages of
+      `features` in VGG, MobileNet, EfficientNet, ConvNeXt) and its other top-level
+      children with parameters; what is in none of them stays with the root.
+    Its weights are under `net.` in the state dict: `model.net` is torchvision's model.
+    """
+
+    def __init__(self, arch: str, num_classes: int, bn_group_size: int) -> None:
+        super().__init__()
+        import torchvision.models  # checked importable by check_model at start-up
+
+        self.net = torchvision.models.get_model(
+            arch, weights=None, num_classes=num_classes
+        )
+        use_ghost_batchnorm(self.net, bn_group_size)
+        plain = {
+            type(m).__name__
+            for m in self.net.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            and not isinstance(m, BatchNorm2d)
+        }
+        if plain:
+            raise ValueError(
+                f"torchvision:{arch} has {', '.join(sorted(plain))} layers whose "
+                "statistics would depend on the microbatch size and the number of "
+                "ranks; pick another model or edit TorchvisionNet in model.py"
+            )
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        units = []
+        for child in self.net.children():
+            containers = (nn.Sequential, nn.ModuleList)
+            members = child.children() if isinstance(child, containers) else [child]
+            units += [m for m in members if next(m.parameters(), None) is not None]
+        return units
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """Class logits (batch, classes) for images (batch, channels, height, width)."""
+        if images.shape[1] == 1:  # grey: the same image in red, green and blue
+            images = images.expand(-1, 3, -1, -1)
+        return self.net(images)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

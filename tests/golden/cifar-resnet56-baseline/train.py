@@ -25,9 +25,12 @@ import torch.nn.functional as F
 import data
 from model import (
     PRESETS,
+    TORCHVISION,
     Preset,
     ResNet,
     ResNetConfig,
+    TorchvisionNet,
+    check_model,
     clear_step_stats,
     update_running_stats,
 )
@@ -53,7 +56,12 @@ class Config:
     num_workers: int = 8  # processes decoding images from disk (in-memory data: none)
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     # model
-    model: Preset = "cifar-resnet56"  # architecture preset, see PRESETS in model.py
+    # architecture: a preset (PRESETS in model.py); torchvision:NAME, any torchvision
+    # classification model (needs torchvision; random weights; its BatchNorm2d layers
+    # become ghost BatchNorm as below: TorchvisionNet in model.py); or auto: the
+    # recipe's cifar-resnet56 with --data, `tiny` on the embedded digits (1,437 8x8
+    # images: a CPU demo of minutes, where cifar-resnet56 would take much longer)
+    model: Preset | Literal["auto"] | str = "auto"  # auto, a preset, torchvision:NAME
     # BatchNorm statistics are taken over groups of this many samples ("ghost"
     # BatchNorm), so a step does not depend on the microbatch size or the number of
     # ranks: both the per-rank batch and device_microbatch_size must be multiples of it
@@ -127,10 +135,13 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
         hybrid_shard_size=cfg.hybrid_shard_size,
         compile=fsdp.resolve_compile(cfg.compile, env.device),
     )
-    # `auto` settled for this device: the run's config.toml records what ran.
+    # `auto` settled for this device and data: the run's config.toml records what ran.
     cfg.compile = parallel.compile
+    if cfg.model == "auto":
+        cfg.model = "cifar-resnet56" if cfg.data else "tiny"
     problem = fsdp.check(parallel, env) or microbatch.check(cfg.device_microbatch_size)
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
+    problem = problem or check_model(cfg.model)  # a preset, or torchvision importable
     problem = problem or early_stop.check(
         cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_min_delta
     )
@@ -143,8 +154,8 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     cfg.eval_resize = cfg.eval_resize or round(cfg.eval_image_size / 0.875)
     if cfg.eval_image_size < 1 or cfg.eval_resize < cfg.eval_image_size:
         config.fail(
-            f"eval_image_size={cfg.eval_image_size}, eval_resize={cfg.eval_resize}: the "
-            "crop must be at least 1 pixel and at most the resized short side"
+            f"eval_image_size={cfg.eval_image_size}, eval_resize={cfg.eval_resize}: "
+            "the crop must be at least 1 pixel and at most the resized short side"
         )
     if cfg.eval_batches < 0 or cfg.num_workers < 0:
         config.fail("eval_batches and num_workers must be at least 0")
@@ -269,24 +280,33 @@ def main() -> None:
     except (OSError, ValueError) as error:  # a missing path, a bad file, too few images
         config.fail(str(error))
 
+    if cfg.model.startswith(TORCHVISION):
+        try:  # a torchvision model, fitted to this loop (see TorchvisionNet)
+            name = cfg.model.removeprefix(TORCHVISION)
+            model = TorchvisionNet(name, len(images.classes), cfg.bn_group_size)
+        except ValueError as error:  # BatchNorm layers that cannot be made ghost
+            config.fail(str(error))
+    else:
+        model_config = ResNetConfig(
+            num_classes=len(images.classes),
+            in_channels=images.channels,
+            bn_group_size=cfg.bn_group_size,
+            **PRESETS[cfg.model],
+        )
+        model = ResNet(model_config)
+    model = model.to(env.device)
+    num_params = model.num_params()
+
     # One live start per run: a second (a requeue racing a dying job) is refused. The
     # OS lock is held until this process ends; the kernel drops it even after kill -9.
-    # Taken after the data is read: a data error leaves no run folder behind.
+    # Taken after the data is read and the model built: a bad input leaves no run
+    # folder behind.
     try:
         run_lock = runlock.acquire(run_dir)
     except runlock.RunInUse as error:
         config.fail(str(error))
     # Decoding images from disk happens in worker processes while the model trains.
     num_workers = cfg.num_workers if images.on_disk else 0
-
-    model_config = ResNetConfig(
-        num_classes=len(images.classes),
-        in_channels=images.channels,
-        bn_group_size=cfg.bn_group_size,
-        **PRESETS[cfg.model],
-    )
-    model = ResNet(model_config).to(env.device)
-    num_params = model.num_params()
 
     # event: MODEL
 
