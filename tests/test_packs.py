@@ -215,14 +215,19 @@ def test_deleting_an_algorithms_fences_by_hand_leaves_no_dangling_name(
 ) -> None:
     """An algorithm owns its Config fields, checks, helpers and metrics: cut every one of its
     fenced blocks out of train.py and the project still trains."""
-    recipe = next(r for r, p in generated.items() if f"# algorithm: {algorithm}\n" in (p / "train.py").read_text())
-    project = project_copy(generated[recipe])
+    shipped = [p for p in generated.values() if f"# algorithm: {algorithm}\n" in (p / "train.py").read_text()]
+    task = CATALOG[algorithm].tasks[0]
+    if shipped:
+        project = project_copy(shipped[0])
+    else:  # in no shipped recipe: the algorithm alone on its first task
+        project = tmp_path / "alone"
+        new_project(str(recipe_for(tmp_path, task, TASKS[task].models[0], [algorithm])), project, [], "p")
     train = project / "train.py"
     fence = re.compile(rf"\n[ ]*# algorithm: {algorithm}\n.*?# end algorithm: {algorithm}\n", re.S)
     text, cuts = fence.subn("\n", train.read_text())
     assert cuts >= 2
     train.write_text(text)
-    rows = train_in_process(project, tmp_path / "work", monkeypatch)
+    rows = train_in_process(project, tmp_path / "work", monkeypatch, *TASK_ARGS.get(task, []))
     assert [row["step"] for row in rows if "loss" in row] == [1, 2]
 
 

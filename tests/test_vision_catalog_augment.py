@@ -187,7 +187,7 @@ def test_augmix_jsd_equals_its_closed_form(am) -> None:
 
 
 def test_augmix_jsd_step_does_not_depend_on_the_microbatch_size(projects: dict[str, Path], tmp_path: Path) -> None:
-    args = [*SMALL, "--max_duration=2ba", "--eval_interval=2ba", "--lr=0.5"]
+    args = [a for a in SMALL if "microbatch" not in a] + ["--max_duration=2ba", "--eval_interval=2ba", "--lr=0.5"]
     runs = {}
     for micro in (2, 8):
         result = run_train(projects["augmix"], tmp_path, *args, f"--device_microbatch_size={micro}",
@@ -195,10 +195,10 @@ def test_augmix_jsd_step_does_not_depend_on_the_microbatch_size(projects: dict[s
         assert result.returncode == 0, result.stderr[-3000:]
         runs[micro] = [row["loss"] for row in read_metrics(tmp_path, f"m{micro}")]
     assert runs[2] == pytest.approx(runs[8], abs=2e-6)
-    plain = run_train(projects["augmix"], tmp_path, *args, "--augmix_jsd=false", "--run_name=plain")
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    # the consistency term is in the loss (12 x a positive divergence)
-    assert read_metrics(tmp_path, "plain")[0]["loss"] < runs[8][0]
+    unweighted = run_train(projects["augmix"], tmp_path, *args, "--augmix_jsd_weight=0", "--run_name=w0")
+    assert unweighted.returncode == 0, unweighted.stderr[-3000:]
+    # the same clean images and weights at step 1: the difference is 12 x a divergence > 0
+    assert read_metrics(tmp_path, "w0")[0]["loss"] < runs[8][0]
 
 
 # ---------------------------------------------------------------- progressive resizing
@@ -209,7 +209,7 @@ def test_size_schedule_matches_composers_formula(ra) -> None:
     cfg = train.Config(progressive_resizing_initial_scale=0.5, progressive_resizing_delay_fraction=0.4,
                        progressive_resizing_finetune_fraction=0.2, progressive_resizing_size_increment=4)
     # scale = 0.5 until 0.4, then linear to 1.0 at 0.8 (= 1 - finetune); width rounded to 4
-    for fraction, scale in ((0.0, 0.5), (0.4, 0.5), (0.5, 0.625), (0.65, 0.8125), (0.8, 1.0), (0.99, 1.0)):
+    for fraction, scale in ((0.0, 0.5), (0.4, 0.5), (0.5, 0.625), (0.7, 0.875), (0.8, 1.0), (0.99, 1.0)):
         width = round(224 * scale / 4) * 4
         assert train.progressive_resizing_size(fraction, 224, 224, cfg) == (width, width), fraction
     # the height follows the width's factor (Composer rounds the width only)
@@ -251,9 +251,9 @@ def test_kill_9_resume_continues_the_schedule_bitwise(projects: dict[str, Path],
     """RandAugment in DataLoader workers + progressive resizing on 24-pixel images: a run killed
     (-9) inside its 5th save and rerun equals an uninterrupted one bitwise, sizes included."""
     project = projects["randaugment"]
-    folder = image_folder(tmp_path / "images", size=24, per_class=16)
+    folder = image_folder(tmp_path / "images", size=24, per_class=40)
     args = [*SMALL, f"--data={folder}", "--image_size=24", "--num_workers=2", "--max_duration=10ba",
-            "--eval_interval=5ba", "--save_interval=1ba"]
+            "--eval_interval=10ba", "--save_interval=1ba"]
     result = run_train(project, tmp_path, *args, "--run_name=ref")
     assert result.returncode == 0, result.stderr[-3000:]
     expected = read_metrics(tmp_path, "ref")
