@@ -274,3 +274,40 @@ def test_kill_9_resume_continues_the_schedule_bitwise(projects: dict[str, Path],
         width = min(24, round(24 * (0.5 + 0.5 * grown) / 4) * 4)
         assert row["image_width"] == width, row
     assert len({row["image_width"] for row in expected}) >= 3
+
+
+@pytest.mark.parametrize(("which", "arg", "message"), [
+    ("randaugment", "--randaugment_severity=11", "error: randaugment_depth=2 must be at least 1 and "
+                                                 "randaugment_severity=11 within 0..10"),
+    ("augmix", "--augmix_alpha=0", "error: augmix_alpha=0.0 must be above 0 and augmix_jsd_weight=12.0 at least 0"),
+    ("augmix", "--augmix_depth=0", "error: augmix_depth=0 must be -1 (1 to 3) or at least 1"),
+    ("randaugment", "--progressive_resizing_finetune_fraction=0.9",
+     "error: progressive_resizing_delay_fraction=0.2 and _finetune_fraction=0.9 must be within 0..1, "
+     "together at most 1"),
+])
+def test_a_hyperparameter_out_of_range_is_one_line_exit_2(which: str, arg: str, message: str,
+                                                          projects: dict[str, Path], tmp_path: Path) -> None:
+    result = run_train(projects[which], tmp_path, *SMALL, arg, "--run_name=bad")
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [message]
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_compiled_progressive_resizing_finishes_with_bounded_graphs(projects: dict[str, Path],
+                                                                    tmp_path: Path) -> None:
+    """compile=true through sizes 12, 16, 20, 24: static graphs per size (the automatic
+    dynamic graph crashed Inductor here), each recompile within the raised limit, no fallback
+    to eager, the run finishes. Minutes on a CPU."""
+    folder = image_folder(tmp_path / "images", size=24, per_class=40)
+    args = [*SMALL, f"--data={folder}", "--image_size=24", "--num_workers=0", "--max_duration=10ba",
+            "--eval_interval=10ba", "--compile=true", "--run_name=compiled"]
+    result = subprocess.run([sys.executable, str(projects["randaugment"] / "train.py"), *args, "--device=cpu"],
+                            cwd=tmp_path, env={**checkout_env(), "TORCH_LOGS": "recompiles"},
+                            capture_output=True, text=True, timeout=1500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    widths = [row["image_width"] for row in read_metrics(tmp_path, "compiled")]
+    assert sorted(set(widths)) == [12, 16, 20, 24]
+    recompiles = result.stderr.count("Recompiling function")
+    blocks, sizes = 3, 24 // 4 + 1  # the tiny ResNet's blocks; sizes within the increment's bound
+    assert 0 < recompiles < 4 * sizes * blocks
+    assert "recompile_limit" not in result.stderr
