@@ -34,8 +34,12 @@ EVENTS = (
     "AFTER_FORWARD", "LOSS", "AFTER_BACKWARD", "BATCH_END", "EVAL", "EPOCH_END", "FIT_END",
 )
 # Other places in train.py an algorithm may write: its imports, Config fields, config checks,
-# module-level helper functions and logged metrics.
-TRAIN_SECTIONS = ("imports", "config", "checks", "functions", "metrics")
+# module-level helper functions, logged metrics, and the list of per-sample training-data
+# augmentations (`augment`, in a module-level function that builds it from the Config).
+TRAIN_SECTIONS = ("imports", "config", "checks", "functions", "metrics", "augment")
+# Places in a task's data.py an algorithm may write: module-level helper functions (the
+# per-sample augmentations the DataLoader workers run).
+DATA_SECTIONS = ("functions",)
 # Code of train.py an algorithm may replace (at most one algorithm each), and the event it
 # belongs to: `train.optimizer` stands instead of the task's optimizer construction;
 # `train.backward` instead of the call of forward_backward() inside a microbatch attempt (an
@@ -162,12 +166,14 @@ def _spot_of(snippet: Path) -> str:
     parts = spot.split(".")
     valid = (
         (len(parts) == 2 and parts[0] == "train" and parts[1] in EVENTS + TRAIN_SECTIONS + tuple(TRAIN_POINTS))
+        or (len(parts) == 2 and parts[0] == "data" and parts[1] in DATA_SECTIONS)
         or (len(parts) == 3 and parts[0] == "model")
     )
     if not valid:
         raise CatalogError(
             f"{snippet}: a snippet is named "
-            f"train.<EVENT|{'|'.join(TRAIN_SECTIONS + tuple(TRAIN_POINTS))}>{SNIPPET_SUFFIX} "
+            f"train.<EVENT|{'|'.join(TRAIN_SECTIONS + tuple(TRAIN_POINTS))}>{SNIPPET_SUFFIX}, "
+            f"data.<{'|'.join(DATA_SECTIONS)}>{SNIPPET_SUFFIX} "
             f"or model.<family>.<extension point>{SNIPPET_SUFFIX}"
         )
     return spot

@@ -11,11 +11,12 @@ package ships, without importing it. A fixed 20% of it is held out for validatio
 
 Augmentation: random-resized crop and horizontal flip for ImageFolder data (evaluation:
 resize the short side to eval_resize, centre crop); pad-and-crop and flip for
-CIFAR; pad-and-crop (no flip: a mirrored digit is another digit) for the digits.
-Every random choice is drawn from a generator seeded by (seed, epoch, sample index), and
-epoch e visits the samples in a permutation seeded by (seed, e): any batch is a pure
-function of (seed, epoch, batch index), on any number of ranks, in any DataLoader
-worker, after any resume.
+CIFAR; pad-and-crop (no flip: a mirrored digit is another digit) for the digits; then
+the per-sample augmentations train.py passes in (`augment`, in order). Every random
+choice is drawn from a generator seeded by (seed, epoch, sample index), and epoch e
+visits the samples in a permutation seeded by (seed, e): any batch is a pure function of
+(seed, epoch, batch index), on any number of ranks, in any DataLoader worker, after any
+resume.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +40,9 @@ CIFAR_CLASSES = "airplane automobile bird cat deer dog frog horse ship truck".sp
 IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 CIFAR_STATS = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
 DIGITS_VAL_FRACTION = 0.2
+# A per-sample augmentation of a training image: (uint8 pixels H x W x C, the sample's
+# generator) -> uint8 pixels, H x W x C, or V x H x W x C for V views of the sample.
+Augment = Callable[[np.ndarray, np.random.Generator], np.ndarray]
 
 
 @dataclass
@@ -271,7 +276,8 @@ def center_crop(image: Image.Image, size: int, resize: int) -> np.ndarray:
 
 class Batches(torch.utils.data.Dataset):
     """Item i: this rank's share of global batch i of `epoch`: uint8 images (N, C, H,
-    W), int64 labels and float weights. Training batches are shuffled and augmented;
+    W; N, V, C, H, W when an augmentation returns V views of each sample), int64 labels
+    and float weights. Training batches are shuffled and augmented;
     validation batches are in file order, not augmented, and the last one is padded
     with weight-0 samples so that every rank runs the same number of forward passes."""
 
@@ -286,8 +292,10 @@ class Batches(torch.utils.data.Dataset):
         rank: int = 0,
         world_size: int = 1,
         resize: int = 0,
+        augment: Sequence[Augment] = (),
     ) -> None:
         self.data, self.split, self.train = data, getattr(data, split), split == "train"
+        self.augment = augment  # training only, after the crop
         self.batch_size, self.seed, self.image_size = batch_size, seed, image_size
         self.resize = resize or round(image_size / 0.875)  # evaluation's short side
         self.epoch, self.rank, self.world_size = epoch, rank, world_size
@@ -319,23 +327,29 @@ class Batches(torch.utils.data.Dataset):
         weight[len(ids) :] = 0  # past the end of the validation split: padding
         ids = np.concatenate([ids, np.zeros(share - len(ids), dtype=ids.dtype)])
         images = np.stack([self.transform(int(i)) for i in ids])
-        images = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous()
+        images = torch.from_numpy(images).movedim(-1, -3).contiguous()  # channels first
         return images, torch.from_numpy(self.split.labels[ids]), weight
 
     def transform(self, i: int) -> np.ndarray:
         """Sample i; training: augmented by a generator seeded with (seed, epoch, i)."""
         image = self.split.image(i)
-        rng = np.random.default_rng([self.seed, self.epoch, i])
         kind = self.data.kind
-        if kind == "folder":
-            if self.train:
-                return random_resized_crop(image, self.image_size, rng)
-            return center_crop(image, self.image_size, self.resize)
         if not self.train:
-            return image
-        return pad_crop_flip(
-            image, pad=1 if kind == "digits" else 4, flip=kind == "cifar", rng=rng
-        )
+            return (
+                center_crop(image, self.image_size, self.resize)
+                if kind == "folder"
+                else image
+            )
+        rng = np.random.default_rng([self.seed, self.epoch, i])
+        if kind == "folder":
+            image = random_resized_crop(image, self.image_size, rng)
+        else:
+            image = pad_crop_flip(
+                image, pad=1 if kind == "digits" else 4, flip=kind == "cifar", rng=rng
+            )
+        for augment in self.augment:  # drawing from the same generator, in order
+            image = augment(np.array(image), rng)  # a writable, contiguous copy
+        return image
 
 
 def loader(

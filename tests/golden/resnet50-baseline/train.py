@@ -204,6 +204,15 @@ def lr_at(fraction: float, cfg: Config) -> float:
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * decayed))
 
 
+def augmentations(cfg: Config) -> list[data.Augment]:
+    """Per-sample augmentations of the training images, applied in this order after the
+    crop (data.Batches.transform; in the DataLoader workers for images on disk). Each
+    draws from the sample's generator, seeded by (seed, epoch, sample index)."""
+    augment: list[data.Augment] = []
+
+    return augment
+
+
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
@@ -273,6 +282,7 @@ def main() -> None:
             image_size=cfg.image_size,
             rank=env.rank,
             world_size=env.world_size,
+            augment=augmentations(cfg),
         )
         train_batches = data.Batches(images, "train", **batches)
         val_sizes = dict(image_size=cfg.eval_image_size, resize=cfg.eval_resize)
