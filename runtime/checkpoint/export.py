@@ -14,15 +14,13 @@ from runtime.checkpoint import layout, reading, storage
 from runtime.checkpoint.layout import CheckpointError
 
 
-def export_safetensors(source: Path | str, out_file: Path | str) -> dict[str, Any]:
-    """Consolidate a checkpoint's model weights into one safetensors file.
+def read_weights(source: Path | str) -> tuple[dict[str, torch.Tensor], int, Path | str]:
+    """A checkpoint's full model weights (keys without the `model.` prefix), its step, and
+    the checkpoint it read (a local folder, or the URL of a remote one).
 
     `source` is a step-<N> folder, or a run or checkpoints folder (its newest complete
-    checkpoint), local or at an fsspec URL (downloaded to a temporary folder). Shards saved on any number of ranks are assembled into full tensors. Tied
-    weights (GPT-2's `lm_head.weight` is `wte.weight`) are saved under each name as separate
-    copies, so `model.load_state_dict(safetensors.torch.load_file(out))` works unchanged
-    (and re-ties them: both names load into the one shared parameter). The file's metadata
-    records the source checkpoint and its step. Returns a summary dict.
+    checkpoint), local or at an fsspec URL (downloaded to a temporary folder). Shards saved
+    on any number of ranks are assembled into full tensors, without a process group.
     """
     if storage.is_remote(source):
         remote = storage.Remote(str(source))
@@ -30,19 +28,41 @@ def export_safetensors(source: Path | str, out_file: Path | str) -> dict[str, An
             found = remote.resolve(remote.root)
             with tempfile.TemporaryDirectory(prefix="scaffold-export-") as scratch:
                 local = remote.download(found, Path(scratch))
-                return {**_export(local, out_file, remote.display(found)), "checkpoint": remote.display(found)}
+                weights, step = _read(local)
+                return weights, step, remote.display(found)
         except CheckpointError:
             raise
         except Exception as error:  # noqa: BLE001 - unreachable or refusing store
             from runtime.checkpoint.failures import cause
 
             raise CheckpointError(f"cannot read {remote}: {cause(error)}") from error
-    return _export(layout.resolve(storage.local_path(source)), out_file, None)
+    path = layout.resolve(storage.local_path(source))
+    weights, step = _read(path)
+    return weights, step, path
 
 
-def _export(path: Path, out_file: Path | str, name: str | None) -> dict[str, Any]:
+def export_safetensors(source: Path | str, out_file: Path | str) -> dict[str, Any]:
+    """Consolidate a checkpoint's model weights (see `read_weights`) into one safetensors file.
+
+    Tied weights (GPT-2's `lm_head.weight` is `wte.weight`) are saved under each name as
+    separate copies, so `model.load_state_dict(safetensors.torch.load_file(out))` works
+    unchanged (and re-ties them: both names load into the one shared parameter). The file's
+    metadata records the source checkpoint and its step. Returns a summary dict.
+    """
     from safetensors.torch import save_file
 
+    weights, step, checkpoint = read_weights(source)
+    out = Path(out_file)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp),
+              metadata={"checkpoint": str(checkpoint), "step": str(step), "format": "pt"})
+    os.replace(tmp, out)
+    return {"checkpoint": checkpoint, "step": step, "tensors": len(weights),
+            "numel": sum(v.numel() for v in weights.values()), "file": out}
+
+
+def _read(path: Path) -> tuple[dict[str, torch.Tensor], int]:
     metadata = reading.read_metadata(path)
     reading.check_files(path, metadata)
     weights = {
@@ -53,12 +73,4 @@ def _export(path: Path, out_file: Path | str, name: str | None) -> dict[str, Any
     if not weights:
         raise CheckpointError(f"{path} holds no model weights")
     reading.load({"model": weights}, path, no_dist=True)
-    step = int(layout.read_train_state(path)["progress"]["batch"])
-    out = Path(out_file)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp),
-              metadata={"checkpoint": name or str(path), "step": str(step), "format": "pt"})
-    os.replace(tmp, out)
-    return {"checkpoint": path, "step": step, "tensors": len(weights),
-            "numel": sum(v.numel() for v in weights.values()), "file": out}
+    return weights, int(layout.read_train_state(path)["progress"]["batch"])
