@@ -53,7 +53,7 @@ def read_gpt2(source: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     if config.model_type != "gpt2":
         raise HFError(f"a {config.model_type} model, not GPT-2 (GPT2LMHeadModel)")
     try:
-        model = transformers.GPT2LMHeadModel.from_pretrained(source, dtype=torch.float32)
+        model = transformers.GPT2LMHeadModel.from_pretrained(source)  # converted to fp32 by model.py
     except (OSError, ValueError, RuntimeError) as error:
         raise HFError(_first_line(error)) from None
     weights = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
