@@ -299,13 +299,20 @@ def from_hf_gpt2(
         raise ValueError(
             f"the checkpoint has {sizes}, the model {ours}: {matching_preset(sizes)}"
         )
-    if hf_config.get("activation_function", "gelu_new") not in (
-        "gelu_new",
-        "gelu_pytorch_tanh",
-    ):
-        raise ValueError(
-            f"activation {hf_config['activation_function']}; GPT-2's is gelu_new"
-        )
+    # Settings of GPT-2 variants that compute another function than this model does.
+    allowed = {
+        "activation_function": ("gelu_new", "gelu_pytorch_tanh"),  # both tanh GELU
+        "n_inner": (None, 4 * config.n_embd),
+        "layer_norm_epsilon": (1e-5,),
+        "scale_attn_weights": (True,),
+        "scale_attn_by_inverse_layer_idx": (False,),
+        "tie_word_embeddings": (True,),
+    }
+    for key, values in allowed.items():
+        if hf_config.get(key, values[0]) not in values:
+            raise ValueError(
+                f"{key}={hf_config[key]}: this model has {key}={values[0]}"
+            )
     vocab, positions = int(hf_config["vocab_size"]), int(hf_config["n_positions"])
     if vocab != config.vocab_size:
         raise ValueError(
@@ -318,11 +325,11 @@ def from_hf_gpt2(
         )
     state = {}
     for name, (key, transposed) in hf_gpt2_names(config.n_layer).items():
-        if key.removeprefix("transformer.") not in theirs:
+        tensor = theirs.get(key.removeprefix("transformer."))
+        if tensor is None:
             raise ValueError(
                 f"the checkpoint has no {key}: not GPT2LMHeadModel's layout"
             )
-        tensor = theirs[key.removeprefix("transformer.")]
         state[name] = (tensor.t() if transposed else tensor).float().contiguous()
     state["wpe.weight"] = state["wpe.weight"][: config.max_seq_len].clone()
     state["lm_head.weight"] = state["wte.weight"]  # tied
