@@ -255,7 +255,25 @@ def export(
             "local or a URL (s3://bucket/run/checkpoints, with s3fs installed).",
         ),
     ],
-    out_file: Annotated[Path, typer.Argument(metavar="OUT", help="The .safetensors file to write.")],
+    out_path: Annotated[
+        Path,
+        typer.Argument(metavar="OUT", help="The .safetensors file to write; with --format hf, a folder."),
+    ],
+    format_: Annotated[
+        str,
+        typer.Option("--format", help="safetensors: the model's own weights in one file; hf: a "
+                     "Hugging Face GPT-2 folder (config.json + model.safetensors) for GPT2LMHeadModel "
+                     "(causal_lm projects with learned positions)."),
+    ] = "safetensors",
+    run_config: Annotated[
+        Optional[Path],
+        typer.Option("--run-config", help="--format hf: the run's config.toml (default: beside a local run).")
+    ] = None,
+    project: Annotated[
+        Optional[Path],
+        typer.Option("--project", help="--format hf: the project whose model.py trained the run "
+                     "(default: the folder holding runs/, else the current one).")
+    ] = None,
     entry: Annotated[
         str,
         typer.Option(
@@ -265,15 +283,25 @@ def export(
         ),
     ] = "",
 ) -> None:
-    """Consolidate a sharded checkpoint's model weights into one safetensors file (no GPUs needed)."""
+    """Consolidate a sharded checkpoint's model weights into one safetensors file, or a Hugging
+    Face GPT-2 folder (no GPUs needed)."""
     from runtime.checkpoint import CheckpointError, export_safetensors  # torch: slow to import
 
+    if format_ not in ("safetensors", "hf"):
+        raise _fail(f"--format={format_}: use safetensors or hf")
     try:
-        info = export_safetensors(source, out_file, entry)
+        if format_ == "hf":
+            from runtime.hf import export_gpt2
+
+            info = export_gpt2(source, out_path, run_config=run_config, project=project)
+            what = f"{info['folder']} (config.json, model.safetensors)"
+        else:
+            info = export_safetensors(source, out_path, entry)
+            what = f"{info['file']} (state entry '{info['entry']}')"
     except CheckpointError as error:
         raise _fail(str(error)) from None
     out.print(
-        f"wrote {info['file']}: {info['tensors']} tensors ({info['numel']:,} values) of '{info['entry']}' "
+        f"wrote {what}: {info['tensors']} tensors ({info['numel']:,} values) "
         f"from {info['checkpoint']} (step {info['step']})",
         markup=False,
     )

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from projects import checkout_env, read_metrics
+from projects import checkout_env, project_modules, read_metrics
 from runtime import checkpoint
 from runtime.time import Progress
 from test_checkpoint import BATCHES_PER_EPOCH, build, same_params, state, train
@@ -414,8 +414,27 @@ def test_generated_project_resumes_from_s3_after_kill_on_other_world_size(
                               env={**checkout_env(), **env}, timeout=300)
     assert exported.returncode == 0, exported.stderr
     assert "from s3://ckpt/run/step-4 (step 4)" in exported.stdout
+    # The same checkpoint as a Hugging Face GPT-2 folder: the run's config.toml names the preset.
+    hf_exported = subprocess.run([sys.executable, "-c", "from scaffold.cli import main; main()", "export",
+                                  "--format", "hf", "s3://ckpt/run", str(second / "hf"), "--run-config",
+                                  str(second / "runs" / "s3" / "config.toml"), "--project", str(train_py.parent)],
+                                 cwd=second, capture_output=True, text=True, env={**checkout_env(), **env}, timeout=300)
+    assert hf_exported.returncode == 0, hf_exported.stderr
+    assert "from s3://ckpt/run/step-4 (step 4)" in hf_exported.stdout
+    from safetensors.torch import load_file
+
+    transformers = pytest.importorskip("transformers")
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with project_modules(train_py.parent) as modules:
+        m = modules["model"]
+        model = m.GPT(m.GPTConfig(vocab_size=256, max_seq_len=32, **m.PRESETS["tiny"])).eval()
+        model.load_state_dict(load_file(second / "out.safetensors"))
+        with torch.no_grad():
+            ours = model(tokens)
+            theirs = transformers.GPT2LMHeadModel.from_pretrained(second / "hf").eval()(tokens).logits
+    assert (ours - theirs).abs().max().item() < 1e-5
     secret = env["AWS_SECRET_ACCESS_KEY"]
-    for result in (killed, resumed, exported):
+    for result in (killed, resumed, exported, hf_exported):
         assert secret not in result.stdout + result.stderr
     for folder in (first, second):
         assert not [p for p in folder.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]

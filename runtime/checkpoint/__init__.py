@@ -15,7 +15,7 @@ URLs: staged uploads, downloads, remote rotation), `failures` (a storage failure
 `writing` (DCP's writer whose threads report their errors).
 """
 
-from runtime.checkpoint.checkpointer import Checkpointer, Resumed, load
+from runtime.checkpoint.checkpointer import Checkpointer, Resumed, load, will_resume
 from runtime.checkpoint.compat import resume, save, wait  # scaffold 0.1.0 projects, until upgraded
 from runtime.checkpoint.export import export_safetensors
 from runtime.checkpoint.failures import StorageError
@@ -31,4 +31,4 @@ from runtime.checkpoint.layout import (
 
 __all__ = ("MARKER", "TRAIN_STATE", "CheckpointError", "Checkpointer", "Resumed", "StorageError",
            "export_safetensors", "is_complete", "latest", "load", "remove_incomplete", "resolve",
-           "resume", "save", "wait")
+           "resume", "save", "wait", "will_resume")

@@ -76,6 +76,19 @@ def load(path: Path, state: dict[str, Any], progress: Progress | None = None, *,
     return {**train_state["extra"], "rng_restored": rng_restored, "world_size": train_state["world_size"]}
 
 
+def will_resume(folder: Path | str, *, load_path: str = "", autoresume: bool = True) -> bool:
+    """Whether `Checkpointer(folder).resume(...)` will load weights: a load_path, or (with
+    autoresume) a complete checkpoint in `folder`. Reads only; call before the model is built
+    to skip an initialisation the resume would overwrite."""
+    if load_path:
+        return True
+    if not autoresume:
+        return False
+    if storage.is_remote(folder):
+        return storage.Remote(str(folder)).latest() is not None
+    return layout.latest(storage.local_path(folder)) is not None
+
+
 @dataclass
 class Resumed:
     """What `resume()` loaded, and the lines that say so in the log."""

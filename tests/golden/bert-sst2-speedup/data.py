@@ -34,7 +34,7 @@ import torch
 # Share of a file's rows held out for validation when there is no --val_data.
 VAL_FRACTION = 0.1
 # The embedded data: at most this many lines of each label, from this many stdlib files.
-EMBEDDED_PER_LABEL = 3000
+EMBEDDED_PER_LABEL = 640
 TEXT_COLUMNS = ("text", "sentence")
 
 

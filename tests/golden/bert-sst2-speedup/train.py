@@ -53,7 +53,12 @@ class Config:
     # samples per forward/backward, accumulated; auto: the largest that fits in memory
     device_microbatch_size: int | Literal["auto"] = 16
     max_device_microbatch_size: int = 0  # where auto starts; 0: the per-rank batch
-    lr: float = 2e-05  # peak learning rate (AdamW)
+    # peak learning rate (AdamW); auto: 2e-05 (the recipe's, for fine-tuning a
+    # pretrained model), or demo_lr for model=tiny
+    lr: float | Literal["auto"] = "auto"
+    # The offline demo (model=tiny) is a random init trained from scratch: fine-tuning's
+    # small rate barely moves it in 3 epochs, so lr=auto uses this one.
+    demo_lr: float = 1e-3
     lr_warmup: Time = Time.parse("0.06dur")  # linear from 0, then linear to 0
     weight_decay: float = 0.01  # decoupled (AdamW), weight matrices only
     beta1: float = 0.9
@@ -118,6 +123,8 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     )
     # `auto` settled for this device: the run's config.toml records what ran.
     cfg.precision, cfg.compile = parallel.precision, parallel.compile
+    if cfg.lr == "auto":  # the recipe's rate; the offline demo's for model=tiny
+        cfg.lr = cfg.demo_lr if cfg.model == "tiny" else 2e-05
     problem = fsdp.check(parallel, env) or microbatch.check(cfg.device_microbatch_size)
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
     problem = problem or early_stop.check(

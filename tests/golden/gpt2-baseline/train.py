@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from data import Batches, load_tokens, val_batches
-from model import GPT, PRESETS, GPTConfig, Preset
-from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, preempt
+from model import GPT, HF_LAYOUT_CHANGES, PRESETS, GPTConfig, Preset, from_hf_gpt2
+from runtime import checkpoint, config, dist, early_stop, fsdp, hf, microbatch, preempt
 from runtime import profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum
 from runtime.time import Progress, Time, as_fraction
@@ -42,6 +42,9 @@ class Config:
     model: Preset = "tiny"  # size preset, see PRESETS in model.py
     seq_len: int = 128  # tokens per training sequence
     dropout: float = 0.0
+    # Hugging Face GPT-2 weights to start from (GPT2LMHeadModel: a save_pretrained folder
+    # or a hub id; needs transformers). "": random init. A resumed run ignores it.
+    init_from: str = ""
     # optimization; Time strings: 10ep, 2000ba (steps), 4096sp, 1e6tok, 0.25dur
     max_duration: Time = Time.parse("600ba")  # training length
     global_batch_size: int = 16  # samples per step, summed over ranks
@@ -134,6 +137,9 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
         as_fraction(cfg.lr_warmup, cfg.max_duration)
     except ValueError as error:
         config.fail(f"lr_warmup: {error}")
+    if cfg.init_from and HF_LAYOUT_CHANGES:  # see model.py
+        reasons = "; ".join(f"{name}: {why}" for name, why in HF_LAYOUT_CHANGES.items())
+        config.fail(f"init_from: GPT-2's weights do not fit this model ({reasons})")
 
     # FSDP and DDP need a process group, on one process too (a group of one rank).
     needs_group = parallel.parallelism != "none"
@@ -224,6 +230,29 @@ def main() -> None:
     except (OSError, ValueError) as error:  # a missing path, too little data
         config.fail(str(error))
 
+    model_config = GPTConfig(
+        vocab_size=tokens.vocab_size,
+        max_seq_len=cfg.seq_len,
+        dropout=cfg.dropout,
+        **PRESETS[cfg.model],
+    )
+    # init_from: GPT-2's weights, read and checked (sizes, vocabulary, positions) before
+    # anything is written. A run that resumes (its own checkpoint, or load_path) takes
+    # its weights from the checkpoint instead: init_from is then not read at all.
+    init_weights, init_note = None, ""
+    checkpoints = cfg.save_folder or run_dir / "checkpoints"
+    if cfg.init_from:
+        if checkpoint.will_resume(
+            checkpoints, load_path=cfg.load_path, autoresume=cfg.autoresume
+        ):
+            init_note = f"init_from={cfg.init_from}: not read, the run resumes instead"
+        else:
+            try:
+                init_weights = from_hf_gpt2(*hf.read_gpt2(cfg.init_from), model_config)
+            except ValueError as error:  # hf.HFError too
+                config.fail(f"init_from={cfg.init_from}: {error}")
+            init_note = f"init_from={cfg.init_from}: Hugging Face GPT-2 weights"
+
     # One live start per run: a second (a requeue racing a dying job) is refused. The
     # OS lock is held until this process ends; the kernel drops it even after kill -9.
     # Taken after the data is read: a data error leaves no run folder behind.
@@ -232,13 +261,10 @@ def main() -> None:
     except runlock.RunInUse as error:
         config.fail(str(error))
 
-    model_config = GPTConfig(
-        vocab_size=tokens.vocab_size,
-        max_seq_len=cfg.seq_len,
-        dropout=cfg.dropout,
-        **PRESETS[cfg.model],
-    )
-    model = GPT(model_config).to(env.device)
+    model = GPT(model_config)
+    if init_weights is not None:
+        model.load_state_dict(init_weights)  # every weight; lm_head re-tied to wte
+    model = model.to(env.device)
     num_params = model.num_params()
 
     # event: MODEL
@@ -272,7 +298,7 @@ def main() -> None:
     # function of progress (the global sample cursor): nothing is replayed.
     progress = Progress(batches_per_epoch=train_batches.batches_per_epoch)
     checkpointer = checkpoint.Checkpointer(
-        cfg.save_folder or run_dir / "checkpoints",
+        checkpoints,
         keep=cfg.save_num_checkpoints_to_keep,
         async_save=cfg.save_async,
     )
@@ -297,6 +323,8 @@ def main() -> None:
     monitor.info(f"data: {tokens.source}")
     monitor.info(f"tokens: {len(tokens.train):,} train, {len(tokens.val):,} validation")
     monitor.info(f"model: {cfg.model}, {num_params:,} parameters")
+    if init_note:
+        monitor.info(init_note)
     monitor.info(f"parallelism: {parallel.parallelism}, {env.world_size} process(es)")
     for line in resumed.describe() if resumed else []:
         monitor.info(line)
