@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,8 @@ META = "meta.json"
 # Chunks whose samples are shuffled together: more mixes better, fewer caches less.
 SHUFFLE_CHUNKS = 4
 INSTALL = (
-    "pip install --no-deps litdata==0.2.76 && pip install 'scaffold[stream]' "
-    "(see the README: litdata's own requirements pull a torchvision that breaks a CPU torch)"
+    "pip install 'scaffold[stream]' (CUDA), or with a CPU torch: pip install "
+    "'scaffold[stream-cpu]' && pip install --no-deps litdata==0.2.76"
 )
 
 
@@ -134,6 +135,18 @@ def open_split(root: str, split: str, block_size: int = 0) -> Shards:
     loader = litdata.TokensLoader(block_size=block_size) if block_size else None
     cache = os.environ.get("SCAFFOLD_SHARD_CACHE") or None
     dataset = litdata.StreamingDataset(url, item_loader=loader, cache_dir=cache)
+    # Fetch the index into the cache now, before DataLoader workers start. Ranks sharing a
+    # cache race for it, and litdata gives up after 1 s on an index another process is
+    # still downloading ("doesn't contain any index.json"): a retry then finds it there.
+    for wait in (0.5, 1, 2, 4, 8, None):
+        try:
+            len(dataset)  # creates litdata's cache: downloads index.json
+            break
+        except Exception as error:  # a refusing store, or that race
+            if wait is None:
+                raise ShardError(f"--data={root}: cannot open {split}/ ({type(error).__name__}: "
+                                 f"{str(error).splitlines()[0] if str(error) else ''})") from None
+            time.sleep(wait)
     return Shards(url, dataset, counts)
 
 
