@@ -42,7 +42,7 @@ STOP_AFTER = TESTS / "stop_after.py"
 LM = ["--device=cpu", "--seq_len=32", "--global_batch_size=12", "--device_microbatch_size=3",
       "--eval_batches=1", "--dist_timeout=120"]
 IMAGE = ["--device=cpu", "--model=tiny", "--precision=fp32", "--global_batch_size=12",
-         "--device_microbatch_size=2", "--bn_group_size=2", "--lr=0.2", "--eval_batches=2",
+         "--device_microbatch_size=2", "--bn_group_size=2", "--lr=0.2", "--lr_warmup=0.25dur", "--eval_batches=2",
          "--num_workers=1"]
 
 
