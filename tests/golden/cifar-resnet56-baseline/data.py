@@ -422,7 +422,9 @@ class Batches(torch.utils.data.Dataset):
         weight = torch.ones(share)
         weight[len(ids) :] = 0  # past the end of the validation split: padding
         ids = np.concatenate([ids, np.zeros(share - len(ids), dtype=ids.dtype)])
-        samples = [self.split.sample(int(i)) for i in ids]
+        # Read in index order (shards: chunk by chunk, cheaper), keep the batch's order.
+        loaded = {i: self.split.sample(i) for i in sorted(set(map(int, ids)))}
+        samples = [loaded[int(i)] for i in ids]
         images = np.stack(
             [self.transform(image, int(i)) for (image, _), i in zip(samples, ids)]
         )

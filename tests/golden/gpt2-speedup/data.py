@@ -311,7 +311,7 @@ def windows(
 ) -> torch.Tensor:
     """Stack windows `ids` (each seq_len + 1 tokens) into an int64 tensor."""
     if isinstance(tokens, shards.Shards):
-        rows = [np.asarray(tokens[i]) for i in ids]
+        rows = [np.asarray(row) for row in tokens.take(ids)]
     else:
         rows = [tokens[i * seq_len : i * seq_len + seq_len + 1] for i in ids]
     if not pin_memory:
