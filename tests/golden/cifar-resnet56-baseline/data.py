@@ -7,7 +7,12 @@ package ships, without importing it. A fixed 20% of it is held out for validatio
 - an ImageFolder tree: `PATH/train/<class>/*.jpg|png|...` and `PATH/val/<class>/...`,
   decoded with Pillow (ImageNet laid out this way works as is);
 - the CIFAR-10 binary distribution, the folder `cifar-10-batches-bin` (raw bytes:
-  nothing is unpickled).
+  nothing is unpickled);
+- a streaming dataset: litdata shards in a folder or at a URL (`s3://bucket/data`) of
+  encoded images and labels, written by `python data.py convert OUT --data=...` from any
+  of the above (see `convert` and runtime/shards.py). Its meta.json names the classes
+  and the augmentation; the order is shuffled chunk by chunk, still a pure function of
+  (seed, epoch, batch index) on any number of ranks.
 
 Augmentation: random-resized crop and horizontal flip for ImageFolder data (evaluation:
 resize the short side to eval_resize, centre crop); pad-and-crop and flip for
@@ -21,9 +26,14 @@ resume.
 
 from __future__ import annotations
 
+import argparse
+import functools
 import gzip
 import importlib.util
+import io
+import json
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +41,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
+
+from runtime import shards
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 CIFAR_FILES = [f"data_batch_{i}.bin" for i in range(1, 6)]
@@ -47,14 +59,27 @@ Augment = Callable[[np.ndarray, np.random.Generator], np.ndarray]
 
 @dataclass
 class Split:
-    """One split: images in memory (uint8, N x H x W x C) or image files on disk."""
+    """One split: images in memory (uint8, N x H x W x C), image files on disk, or
+    encoded images with their labels in streaming shards."""
 
-    labels: np.ndarray  # int64 class indices
+    labels: np.ndarray | None  # int64 class indices (shards: stored with each image)
     pixels: np.ndarray | None = None
     files: list[Path] | None = None
+    shards: shards.Shards | None = None
 
     def __len__(self) -> int:
-        return len(self.labels)
+        return len(self.shards) if self.shards is not None else len(self.labels)
+
+    def sample(self, i: int) -> tuple[np.ndarray | Image.Image, int]:
+        """Image i (decoded) and its label."""
+        if self.shards is None:
+            return self.image(i), int(self.labels[i])
+        item = self.shards[i]
+        with Image.open(io.BytesIO(item["image"])) as image:
+            if self.pixels is None:  # decoded like files: RGB, any size
+                return image.convert("RGB"), int(item["label"])
+            pixels = np.asarray(image)  # like arrays: H x W x C uint8
+        return pixels.reshape(*pixels.shape[:2], -1), int(item["label"])
 
     def image(self, i: int) -> np.ndarray | Image.Image:
         if self.pixels is not None:
@@ -83,13 +108,15 @@ class ImageData:
     @property
     def on_disk(self) -> bool:
         """Decoding happens per sample: worth DataLoader worker processes."""
-        return self.train.files is not None
+        return self.train.files is not None or self.train.shards is not None
 
 
 def load_images(data: str) -> ImageData:
     """The images named by `--data` ("" for scikit-learn's digits)."""
     if not data:
         return digits()
+    if shards.is_shards(data):
+        return shard_images(data)
     path = Path(data).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(
@@ -224,6 +251,82 @@ def image_folder(root: Path) -> ImageData:
     )
 
 
+def shard_images(root: str) -> ImageData:
+    """A streaming dataset of encoded images; classes, augmentation from meta.json."""
+    meta = shards.read_meta(root)
+    try:
+        kind, classes = meta["kind"], [str(name) for name in meta["classes"]]
+        channels, mean, std = int(meta["channels"]), meta["mean"], meta["std"]
+        if kind not in ("digits", "cifar", "folder") or len(mean) != channels:
+            raise ValueError(kind)
+    except (KeyError, TypeError, ValueError) as error:
+        raise shards.ShardError(
+            f"--data={root}: meta.json needs kind (digits|cifar|folder), classes, "
+            f"channels, mean and std ({type(error).__name__}: {error})"
+        ) from None
+    # Digits and CIFAR decode to arrays (their augmentation works on arrays).
+    in_memory = None if kind == "folder" else np.empty(0, dtype=np.uint8)
+    splits = [
+        Split(None, pixels=in_memory, shards=shards.open_split(root, split))
+        for split in ("train", "val")
+    ]
+    return ImageData(
+        *splits,
+        classes=classes,
+        channels=channels,
+        kind=kind,
+        mean=tuple(mean),
+        std=tuple(std),
+        source=f"streaming dataset {root} (litdata shards)",
+    )
+
+
+def convert(data: str, output: str, chunk_bytes: str = "64MB") -> None:
+    """Write the images `--data` names as a streaming dataset in folder `output`:
+    litdata shards (its `optimize`) of train/ and val/ holding each image encoded (files
+    as they are, arrays as PNG) with its label, and meta.json. Upload the folder as it
+    is (`aws s3 sync OUT s3://bucket/data`) and train with --data=s3://bucket/data.
+    """
+    import litdata
+
+    images = load_images(data)
+    for split in ("train", "val"):
+        litdata.optimize(
+            fn=functools.partial(encoded, split=getattr(images, split)),
+            inputs=list(range(len(getattr(images, split)))),
+            output_dir=str(Path(output) / split),
+            chunk_bytes=chunk_bytes,
+            num_workers=1,
+            start_method="fork",  # the worker inherits the images (no pickling)
+            mode="overwrite",
+            verbose=False,
+        )
+    meta = {
+        "kind": images.kind,
+        "classes": images.classes,
+        "channels": images.channels,
+        "mean": list(images.mean),
+        "std": list(images.std),
+        "source": images.source,
+    }
+    (Path(output) / shards.META).write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def encoded(i: int, split: Split) -> dict[str, bytes | int]:
+    """Sample i as one shard item: the image file's bytes, or the array as PNG."""
+    if split.files is not None:
+        image = split.files[i].read_bytes()
+    else:
+        buffer = io.BytesIO()
+        Image.fromarray(
+            split.pixels[i].squeeze(-1)
+            if split.pixels.shape[-1] == 1
+            else split.pixels[i]
+        ).save(buffer, format="PNG")
+        image = buffer.getvalue()
+    return {"image": image, "label": int(split.labels[i])}
+
+
 # ---------------------------------------------------------------- augmentations
 
 
@@ -307,9 +410,12 @@ class Batches(torch.utils.data.Dataset):
                     f"one global batch of {batch_size}; use more data or a smaller "
                     "global_batch_size"
                 )
-            self.order = np.random.default_rng([seed, epoch]).permutation(
-                len(self.split)
-            )
+            if self.split.shards is not None:  # chunk by chunk (runtime/shards.py)
+                self.order = self.split.shards.order(seed, epoch)
+            else:
+                self.order = np.random.default_rng([seed, epoch]).permutation(
+                    len(self.split)
+                )
         else:
             self.batches_per_epoch = -(-len(self.split) // batch_size)
             self.order = np.arange(len(self.split))
@@ -326,13 +432,18 @@ class Batches(torch.utils.data.Dataset):
         weight = torch.ones(share)
         weight[len(ids) :] = 0  # past the end of the validation split: padding
         ids = np.concatenate([ids, np.zeros(share - len(ids), dtype=ids.dtype)])
-        images = np.stack([self.transform(int(i)) for i in ids])
+        # Read in index order (shards: chunk by chunk, cheaper), keep the batch's order.
+        loaded = {i: self.split.sample(i) for i in sorted(set(map(int, ids)))}
+        samples = [loaded[int(i)] for i in ids]
+        images = np.stack(
+            [self.transform(image, int(i)) for (image, _), i in zip(samples, ids)]
+        )
         images = torch.from_numpy(images).movedim(-1, -3).contiguous()  # channels first
-        return images, torch.from_numpy(self.split.labels[ids]), weight
+        labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
+        return images, labels, weight
 
-    def transform(self, i: int) -> np.ndarray:
+    def transform(self, image: np.ndarray | Image.Image, i: int) -> np.ndarray:
         """Sample i; training: augmented by a generator seeded with (seed, epoch, i)."""
-        image = self.split.image(i)
         kind = self.data.kind
         if not self.train:
             return (
@@ -381,3 +492,32 @@ def normalize(images: torch.Tensor, data: ImageData) -> torch.Tensor:
     mean = torch.tensor(data.mean, device=images.device).view(1, -1, 1, 1)
     std = torch.tensor(data.std, device=images.device).view(1, -1, 1, 1)
     return (images.float() / 255 - mean) / std
+
+
+def main() -> None:
+    """`python data.py convert OUT --data=...`: write a streaming dataset."""
+    parser = argparse.ArgumentParser(description=convert.__doc__)
+    parser.add_argument("command", choices=["convert"])
+    parser.add_argument("output", help="the folder to write (train/, val/, meta.json)")
+    parser.add_argument(
+        "--data", default="", help="as train.py's --data; '': the default"
+    )
+    parser.add_argument(
+        "--chunk_bytes", default="64MB", help="the size of one chunk file"
+    )
+    args = parser.parse_args()
+    try:
+        convert(args.data, args.output, args.chunk_bytes)
+    except ImportError:
+        print(
+            f"error: streaming datasets need litdata: {shards.INSTALL}", file=sys.stderr
+        )
+        sys.exit(2)
+    except (OSError, ValueError) as error:  # a missing path, an undecodable image
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote a streaming dataset to {args.output}")
+
+
+if __name__ == "__main__":
+    main()

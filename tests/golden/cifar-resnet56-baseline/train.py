@@ -320,11 +320,12 @@ def main() -> None:
 
     # event: MODEL
 
-    # Training FLOPs per image, for MFU (GPUs only): one training image's forward,
-    # counted by torch, x3 for the backward. Counted here, after any model surgery.
-    example = train_batches.transform(0).copy()  # (H, W, C) at the training size
-    example = torch.from_numpy(example).permute(2, 0, 1)[None].to(env.device)
-    flops_per_sample = training_flops(model, data.normalize(example, images))
+    # Training FLOPs per image, for MFU (GPUs only): one forward at the training size
+    # (ImageFolder crops to image_size; CIFAR and the digits keep their own), counted by
+    # torch, x3 for the backward. Counted here, after any model surgery.
+    size = cfg.image_size if images.kind == "folder" else len(images.val.sample(0)[0])
+    example = torch.zeros(1, images.channels, size, size, device=env.device)
+    flops_per_sample = training_flops(model, example)
     # Shard or replicate for the launch: FSDP2 per residual block then the root, DDP,
     # or nothing.
     model = fsdp.parallelize(model, model.blocks, env, parallel)

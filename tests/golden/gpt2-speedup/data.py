@@ -4,18 +4,27 @@ The default data is real text every machine has offline: the Python standard
 library's own source files, read from the running interpreter and tokenized as bytes
 (vocabulary 256). `--data=PATH` takes a text file, a folder of text files (bytes
 again), or a `.bin` file of uint16 token ids (nanoGPT's format: a `val.bin` beside it
-is the validation split, a `meta.pkl` beside it gives the vocabulary size).
+is the validation split, a `meta.pkl` beside it gives the vocabulary size), or a
+streaming dataset: litdata shards in a folder or at a URL (`s3://bucket/data`), written
+by `python data.py convert OUT --data=...` (see `convert` and runtime/shards.py).
 
 A sample is a window of seq_len + 1 tokens (inputs plus next-token targets); windows
 do not overlap. Epoch e visits the windows in a permutation seeded by (seed, e), so
 any batch is a pure function of (seed, epoch, batch index): resuming jumps straight
 to it, never replaying the loader, and the order is the same on any number of ranks.
+Streaming data keeps that contract with a chunk-aware order (runtime/shards.py): a
+window is litdata's block of seq_len + 1 tokens, and the chunks are shuffled, then the
+windows within a few chunks at a time, so a rank streams chunk by chunk.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import hashlib
+import json
 import pickle
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,29 +32,41 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from runtime import shards
+
 BYTE_VOCAB_SIZE = 256
 # GPT-2's 50257 BPE tokens, padded to a multiple of 64 so the output layer runs faster.
 GPT2_VOCAB_SIZE = 50304
 # Held-out share of the tokens when the data has no separate validation file.
 VAL_FRACTION = 0.02
+# Tokens per item written to streaming shards (`convert`); chunks hold several.
+PIECE_TOKENS = 1 << 14
 # Standard-library folders that are not library source (tests, demos, packages).
 STDLIB_SKIP = {"test", "tests", "idlelib", "turtledemo", "site-packages", "__pycache__"}
 
 
 @dataclass
 class TokenData:
-    train: np.ndarray  # 1-D token ids
-    val: np.ndarray
+    train: np.ndarray | shards.Shards  # 1-D token ids, or shards of windows
+    val: np.ndarray | shards.Shards
     vocab_size: int
     source: str  # where the tokens came from, for the log
 
+    def sizes(self) -> str:
+        """How much data there is, for the log."""
+        if isinstance(self.train, shards.Shards):
+            return f"windows: {len(self.train):,} train, {len(self.val):,} validation"
+        return f"tokens: {len(self.train):,} train, {len(self.val):,} validation"
 
-def load_tokens(data: str, vocab_size: int = 0) -> TokenData:
+
+def load_tokens(data: str, vocab_size: int = 0, seq_len: int = 0) -> TokenData:
     """The tokens named by `--data` ("" for the embedded standard-library source).
 
     `vocab_size` > 0 overrides the vocabulary size the data implies; it must exceed
-    every token id.
+    every token id. `seq_len`: streaming data is read in windows of seq_len + 1.
     """
+    if shards.is_shards(data):
+        return shard_tokens(data, vocab_size, seq_len)
     tokens = find_tokens(data, vocab_size)
     if vocab_size:
         top = max_token(tokens.train, tokens.val)
@@ -137,6 +158,55 @@ def uint16_tokens(path: Path, read_meta: bool = True) -> TokenData:
     return TokenData(tokens, val, vocab_size, source)
 
 
+def shard_tokens(root: str, vocab_size: int, seq_len: int) -> TokenData:
+    """A streaming dataset's windows; the vocabulary from its meta.json."""
+    meta_size = shards.read_meta(root).get("vocab_size")
+    if not isinstance(meta_size, int) or meta_size < 1:
+        raise shards.ShardError(
+            f"--data={root}: meta.json has no positive integer vocab_size; add one"
+        )
+    if vocab_size and vocab_size < meta_size:
+        raise ValueError(
+            f"--vocab_size={vocab_size} but {root} has a vocabulary of {meta_size}; "
+            f"use {meta_size} or more, or 0 to take it from meta.json"
+        )
+    train = shards.open_split(root, "train", block_size=seq_len + 1)
+    val = shards.open_split(root, "val", block_size=seq_len + 1)
+    source = f"streaming dataset {root} (litdata shards)"
+    return TokenData(train, val, vocab_size or meta_size, source)
+
+
+def convert(data: str, output: str, chunk_bytes: str = "64MB") -> None:
+    """Write the tokens `--data` names as a streaming dataset in folder `output`:
+    litdata shards (its `optimize`) of train/ and val/, and meta.json. Upload the folder
+    as it is (`aws s3 sync OUT s3://bucket/data`), train with --data=s3://bucket/data.
+    """
+    import litdata
+
+    tokens = load_tokens(data)
+    dtype = np.uint16 if tokens.vocab_size <= 1 << 16 else np.int32
+    for split, ids in (("train", tokens.train), ("val", tokens.val)):
+        # Pieces of 16Ki tokens; litdata packs them into chunks of `chunk_bytes`.
+        litdata.optimize(
+            fn=functools.partial(token_piece, ids=ids, dtype=dtype),
+            inputs=list(range(0, len(ids), PIECE_TOKENS)),
+            output_dir=str(Path(output) / split),
+            chunk_bytes=chunk_bytes,
+            item_loader=litdata.TokensLoader(),
+            num_workers=1,
+            start_method="fork",  # the worker inherits the tokens (no pickling)
+            mode="overwrite",
+            verbose=False,
+        )
+    meta = {"vocab_size": tokens.vocab_size, "source": tokens.source}
+    (Path(output) / shards.META).write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def token_piece(start: int, ids: np.ndarray, dtype: type) -> np.ndarray:
+    """Tokens start .. start + PIECE_TOKENS of an array, as one shard item."""
+    return np.asarray(ids[start : start + PIECE_TOKENS], dtype=dtype)
+
+
 def max_token(*arrays: np.ndarray) -> int:
     """The largest token id in the arrays (-1 if all are empty)."""
     return max((int(array.max()) for array in arrays if len(array)), default=-1)
@@ -181,7 +251,7 @@ class Batches:
 
     def __init__(
         self,
-        tokens: np.ndarray,
+        tokens: np.ndarray | shards.Shards,
         seq_len: int,
         batch_size: int,
         seed: int,
@@ -194,7 +264,7 @@ class Batches:
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.seed = seed
-        self.num_samples = (len(tokens) - 1) // seq_len
+        self.num_samples = num_windows(tokens, seq_len)
         self.batches_per_epoch = self.num_samples // batch_size
         if self.batches_per_epoch == 0:
             raise ValueError(
@@ -207,8 +277,13 @@ class Batches:
     def order(self, epoch: int) -> np.ndarray:
         """The permutation of window indices for one epoch (computed once per epoch)."""
         if epoch != self._order_epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._order_epoch, self._order = epoch, rng.permutation(self.num_samples)
+            if isinstance(self.tokens, shards.Shards):  # chunk by chunk, see above
+                order = self.tokens.order(self.seed, epoch)
+            else:
+                order = np.random.default_rng([self.seed, epoch]).permutation(
+                    self.num_samples
+                )
+            self._order_epoch, self._order = epoch, order
         return self._order
 
     def get(
@@ -221,11 +296,24 @@ class Batches:
         return windows(self.tokens, ids, self.seq_len, self.pin_memory)
 
 
+def num_windows(tokens: np.ndarray | shards.Shards, seq_len: int) -> int:
+    """Windows of seq_len + 1 tokens (arrays: overlapping by one token)."""
+    if isinstance(tokens, shards.Shards):
+        return len(tokens)
+    return (len(tokens) - 1) // seq_len
+
+
 def windows(
-    tokens: np.ndarray, ids: np.ndarray, seq_len: int, pin_memory: bool = False
+    tokens: np.ndarray | shards.Shards,
+    ids: np.ndarray,
+    seq_len: int,
+    pin_memory: bool = False,
 ) -> torch.Tensor:
     """Stack windows `ids` (each seq_len + 1 tokens) into an int64 tensor."""
-    rows = [tokens[i * seq_len : i * seq_len + seq_len + 1] for i in ids]
+    if isinstance(tokens, shards.Shards):
+        rows = [np.asarray(row) for row in tokens.take(ids)]
+    else:
+        rows = [tokens[i * seq_len : i * seq_len + seq_len + 1] for i in ids]
     if not pin_memory:
         return torch.from_numpy(np.stack(rows).astype(np.int64))
     batch = torch.empty((len(ids), seq_len + 1), dtype=torch.int64, pin_memory=True)
@@ -234,10 +322,10 @@ def windows(
 
 
 def val_batches(
-    tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int
+    tokens: np.ndarray | shards.Shards, seq_len: int, batch_size: int, max_batches: int
 ) -> list[torch.Tensor]:
     """The first `max_batches` batches of validation windows, in a fixed order."""
-    num_samples = min((len(tokens) - 1) // seq_len, batch_size * max_batches)
+    num_samples = min(num_windows(tokens, seq_len), batch_size * max_batches)
     if num_samples == 0:
         raise ValueError(
             f"the validation split holds fewer than {seq_len + 1} tokens; use more "
@@ -248,3 +336,32 @@ def val_batches(
         windows(tokens, ids[i : i + batch_size], seq_len)
         for i in range(0, num_samples, batch_size)
     ]
+
+
+def main() -> None:
+    """`python data.py convert OUT --data=...`: write a streaming dataset."""
+    parser = argparse.ArgumentParser(description=convert.__doc__)
+    parser.add_argument("command", choices=["convert"])
+    parser.add_argument("output", help="the folder to write (train/, val/, meta.json)")
+    parser.add_argument(
+        "--data", default="", help="as train.py's --data; '': the default"
+    )
+    parser.add_argument(
+        "--chunk_bytes", default="64MB", help="the size of one chunk file"
+    )
+    args = parser.parse_args()
+    try:
+        convert(args.data, args.output, args.chunk_bytes)
+    except ImportError:
+        print(
+            f"error: streaming datasets need litdata: {shards.INSTALL}", file=sys.stderr
+        )
+        sys.exit(2)
+    except (OSError, ValueError) as error:  # a missing path, too little data
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote a streaming dataset to {args.output}")
+
+
+if __name__ == "__main__":
+    main()

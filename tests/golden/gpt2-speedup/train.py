@@ -34,7 +34,7 @@ from runtime.time import Progress, Time, as_fraction
 class Config:
     run_name: str = "my-gpt"  # runs/<run_name>/; rerunning a name resumes it
     seed: int = 42  # a run is a function of (config, seed)
-    data: str = ""  # "": stdlib source; or a text file, a folder, a .bin of uint16
+    data: str = ""  # "": stdlib source; a text file, a folder, uint16 .bin, shards
     vocab_size: int = 0  # 0: from the data (bytes 256; .bin: meta.pkl, else GPT-2's)
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     # model (dropout is off as in modern pretraining; with it on, world sizes agree
@@ -248,7 +248,7 @@ def main() -> None:
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
     try:
-        tokens = load_tokens(cfg.data, cfg.vocab_size)
+        tokens = load_tokens(cfg.data, cfg.vocab_size, cfg.seq_len)
         # CUDA: batches in page-locked memory, so their copy to the GPU is asynchronous.
         train_batches = Batches(
             tokens.train,
@@ -354,7 +354,7 @@ def main() -> None:
     monitor.measure(env.device, env.world_size, cfg.precision, flops_per_token)
     monitor.open_trackers(cfg.trackers, config.to_toml(cfg))  # rank 0 writes them
     monitor.info(f"data: {tokens.source}")
-    monitor.info(f"tokens: {len(tokens.train):,} train, {len(tokens.val):,} validation")
+    monitor.info(tokens.sizes())
     monitor.info(f"model: {cfg.model}, {num_params:,} parameters")
     if init_note:
         monitor.info(init_note)

@@ -1,0 +1,167 @@
+"""Streaming datasets: litdata shards in a local folder or at an object-store URL.
+
+A streaming dataset is what litdata's `optimize` writes, one folder per split, plus a small
+`meta.json` at the root that says what a model needs before it sees any sample (a
+vocabulary size, class names):
+
+    ROOT/meta.json
+    ROOT/train/index.json, ROOT/train/chunk-*.bin
+    ROOT/val/index.json,   ROOT/val/chunk-*.bin
+
+ROOT is a local folder or a URL (`s3://bucket/data`, ...); litdata downloads the chunks a
+run touches into its cache (`$SCAFFOLD_SHARD_CACHE`, else litdata's default). Credentials
+and endpoints come from the store's usual environment and config files (AWS_ENDPOINT_URL,
+~/.aws/...), never from the run's config.
+
+Order: the samples are read by index, in an order this module computes, never in litdata's
+own iteration order, which assigns chunks to ranks and so changes with the world size. An
+epoch visits the chunks in a permutation seeded by (seed, epoch) and shuffles the samples
+within each group of `group` consecutive chunks of that permutation: global batch b is a
+pure function of (seed, epoch, b) and the shard layout, the same on any number of ranks and
+after any resume, and a rank reads from at most `group` + 1 chunks at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+INDEX = "index.json"
+META = "meta.json"
+# Chunks whose samples are shuffled together: more mixes better, fewer caches less.
+SHUFFLE_CHUNKS = 4
+INSTALL = (
+    "pip install 'scaffold[stream]' (CUDA), or with a CPU torch: pip install "
+    "'scaffold[stream-cpu]' && pip install --no-deps litdata==0.2.76"
+)
+
+
+class ShardError(ValueError):
+    """A streaming dataset that cannot be used; the message names it and the fix."""
+
+
+def is_shards(data: str) -> bool:
+    """`--data` names a streaming dataset: a URL, or a folder with a `meta.json`."""
+    return "://" in data or (Path(data).expanduser() / META).is_file()
+
+
+def _read_text(url: str) -> str:
+    """A small file's text from a local path or an fsspec URL."""
+    if "://" not in url:
+        return Path(url).read_text()
+    import fsspec
+
+    with fsspec.open(url, "r") as file:
+        return file.read()
+
+
+def read_meta(root: str) -> dict[str, Any]:
+    """ROOT/meta.json as a dict; a missing or unreadable one is a ShardError."""
+    root = root.rstrip("/")
+    try:
+        meta = json.loads(_read_text(f"{root}/{META}"))
+    except (OSError, ValueError, ImportError) as error:
+        raise ShardError(
+            f"--data={root}: cannot read {META} ({type(error).__name__}: {error}); a "
+            "streaming dataset is a folder or URL holding meta.json, train/ and val/ "
+            "as `python data.py convert` writes them"
+        ) from None
+    if not isinstance(meta, dict):
+        raise ShardError(f"--data={root}: {META} must hold a JSON object")
+    return meta
+
+
+@dataclass
+class Shards:
+    """One split of a streaming dataset: `len`, `shards[i]`, and the epoch order."""
+
+    url: str
+    dataset: Any  # litdata.StreamingDataset, read by index
+    chunk_sizes: list[int]  # samples per chunk, in the index's chunk order
+
+    def __len__(self) -> int:
+        return sum(self.chunk_sizes)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[int(index)]
+
+    def take(self, ids: np.ndarray) -> list[Any]:
+        """Samples `ids` in the order given, read in index order: chunk by chunk, since
+        litdata pays ~1 ms of file locking each time a read moves to another chunk."""
+        loaded = {int(i): self.dataset[int(i)] for i in sorted(set(map(int, ids)))}
+        return [loaded[int(i)] for i in ids]
+
+    def order(self, seed: int, epoch: int, group: int = SHUFFLE_CHUNKS) -> np.ndarray:
+        return chunk_order(self.chunk_sizes, seed, epoch, group)
+
+
+def chunk_order(sizes: list[int], seed: int, epoch: int, group: int) -> np.ndarray:
+    """Every sample index once: chunks in a permutation seeded by (seed, epoch), samples
+    shuffled within each run of `group` consecutive chunks of it."""
+    rng = np.random.default_rng([seed, epoch])
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    chunks = rng.permutation(len(sizes))
+    parts = []
+    for first in range(0, len(chunks), group):
+        ids = [np.arange(starts[c], starts[c] + sizes[c]) for c in chunks[first : first + group]]
+        parts.append(rng.permutation(np.concatenate(ids)))
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+
+def open_split(root: str, split: str, block_size: int = 0) -> Shards:
+    """ROOT/split as Shards; `block_size` > 0 reads token arrays as windows of that many
+    tokens (litdata's TokensLoader). Every chunk the index names must be present."""
+    url = f"{root.rstrip('/')}/{split}"
+    try:
+        index = json.loads(_read_text(f"{url}/{INDEX}"))
+        chunks = index["chunks"]
+        names = [chunk["filename"] for chunk in chunks]
+        counts = [chunk["dim"] // block_size if block_size else chunk["chunk_size"] for chunk in chunks]
+    except (OSError, ValueError, KeyError, TypeError, ImportError) as error:
+        raise ShardError(
+            f"--data={root}: no readable {split}/{INDEX} ({type(error).__name__}: {error}); "
+            "write the dataset with `python data.py convert` (litdata's optimize)"
+        ) from None
+    missing = sorted(set(names) - set(_listing(url)))
+    if missing:
+        raise ShardError(
+            f"--data={root}: {split}/{INDEX} names {len(missing)} chunk file(s) that are "
+            f"not there ({missing[0]}, ...); copy the whole folder again"
+        )
+    try:
+        import litdata
+    except ImportError:
+        raise ShardError(f"--data={root} is a streaming dataset: {INSTALL}") from None
+    loader = litdata.TokensLoader(block_size=block_size) if block_size else None
+    cache = os.environ.get("SCAFFOLD_SHARD_CACHE") or None
+    dataset = litdata.StreamingDataset(url, item_loader=loader, cache_dir=cache)
+    # Fetch the index into the cache now, before DataLoader workers start. Ranks sharing a
+    # cache race for it, and litdata gives up after 1 s on an index another process is
+    # still downloading ("doesn't contain any index.json"): a retry then finds it there.
+    for wait in (0.5, 1, 2, 4, 8, None):
+        try:
+            len(dataset)  # creates litdata's cache: downloads index.json
+            break
+        except Exception as error:  # a refusing store, or that race
+            if wait is None:
+                raise ShardError(f"--data={root}: cannot open {split}/ ({type(error).__name__}: "
+                                 f"{str(error).splitlines()[0] if str(error) else ''})") from None
+            time.sleep(wait)
+    return Shards(url, dataset, counts)
+
+
+def _listing(url: str) -> list[str]:
+    """File names in a local folder or under a URL prefix."""
+    if "://" not in url:
+        folder = Path(url)
+        return [p.name for p in folder.iterdir()] if folder.is_dir() else []
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(url)
+    return [name.rsplit("/", 1)[-1] for name in fs.ls(path, detail=False)]

@@ -1,0 +1,715 @@
+"""Training data: labelled images, their augmentations, and a resumable batch order.
+
+The default data is real and offline: scikit-learn's handwritten digits (1,797 8x8
+grey-scale images, 10 classes; `pip install scikit-learn`), read from the CSV file the
+package ships, without importing it. A fixed 20% of it is held out for validation.
+`--data=PATH` takes
+- an ImageFolder tree: `PATH/train/<class>/*.jpg|png|...` and `PATH/val/<class>/...`,
+  decoded with Pillow (ImageNet laid out this way works as is);
+- the CIFAR-10 binary distribution, the folder `cifar-10-batches-bin` (raw bytes:
+  nothing is unpickled);
+- a streaming dataset: litdata shards in a folder or at a URL (`s3://bucket/data`) of
+  encoded images and labels, written by `python data.py convert OUT --data=...` from any
+  of the above (see `convert` and runtime/shards.py). Its meta.json names the classes
+  and the augmentation; the order is shuffled chunk by chunk, still a pure function of
+  (seed, epoch, batch index) on any number of ranks.
+
+Augmentation: random-resized crop and horizontal flip for ImageFolder data (evaluation:
+resize the short side to eval_resize, centre crop); pad-and-crop and flip for
+CIFAR; pad-and-crop (no flip: a mirrored digit is another digit) for the digits; then
+the per-sample augmentations train.py passes in (`augment`, in order). Every random
+choice is drawn from a generator seeded by (seed, epoch, sample index), and epoch e
+visits the samples in a permutation seeded by (seed, e): any batch is a pure function of
+(seed, epoch, batch index), on any number of ranks, in any DataLoader worker, after any
+resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gzip
+import importlib.util
+import io
+import json
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from runtime import shards
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
+CIFAR_FILES = [f"data_batch_{i}.bin" for i in range(1, 6)]
+CIFAR_RECORD = 1 + 32 * 32 * 3  # label byte, then 1024 red, 1024 green, 1024 blue bytes
+CIFAR_CLASSES = "airplane automobile bird cat deer dog frog horse ship truck".split()
+# Per-channel mean and standard deviation of the pixels (0..1) used to normalize.
+IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+CIFAR_STATS = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+DIGITS_VAL_FRACTION = 0.2
+# A per-sample augmentation of a training image: (uint8 pixels H x W x C, the sample's
+# generator) -> uint8 pixels, H x W x C, or V x H x W x C for V views of the sample.
+Augment = Callable[[np.ndarray, np.random.Generator], np.ndarray]
+
+
+@dataclass
+class Split:
+    """One split: images in memory (uint8, N x H x W x C), image files on disk, or
+    encoded images with their labels in streaming shards."""
+
+    labels: np.ndarray | None  # int64 class indices (shards: stored with each image)
+    pixels: np.ndarray | None = None
+    files: list[Path] | None = None
+    shards: shards.Shards | None = None
+
+    def __len__(self) -> int:
+        return len(self.shards) if self.shards is not None else len(self.labels)
+
+    def sample(self, i: int) -> tuple[np.ndarray | Image.Image, int]:
+        """Image i (decoded) and its label."""
+        if self.shards is None:
+            return self.image(i), int(self.labels[i])
+        item = self.shards[i]
+        with Image.open(io.BytesIO(item["image"])) as image:
+            if self.pixels is None:  # decoded like files: RGB, any size
+                return image.convert("RGB"), int(item["label"])
+            pixels = np.asarray(image)  # like arrays: H x W x C uint8
+        return pixels.reshape(*pixels.shape[:2], -1), int(item["label"])
+
+    def image(self, i: int) -> np.ndarray | Image.Image:
+        if self.pixels is not None:
+            return self.pixels[i]
+        path = self.files[i]
+        try:
+            with Image.open(path) as image:
+                return image.convert("RGB")
+        except OSError as error:
+            raise ValueError(
+                f"cannot decode image {path}: {error}; remove or replace it"
+            ) from error
+
+
+@dataclass
+class ImageData:
+    train: Split
+    val: Split
+    classes: list[str]
+    channels: int
+    kind: str  # digits | cifar | folder: which augmentation applies
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    source: str  # where the images came from, for the log
+
+    @property
+    def on_disk(self) -> bool:
+        """Decoding happens per sample: worth DataLoader worker processes."""
+        return self.train.files is not None or self.train.shards is not None
+
+
+def load_images(data: str) -> ImageData:
+    """The images named by `--data` ("" for scikit-learn's digits)."""
+    if not data:
+        return digits()
+    if shards.is_shards(data):
+        return shard_images(data)
+    path = Path(data).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"--data={data}: no such folder; pass an ImageFolder tree (train/<class>/, "
+            "val/<class>/) or cifar-10-batches-bin, or leave it empty for the default"
+        )
+    if (path / CIFAR_FILES[0]).exists():
+        return cifar10(path)
+    return image_folder(path)
+
+
+def digits() -> ImageData:
+    spec = importlib.util.find_spec("sklearn")
+    csv = (
+        Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
+        if spec
+        else None
+    )
+    if csv is None or not csv.is_file():
+        raise FileNotFoundError(
+            "the default data is scikit-learn's digits: pip install scikit-learn, or "
+            "pass --data=PATH (an ImageFolder tree or cifar-10-batches-bin)"
+        )
+    with gzip.open(csv, "rt") as text:
+        table = np.loadtxt(text, delimiter=",", dtype=np.float32)
+    # 64 pixel values 0..16, then the label; scaled to 0..255 grey levels.
+    pixels = np.round(table[:, :64] * (255 / 16)).astype(np.uint8).reshape(-1, 8, 8, 1)
+    labels = table[:, 64].astype(np.int64)
+    order = np.random.default_rng(0).permutation(len(labels))  # a fixed held-out set
+    cut = int(len(labels) * (1 - DIGITS_VAL_FRACTION))
+    train, val = order[:cut], order[cut:]
+    mean = float(pixels[train].mean()) / 255
+    std = float(pixels[train].std()) / 255
+    return ImageData(
+        Split(labels[train], pixels=pixels[train]),
+        Split(labels[val], pixels=pixels[val]),
+        classes=[str(d) for d in range(10)],
+        channels=1,
+        kind="digits",
+        mean=(mean,),
+        std=(std,),
+        source=f"scikit-learn digits ({csv})",
+    )
+
+
+def cifar10(folder: Path) -> ImageData:
+    def read(names: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        records = []
+        for name in names:
+            path = folder / name
+            size = path.stat().st_size if path.is_file() else -1
+            if size != 10_000 * CIFAR_RECORD:
+                raise ValueError(
+                    f"{path} is missing or truncated ({max(size, 0):,} of "
+                    f"{10_000 * CIFAR_RECORD:,} bytes); download "
+                    "cifar-10-binary.tar.gz again and extract it"
+                )
+            records.append(np.fromfile(path, dtype=np.uint8).reshape(-1, CIFAR_RECORD))
+        table = np.concatenate(records)
+        pixels = table[:, 1:].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+        return np.ascontiguousarray(pixels), table[:, 0].astype(np.int64)
+
+    train_pixels, train_labels = read(CIFAR_FILES)
+    val_pixels, val_labels = read(["test_batch.bin"])
+    return ImageData(
+        Split(train_labels, pixels=train_pixels),
+        Split(val_labels, pixels=val_pixels),
+        classes=CIFAR_CLASSES,
+        channels=3,
+        kind="cifar",
+        mean=CIFAR_STATS[0],
+        std=CIFAR_STATS[1],
+        source=f"CIFAR-10 binary ({folder})",
+    )
+
+
+def image_folder(root: Path) -> ImageData:
+    """`root/train/<class>/<image>` and `root/val/<class>/<image>`; classes by name.
+
+    Every file's header is checked here, before training starts, so an undecodable
+    image is reported now rather than hours into a run.
+    """
+    fix = "lay it out as train/<class>/<image> and val/<class>/<image>"
+    splits = {}
+    for split in ("train", "val"):
+        folder = root / split
+        if not folder.is_dir():
+            raise ValueError(f"--data={root}: no {split}/ folder; {fix}")
+        classes = sorted(p.name for p in folder.iterdir() if p.is_dir())
+        if not classes:
+            raise ValueError(f"{folder} has no class folders; {fix}")
+        splits[split] = classes
+    if splits["train"] != splits["val"]:
+        only = sorted(set(splits["train"]) ^ set(splits["val"]))
+        raise ValueError(
+            f"--data={root}: train/ and val/ have different class folders "
+            f"({', '.join(only[:5])} in only one); give both splits the same classes"
+        )
+    classes = splits["train"]
+    loaded = {}
+    for split in ("train", "val"):
+        files, labels = [], []
+        for label, name in enumerate(classes):
+            found = sorted(
+                p
+                for p in (root / split / name).rglob("*")
+                if p.suffix.lower() in IMAGE_SUFFIXES
+            )
+            if not found:
+                suffixes = ", ".join(sorted(IMAGE_SUFFIXES))
+                raise ValueError(f"{root / split / name} holds no images ({suffixes})")
+            files += found
+            labels += [label] * len(found)
+        for path in files:
+            try:
+                with Image.open(path) as image:
+                    image.verify()
+            except Exception as error:  # Pillow raises several kinds for a bad file
+                raise ValueError(
+                    f"cannot decode image {path} ({error}); remove or replace it"
+                ) from error
+        loaded[split] = Split(np.array(labels, dtype=np.int64), files=files)
+    return ImageData(
+        loaded["train"],
+        loaded["val"],
+        classes=classes,
+        channels=3,
+        kind="folder",
+        mean=IMAGENET_STATS[0],
+        std=IMAGENET_STATS[1],
+        source=f"image folders under {root}",
+    )
+
+
+def shard_images(root: str) -> ImageData:
+    """A streaming dataset of encoded images; classes, augmentation from meta.json."""
+    meta = shards.read_meta(root)
+    try:
+        kind, classes = meta["kind"], [str(name) for name in meta["classes"]]
+        channels, mean, std = int(meta["channels"]), meta["mean"], meta["std"]
+        if kind not in ("digits", "cifar", "folder") or len(mean) != channels:
+            raise ValueError(kind)
+    except (KeyError, TypeError, ValueError) as error:
+        raise shards.ShardError(
+            f"--data={root}: meta.json needs kind (digits|cifar|folder), classes, "
+            f"channels, mean and std ({type(error).__name__}: {error})"
+        ) from None
+    # Digits and CIFAR decode to arrays (their augmentation works on arrays).
+    in_memory = None if kind == "folder" else np.empty(0, dtype=np.uint8)
+    splits = [
+        Split(None, pixels=in_memory, shards=shards.open_split(root, split))
+        for split in ("train", "val")
+    ]
+    return ImageData(
+        *splits,
+        classes=classes,
+        channels=channels,
+        kind=kind,
+        mean=tuple(mean),
+        std=tuple(std),
+        source=f"streaming dataset {root} (litdata shards)",
+    )
+
+
+def convert(data: str, output: str, chunk_bytes: str = "64MB") -> None:
+    """Write the images `--data` names as a streaming dataset in folder `output`:
+    litdata shards (its `optimize`) of train/ and val/ holding each image encoded (files
+    as they are, arrays as PNG) with its label, and meta.json. Upload the folder as it
+    is (`aws s3 sync OUT s3://bucket/data`) and train with --data=s3://bucket/data.
+    """
+    import litdata
+
+    images = load_images(data)
+    for split in ("train", "val"):
+        litdata.optimize(
+            fn=functools.partial(encoded, split=getattr(images, split)),
+            inputs=list(range(len(getattr(images, split)))),
+            output_dir=str(Path(output) / split),
+            chunk_bytes=chunk_bytes,
+            num_workers=1,
+            start_method="fork",  # the worker inherits the images (no pickling)
+            mode="overwrite",
+            verbose=False,
+        )
+    meta = {
+        "kind": images.kind,
+        "classes": images.classes,
+        "channels": images.channels,
+        "mean": list(images.mean),
+        "std": list(images.std),
+        "source": images.source,
+    }
+    (Path(output) / shards.META).write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def encoded(i: int, split: Split) -> dict[str, bytes | int]:
+    """Sample i as one shard item: the image file's bytes, or the array as PNG."""
+    if split.files is not None:
+        image = split.files[i].read_bytes()
+    else:
+        buffer = io.BytesIO()
+        Image.fromarray(
+            split.pixels[i].squeeze(-1)
+            if split.pixels.shape[-1] == 1
+            else split.pixels[i]
+        ).save(buffer, format="PNG")
+        image = buffer.getvalue()
+    return {"image": image, "label": int(split.labels[i])}
+
+
+# ---------------------------------------------------------------- augmentations
+
+
+def pad_crop_flip(
+    image: np.ndarray, pad: int, flip: bool, rng: np.random.Generator
+) -> np.ndarray:
+    """A random crop of the zero-padded image, same size; mirrored half the time."""
+    h, w = image.shape[:2]
+    padded = np.pad(image, ((pad, pad), (pad, pad), (0, 0)))
+    top, left = rng.integers(0, 2 * pad + 1, size=2)
+    crop = padded[top : top + h, left : left + w]
+    return crop[:, ::-1] if flip and rng.random() < 0.5 else crop
+
+
+def random_resized_crop(
+    image: Image.Image, size: int, rng: np.random.Generator
+) -> np.ndarray:
+    """Inception-style crop: 8%-100% of the area, aspect ratio 3/4-4/3, resized to
+    size x size, mirrored half the time (the centre crop after 10 failed draws)."""
+    width, height = image.size
+    area = width * height
+    for _ in range(10):
+        target = area * rng.uniform(0.08, 1.0)
+        ratio = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
+        w, h = round(math.sqrt(target * ratio)), round(math.sqrt(target / ratio))
+        if 0 < w <= width and 0 < h <= height:
+            left, top = rng.integers(0, width - w + 1), rng.integers(0, height - h + 1)
+            break
+    else:
+        w = h = min(width, height)
+        left, top = (width - w) // 2, (height - h) // 2
+    box = (int(left), int(top), int(left + w), int(top + h))
+    crop = np.asarray(image.resize((size, size), Image.BILINEAR, box=box))
+    return crop[:, ::-1] if rng.random() < 0.5 else crop
+
+
+def center_crop(image: Image.Image, size: int, resize: int) -> np.ndarray:
+    """Evaluation: the short side resized to `resize`, then the centre size x size."""
+    width, height = image.size
+    scale = resize / min(width, height)
+    w, h = max(size, round(width * scale)), max(size, round(height * scale))
+    left, top = (w - size) // 2, (h - size) // 2
+    return np.asarray(
+        image.resize((w, h), Image.BILINEAR).crop((left, top, left + size, top + size))
+    )
+
+
+# algorithm: randaugment
+# ---------------------------------------------------------------- image operations
+# AugMix's operations (Hendrycks et al. 2020), which Composer's RandAugment and AugMix
+# both draw from, on uint8 tensors (C, H, W). "safe" leaves out the four colour
+# operations, which overlap the corruptions of the ImageNet-C benchmark.
+SAFE_OPERATIONS = (
+    "autocontrast equalize posterize rotate solarize shear_x shear_y translate_x "
+    "translate_y"
+).split()
+AUGMENTATION_SETS = {
+    "safe": SAFE_OPERATIONS,
+    "all": SAFE_OPERATIONS + ["color", "contrast", "brightness", "sharpness"],
+}
+
+
+def to_uint8(pixels: torch.Tensor) -> torch.Tensor:
+    return pixels.round().clamp(0, 255).to(torch.uint8)
+
+
+def autocontrast(image: torch.Tensor) -> torch.Tensor:
+    """Stretch each channel so that its darkest pixel becomes 0 and its brightest 255
+    (a channel of one grey level is left as it is)."""
+    low = image.amin(dim=(1, 2), keepdim=True).float()
+    high = image.amax(dim=(1, 2), keepdim=True).float()
+    flat = high == low
+    scale = torch.where(flat, 1.0, 255 / (high - low).clamp(min=1))
+    return to_uint8((image - torch.where(flat, 0.0, low)) * scale)
+
+
+def equalize(image: torch.Tensor) -> torch.Tensor:
+    """Histogram equalization of each channel, as PIL's ImageOps.equalize: grey level v
+    becomes (half a step + the number of pixels darker than v) // step, where step is
+    the pixel count without the brightest level, over 255."""
+    channels = []
+    for channel in image:
+        counts = torch.bincount(channel.flatten().long(), minlength=256)
+        step = (counts.sum() - counts[counts.nonzero()[-1]]) // 255
+        if step == 0:  # (almost) a single grey level: nothing to spread out
+            channels.append(channel)
+            continue
+        table = ((counts.cumsum(0) - counts + step // 2) // step).clamp(max=255)
+        channels.append(table.to(torch.uint8)[channel.long()])
+    return torch.stack(channels)
+
+
+def posterize(image: torch.Tensor, bits: int) -> torch.Tensor:
+    """Keep the `bits` most significant bits of every pixel (0..8)."""
+    return image & (256 - 2 ** (8 - bits))
+
+
+def solarize(image: torch.Tensor, threshold: int) -> torch.Tensor:
+    """Invert every pixel at or above `threshold` (256: none)."""
+    return torch.where(image.int() >= threshold, 255 - image, image)  # 256 > uint8
+
+
+def affine(image: torch.Tensor, matrix: list[list[float]]) -> torch.Tensor:
+    """Resample the image: output pixel (x, y) takes the input at matrix @ (x, y, 1)
+    (PIL's Image.transform(AFFINE) convention: pixel units, origin at the top-left
+    corner, pixel centres at +0.5), bilinear; black outside the image."""
+    _, h, w = image.shape
+    ys, xs = torch.meshgrid(torch.arange(h) + 0.5, torch.arange(w) + 0.5, indexing="ij")
+    source = (
+        torch.stack([xs, ys, torch.ones_like(xs)], dim=-1)
+        @ torch.tensor(matrix, dtype=torch.float32).T
+    )
+    # grid_sample's coordinates: -1 and 1 are the outer edges of the image.
+    grid = source / torch.tensor([w, h]) * 2 - 1
+    moved = torch.nn.functional.grid_sample(
+        image[None].float(), grid[None], mode="bilinear", align_corners=False
+    )
+    return to_uint8(moved[0])
+
+
+def rotate(image: torch.Tensor, degrees: float) -> torch.Tensor:
+    """Rotate counter-clockwise about the image centre (PIL's Image.rotate)."""
+    _, h, w = image.shape
+    cos, sin = math.cos(math.radians(degrees)), math.sin(math.radians(degrees))
+    cx, cy = w / 2, h / 2
+    # The inverse rotation (y points down): where each output pixel comes from.
+    return affine(
+        image,
+        [[cos, -sin, cx - cos * cx + sin * cy], [sin, cos, cy - sin * cx - cos * cy]],
+    )
+
+
+def shear_x(image: torch.Tensor, factor: float) -> torch.Tensor:
+    return affine(image, [[1, factor, 0], [0, 1, 0]])
+
+
+def shear_y(image: torch.Tensor, factor: float) -> torch.Tensor:
+    return affine(image, [[1, 0, 0], [factor, 1, 0]])
+
+
+def translate_x(image: torch.Tensor, pixels: float) -> torch.Tensor:
+    """Shift the content `pixels` to the left (right if negative)."""
+    return affine(image, [[1, 0, pixels], [0, 1, 0]])
+
+
+def translate_y(image: torch.Tensor, pixels: float) -> torch.Tensor:
+    """Shift the content `pixels` up (down if negative)."""
+    return affine(image, [[1, 0, 0], [0, 1, pixels]])
+
+
+def blend(base: torch.Tensor, image: torch.Tensor, factor: float) -> torch.Tensor:
+    """base + factor * (image - base), as PIL's ImageEnhance: 0 gives the base, 1 the
+    image, above 1 exaggerates the difference."""
+    return to_uint8(base + factor * (image.float() - base))
+
+
+def grey(image: torch.Tensor) -> torch.Tensor:
+    """Luma (ITU-R 601, as PIL's convert("L")), one channel; a grey image as it is."""
+    if image.shape[0] == 1:
+        return image.float()
+    weights = torch.tensor([0.299, 0.587, 0.114]).view(3, 1, 1)
+    return (image.float() * weights).sum(dim=0, keepdim=True).round()
+
+
+def brightness(image: torch.Tensor, factor: float) -> torch.Tensor:
+    return blend(torch.zeros(()), image, factor)
+
+
+def contrast(image: torch.Tensor, factor: float) -> torch.Tensor:
+    return blend(grey(image).mean().round(), image, factor)
+
+
+def color(image: torch.Tensor, factor: float) -> torch.Tensor:
+    """Saturation: 0 gives the grey image."""
+    return blend(grey(image), image, factor)
+
+
+def sharpness(image: torch.Tensor, factor: float) -> torch.Tensor:
+    """Blend with PIL's SMOOTH filter (3x3, centre weight 5 of 13; the border pixels
+    kept): factor 0 blurs, above 1 sharpens."""
+    kernel = torch.ones(3, 3)
+    kernel[1, 1] = 5
+    kernel = (kernel / 13).expand(image.shape[0], 1, 3, 3)
+    smooth = image.float()
+    inner = torch.nn.functional.conv2d(smooth[None], kernel, groups=image.shape[0])[0]
+    smooth[:, 1:-1, 1:-1] = inner.round()
+    return blend(smooth, image, factor)
+
+
+def random_operation(
+    image: torch.Tensor, name: str, severity: float, rng: np.random.Generator
+) -> torch.Tensor:
+    """Operation `name` at a strength drawn uniformly from 0.1..severity out of 10, in
+    a random direction for the geometric ones (AugMix's augmentations.py)."""
+    level = rng.uniform(0.1, severity) / 10  # a fraction of each operation's maximum
+    sign = 1 if rng.random() < 0.5 else -1
+    if name == "autocontrast":
+        return autocontrast(image)
+    if name == "equalize":
+        return equalize(image)
+    if name == "posterize":
+        return posterize(image, 4 - int(level * 4))  # 4 down to 1 bit
+    if name == "solarize":
+        return solarize(image, 256 - int(level * 256))
+    if name == "rotate":
+        return rotate(image, sign * int(level * 30))  # up to 30 degrees
+    if name in ("shear_x", "shear_y"):
+        shear = shear_x if name == "shear_x" else shear_y
+        return shear(image, sign * level * 0.3)
+    if name in ("translate_x", "translate_y"):
+        translate = translate_x if name == "translate_x" else translate_y
+        return translate(
+            image, sign * int(level * image.shape[-1] / 3)
+        )  # up to a third
+    enhance = {"color": color, "contrast": contrast, "brightness": brightness}
+    enhance["sharpness"] = sharpness
+    return enhance[name](image, level * 1.8 + 0.1)  # factor 0.1..1.9
+
+
+def randaugment(
+    image: np.ndarray,
+    rng: np.random.Generator,
+    depth: int,
+    severity: int,
+    operations: list[str],
+) -> np.ndarray:
+    """RandAugment (Cubuk et al. 2020), as Composer's: `depth` operations in a row,
+    each chosen uniformly from `operations`, at a strength drawn up to `severity`; all
+    drawn from the sample's generator."""
+    pixels = torch.from_numpy(image).permute(2, 0, 1)
+    for _ in range(depth):
+        name = operations[rng.integers(len(operations))]
+        pixels = random_operation(pixels, name, severity, rng)
+    return pixels.permute(1, 2, 0).numpy()
+
+
+# end algorithm: randaugment
+
+
+# ---------------------------------------------------------------- batches
+
+
+class Batches(torch.utils.data.Dataset):
+    """Item i: this rank's share of global batch i of `epoch`: uint8 images (N, C, H,
+    W; N, V, C, H, W when an augmentation returns V views of each sample), int64 labels
+    and float weights. Training batches are shuffled and augmented;
+    validation batches are in file order, not augmented, and the last one is padded
+    with weight-0 samples so that every rank runs the same number of forward passes."""
+
+    def __init__(
+        self,
+        data: ImageData,
+        split: str,
+        batch_size: int,
+        seed: int,
+        image_size: int,
+        epoch: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        resize: int = 0,
+        augment: Sequence[Augment] = (),
+    ) -> None:
+        self.data, self.split, self.train = data, getattr(data, split), split == "train"
+        self.augment = augment  # training only, after the crop
+        self.batch_size, self.seed, self.image_size = batch_size, seed, image_size
+        self.resize = resize or round(image_size / 0.875)  # evaluation's short side
+        self.epoch, self.rank, self.world_size = epoch, rank, world_size
+        if self.train:
+            self.batches_per_epoch = len(self.split) // batch_size  # no partial batch
+            if self.batches_per_epoch == 0:
+                raise ValueError(
+                    f"the training split holds {len(self.split)} images, fewer than "
+                    f"one global batch of {batch_size}; use more data or a smaller "
+                    "global_batch_size"
+                )
+            if self.split.shards is not None:  # chunk by chunk (runtime/shards.py)
+                self.order = self.split.shards.order(seed, epoch)
+            else:
+                self.order = np.random.default_rng([seed, epoch]).permutation(
+                    len(self.split)
+                )
+        else:
+            self.batches_per_epoch = -(-len(self.split) // batch_size)
+            self.order = np.arange(len(self.split))
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+    def __getitem__(
+        self, index: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        share = self.batch_size // self.world_size
+        start = index * self.batch_size + self.rank * share
+        ids = self.order[start : start + share]
+        weight = torch.ones(share)
+        weight[len(ids) :] = 0  # past the end of the validation split: padding
+        ids = np.concatenate([ids, np.zeros(share - len(ids), dtype=ids.dtype)])
+        # Read in index order (shards: chunk by chunk, cheaper), keep the batch's order.
+        loaded = {i: self.split.sample(i) for i in sorted(set(map(int, ids)))}
+        samples = [loaded[int(i)] for i in ids]
+        images = np.stack(
+            [self.transform(image, int(i)) for (image, _), i in zip(samples, ids)]
+        )
+        images = torch.from_numpy(images).movedim(-1, -3).contiguous()  # channels first
+        labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
+        return images, labels, weight
+
+    def transform(self, image: np.ndarray | Image.Image, i: int) -> np.ndarray:
+        """Sample i; training: augmented by a generator seeded with (seed, epoch, i)."""
+        kind = self.data.kind
+        if not self.train:
+            return (
+                center_crop(image, self.image_size, self.resize)
+                if kind == "folder"
+                else image
+            )
+        rng = np.random.default_rng([self.seed, self.epoch, i])
+        if kind == "folder":
+            image = random_resized_crop(image, self.image_size, rng)
+        else:
+            image = pad_crop_flip(
+                image, pad=1 if kind == "digits" else 4, flip=kind == "cifar", rng=rng
+            )
+        for augment in self.augment:  # drawing from the same generator, in order
+            image = augment(np.array(image), rng)  # a writable, contiguous copy
+        return image
+
+
+def loader(
+    batches: Batches, start: int, num_workers: int, pin_memory: bool
+) -> torch.utils.data.DataLoader:
+    """Batches start, start + 1, ... of the epoch; decoded in `num_workers` processes
+    while the model trains (0: in this process)."""
+    return torch.utils.data.DataLoader(
+        batches,
+        batch_size=None,  # items are whole batches already
+        sampler=range(start, len(batches)),
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+    )
+
+
+def step_rng(seed: int, step: int, stream: str) -> np.random.Generator:
+    """A generator for the random choices a training step makes over its whole global
+    batch (a mixing partner per sample, a mask per sample): seeded by (seed, step,
+    stream), so every rank draws the same, on any world size, after any resume.
+    `stream` names who draws; different names give independent draws."""
+    tag = int.from_bytes(stream.encode(), "little")  # the name as a number
+    return np.random.default_rng([seed, step, tag])
+
+
+def normalize(images: torch.Tensor, data: ImageData) -> torch.Tensor:
+    """uint8 pixels to floats, standardized per channel (done on the device: 4x less
+    to copy there)."""
+    mean = torch.tensor(data.mean, device=images.device).view(1, -1, 1, 1)
+    std = torch.tensor(data.std, device=images.device).view(1, -1, 1, 1)
+    return (images.float() / 255 - mean) / std
+
+
+def main() -> None:
+    """`python data.py convert OUT --data=...`: write a streaming dataset."""
+    parser = argparse.ArgumentParser(description=convert.__doc__)
+    parser.add_argument("command", choices=["convert"])
+    parser.add_argument("output", help="the folder to write (train/, val/, meta.json)")
+    parser.add_argument(
+        "--data", default="", help="as train.py's --data; '': the default"
+    )
+    parser.add_argument(
+        "--chunk_bytes", default="64MB", help="the size of one chunk file"
+    )
+    args = parser.parse_args()
+    try:
+        convert(args.data, args.output, args.chunk_bytes)
+    except ImportError:
+        print(
+            f"error: streaming datasets need litdata: {shards.INSTALL}", file=sys.stderr
+        )
+        sys.exit(2)
+    except (OSError, ValueError) as error:  # a missing path, an undecodable image
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote a streaming dataset to {args.output}")
+
+
+if __name__ == "__main__":
+    main()

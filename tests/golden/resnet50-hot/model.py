@@ -1,0 +1,423 @@
+"""ResNets for image classification, written out.
+
+Two families (He et al. 2016, "Deep Residual Learning for Image Recognition"):
+- ImageNet ResNets (`resnet18/34`: basic blocks; `resnet50/101`: bottleneck blocks):
+  a 7x7 stride-2 stem and a max pool, four stages that halve the resolution and widen.
+- CIFAR ResNets (`cifar-resnet20/56`: 6n+2 layers): a 3x3 stem, three stages of 16/32/64
+  channels, parameter-free shortcuts (subsample, zero-pad channels: He et al.'s
+  option A).
+The last BatchNorm of every residual block starts with gamma = 0, so each block starts
+as the identity (Goyal et al. 2017, "Accurate, Large Minibatch SGD").
+
+BatchNorm here is "ghost" BatchNorm (see `BatchNorm2d`): statistics over fixed groups of
+`bn_group_size` samples, so a training step does not depend on how the global batch is
+split over ranks and microbatches.
+
+`--model=torchvision:NAME` trains a torchvision classification model instead (see
+`TorchvisionNet`; torchvision is optional and checked at start-up by `check_model`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class ResNetConfig:
+    num_classes: int
+    in_channels: int = 3
+    block: Literal["basic", "bottleneck"] = "basic"
+    layers: tuple[int, ...] = (2, 2, 2, 2)  # residual blocks per stage
+    widths: tuple[int, ...] = (
+        64,
+        128,
+        256,
+        512,
+    )  # channels per stage (bottleneck: inner)
+    stem: Literal["imagenet", "cifar"] = "imagenet"
+    bn_group_size: int = 32  # samples normalized together by each BatchNorm in training
+
+
+Preset = Literal[
+    "tiny",
+    "cifar-resnet20",
+    "cifar-resnet56",
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnet101",
+]
+CIFAR = dict(block="basic", widths=(16, 32, 64), stem="cifar")
+# Architecture presets; the parameter counts are for 10 and 1000 classes respectively.
+PRESETS: dict[Preset, dict] = {
+    "tiny": dict(CIFAR, layers=(1, 1, 1), widths=(8, 16, 32)),  # 20k: tests, a CPU demo
+    "cifar-resnet20": dict(CIFAR, layers=(3, 3, 3)),  # 0.27M
+    "cifar-resnet56": dict(CIFAR, layers=(9, 9, 9)),  # 0.85M
+    "resnet18": dict(block="basic", layers=(2, 2, 2, 2)),  # 11.7M
+    "resnet34": dict(block="basic", layers=(3, 4, 6, 3)),  # 21.8M
+    "resnet50": dict(block="bottleneck", layers=(3, 4, 6, 3)),  # 25.6M
+    "resnet101": dict(block="bottleneck", layers=(3, 4, 23, 3)),  # 44.5M
+}
+# `--model=torchvision:NAME`: any of torchvision.models' classification builders.
+TORCHVISION = "torchvision:"
+
+
+class BatchNorm2d(nn.BatchNorm2d):
+    """BatchNorm whose results depend on the global batch, not on how it is split.
+
+    Training: every group of `group_size` consecutive samples is normalized with its
+    own mean and variance ("ghost" BatchNorm, Hoffer et al. 2017). Torch's BatchNorm
+    uses the whole forward pass instead, so its gradients change with the microbatch
+    size and the number of ranks. Microbatches (and each rank's share) must be
+    multiples of group_size.
+    Running statistics (used in evaluation) are updated once per optimizer step by
+    `update_running_stats`, from every group of the global batch (all microbatches and
+    ranks), not once per forward pass as torch does.
+    """
+
+    def __init__(self, channels: int, group_size: int) -> None:
+        super().__init__(channels)
+        self.group_size = group_size
+        # Sums over this step's groups: [means, variances, number of groups]. A plain
+        # attribute, not a buffer: it is not saved, and DDP does not broadcast it.
+        self.step_stats: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            # bf16 activations and parameters (FSDP's bf16 policy): normalize in fp32,
+            # as autocast does, against the fp32 running statistics.
+            weight, bias = self.weight.float(), self.bias.float()
+            return self._normalize(x.float(), weight, bias).to(x.dtype)
+        return self._normalize(x, self.weight, self.bias)
+
+    def _normalize(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+    ) -> torch.Tensor:
+        if not self.training:  # evaluation: the running statistics
+            return F.batch_norm(
+                x,
+                self.running_mean,
+                self.running_var,
+                weight,
+                bias,
+                False,
+                0.0,
+                self.eps,
+            )
+        n, c, h, w = x.shape
+        if n % self.group_size:
+            raise ValueError(
+                f"a training microbatch of {n} samples is not a multiple of "
+                f"bn_group_size={self.group_size}"
+            )
+        k = n // self.group_size
+        # k groups side by side as k * c channels of one batch of group_size samples:
+        # one call of the native kernel normalizes every group with its own statistics
+        # and (momentum 1) leaves each group's mean and unbiased variance in mean, var.
+        grouped = x.view(k, self.group_size, c, h, w).transpose(0, 1)
+        mean = torch.zeros(k * c, device=x.device)
+        var = torch.ones(k * c, device=x.device)
+        y = F.batch_norm(
+            grouped.reshape(self.group_size, k * c, h, w),
+            mean,
+            var,
+            weight.repeat(k),
+            bias.repeat(k),
+            training=True,
+            momentum=1.0,
+            eps=self.eps,
+        )
+        with torch.no_grad():
+            count = torch.tensor([k], dtype=torch.float32, device=x.device)
+            stats = torch.cat([mean.view(k, c).sum(0), var.view(k, c).sum(0), count])
+            self.step_stats = (
+                stats if self.step_stats is None else self.step_stats + stats
+            )
+        return y.view(self.group_size, k, c, h, w).transpose(0, 1).reshape(n, c, h, w)
+
+
+def clear_step_stats(model: nn.Module) -> None:
+    """Forget the group statistics gathered so far (a new step, or a retried batch)."""
+    for module in model.modules():
+        if isinstance(module, BatchNorm2d):
+            module.step_stats = None
+
+
+def update_running_stats(
+    model: nn.Module, reduce_sum: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    """After the optimizer step: fold this step's mean group statistics into the running
+    mean and variance (momentum 0.1, as torch). `reduce_sum` adds over ranks, in one
+    collective for all layers, so every rank keeps the same running statistics."""
+    norms = [
+        m
+        for m in model.modules()
+        if isinstance(m, BatchNorm2d) and m.step_stats is not None
+    ]
+    if not norms:
+        return
+    total = reduce_sum(torch.cat([m.step_stats for m in norms]))
+    offset = 0
+    for m in norms:
+        c = m.num_features
+        mean, var = total[offset : offset + c], total[offset + c : offset + 2 * c]
+        count = total[offset + 2 * c]
+        offset += 2 * c + 1
+        m.running_mean.lerp_(mean / count, m.momentum)
+        m.running_var.lerp_(var / count, m.momentum)
+        m.num_batches_tracked += 1
+        m.step_stats = None
+
+
+class ResidualBlock(nn.Module):
+    """relu(residual(x) + shortcut(x)); BasicBlock and Bottleneck define the branch.
+
+    `branch` is a generic extension point, None by default: an algorithm may set it (at
+    MODEL) to a callable (block, x) -> the branch's output, run instead of
+    `block.residual(x)`, to skip or scale the branch (e.g. stochastic depth). Not a
+    module: parameters and checkpoint keys do not change.
+    """
+
+    branch: Callable[[ResidualBlock, torch.Tensor], torch.Tensor | float] | None = None
+    shortcut: nn.Module
+
+    def residual(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.residual(x) if self.branch is None else self.branch(self, x)
+        return F.relu(y + self.shortcut(x))
+
+
+class BasicBlock(ResidualBlock):
+    """Two 3x3 convolutions; the shortcut adds the input back."""
+
+    expansion = 1
+
+    def __init__(
+        self, c_in: int, width: int, stride: int, config: ResNetConfig
+    ) -> None:
+        super().__init__()
+        g = config.bn_group_size
+        self.conv1 = nn.Conv2d(c_in, width, 3, stride, 1, bias=False)
+        self.bn1 = BatchNorm2d(width, g)
+        self.conv2 = nn.Conv2d(width, width, 3, 1, 1, bias=False)
+        self.bn2 = BatchNorm2d(width, g)
+        self.bn2.last_in_block = True  # gamma starts at 0 (ResNet.init_weights)
+        self.shortcut = shortcut(c_in, width, stride, config)
+
+    def residual(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        return self.bn2(self.conv2(y))
+
+
+class Bottleneck(ResidualBlock):
+    """1x1 down to `width`, 3x3 (strided: "ResNet v1.5"), 1x1 up to 4 x width."""
+
+    expansion = 4
+
+    def __init__(
+        self, c_in: int, width: int, stride: int, config: ResNetConfig
+    ) -> None:
+        super().__init__()
+        g, c_out = config.bn_group_size, width * self.expansion
+        self.conv1 = nn.Conv2d(c_in, width, 1, bias=False)
+        self.bn1 = BatchNorm2d(width, g)
+        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+        self.bn2 = BatchNorm2d(width, g)
+        self.conv3 = nn.Conv2d(width, c_out, 1, bias=False)
+        self.bn3 = BatchNorm2d(c_out, g)
+        self.bn3.last_in_block = True
+        self.shortcut = shortcut(c_in, c_out, stride, config)
+
+    def residual(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = F.relu(self.bn2(self.conv2(y)))
+        return self.bn3(self.conv3(y))
+
+
+class PadShortcut(nn.Module):
+    """He et al.'s option A: subsample by the stride, zero-pad the new channels."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.pad, self.stride = c_out - c_in, stride
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x[:, :, :: self.stride, :: self.stride]
+        return F.pad(x, (0, 0, 0, 0, self.pad // 2, self.pad - self.pad // 2))
+
+
+def shortcut(c_in: int, c_out: int, stride: int, config: ResNetConfig) -> nn.Module:
+    """The identity, or a map to the block's output shape: a parameter-free one on CIFAR
+    ResNets, a strided 1x1 convolution and BatchNorm on ImageNet ResNets."""
+    if stride == 1 and c_in == c_out:
+        return nn.Identity()
+    if config.stem == "cifar":
+        return PadShortcut(c_in, c_out, stride)
+    return nn.Sequential(
+        nn.Conv2d(c_in, c_out, 1, stride, bias=False),
+        BatchNorm2d(c_out, config.bn_group_size),
+    )
+
+
+class ResNet(nn.Module):
+    def __init__(self, config: ResNetConfig) -> None:
+        super().__init__()
+        self.config = config
+        block = BasicBlock if config.block == "basic" else Bottleneck
+        c = config.widths[0]
+        if config.stem == "imagenet":
+            self.stem = nn.Sequential(
+                nn.Conv2d(config.in_channels, c, 7, 2, 3, bias=False),
+                BatchNorm2d(c, config.bn_group_size),
+                nn.ReLU(),
+                nn.MaxPool2d(3, 2, 1),
+            )
+        else:
+            self.stem = nn.Sequential(
+                nn.Conv2d(config.in_channels, c, 3, 1, 1, bias=False),
+                BatchNorm2d(c, config.bn_group_size),
+                nn.ReLU(),
+            )
+        # Every residual block in one list (FSDP shards them one by one); the first
+        # block of each stage after the first halves the resolution.
+        blocks = []
+        for stage, (depth, width) in enumerate(zip(config.layers, config.widths)):
+            for i in range(depth):
+                stride = 2 if stage > 0 and i == 0 else 1
+                blocks.append(block(c, width, stride, config))
+                c = width * block.expansion
+        self.blocks = nn.ModuleList(blocks)
+        self.fc = nn.Linear(c, config.num_classes)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """He (Kaiming) normal convolutions; BatchNorm gamma 1 and beta 0, except the
+        last one of each residual block, whose gamma is 0."""
+        for module in self.modules():
+            if isinstance(module, nn.Conv2d):
+                nn.init.kaiming_normal_(
+                    module.weight, mode="fan_out", nonlinearity="relu"
+                )
+            elif isinstance(module, BatchNorm2d):
+                nn.init.constant_(
+                    module.weight, 0.0 if hasattr(module, "last_in_block") else 1.0
+                )
+                nn.init.zeros_(module.bias)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """Class logits (batch, classes) for images (batch, channels, height, width)."""
+        x = self.stem(images)
+        for block in self.blocks:
+            x = block(x)
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def check_model(name: str) -> str | None:
+    """None if `name` is a preset or a torchvision model that can be built here, else
+    the problem in one line (checked at start-up, before anything is written)."""
+    if name in PRESETS:
+        return None
+    if not name.startswith(TORCHVISION):
+        presets = ", ".join(PRESETS)
+        return f"model={name!r} is not a preset ({presets}) nor torchvision:NAME"
+    try:
+        import torchvision.models  # optional: only torchvision:NAME needs it
+    except Exception as error:  # not installed, or built for another torch
+        reason = (str(error).splitlines() or [type(error).__name__])[0]
+        return (
+            f"model={name} needs torchvision, which fails to import ({reason}); "
+            f"install a torchvision built for this torch ({torch.__version__}) or a "
+            "pair that imports together (CPU: e.g. pip install torch==2.14.1 "
+            "torchvision==0.29.1; CUDA: the pair for your CUDA from pytorch.org), or "
+            "use a preset"
+        )
+    arch = name.removeprefix(TORCHVISION)
+    if arch not in torchvision.models.list_models(module=torchvision.models):
+        return (
+            f"model={name}: torchvision has no classification model {arch!r}; list "
+            "them with python -c 'import torchvision.models as m; "
+            "print(m.list_models(m))'"
+        )
+    return None
+
+
+def use_ghost_batchnorm(module: nn.Module, group_size: int) -> None:
+    """Replace torch's BatchNorm2d layers inside `module` by this file's ghost
+    BatchNorm2d, in place: same parameters, buffers, eps, momentum and state-dict keys.
+    """
+    for name, child in module.named_children():
+        plain = type(child) is nn.BatchNorm2d
+        usable = plain and child.affine and child.track_running_stats
+        if usable and child.momentum is not None:
+            ghost = BatchNorm2d(child.num_features, group_size)
+            ghost.eps, ghost.momentum = child.eps, child.momentum
+            ghost.load_state_dict(child.state_dict())
+            setattr(module, name, ghost)
+        else:
+            use_ghost_batchnorm(child, group_size)
+
+
+class TorchvisionNet(nn.Module):
+    """A torchvision classification model (`--model=torchvision:resnet50`), built by
+    torchvision.models.get_model with random weights (weights=None: nothing is
+    downloaded) and fitted to this loop:
+    - its BatchNorm2d layers become ghost BatchNorm (`use_ghost_batchnorm`), so a step
+      does not depend on the microbatch size or the number of ranks, as with ResNet;
+      a model with other BatchNorm layers (1d, 3d, no running statistics) is refused;
+    - grey images (the digits) are repeated into the 3 channels torchvision expects;
+    - `blocks` (FSDP2 units, activation checkpointing, compilation): the children of
+      its top-level containers (torchvision ResNet's layer1..4 blocks, the stages of
+      `features` in VGG, MobileNet, EfficientNet, ConvNeXt) and its other top-level
+      children with parameters; what is in none of them stays with the root.
+    Its weights are under `net.` in the state dict: `model.net` is torchvision's model.
+    """
+
+    def __init__(self, arch: str, num_classes: int, bn_group_size: int) -> None:
+        super().__init__()
+        import torchvision.models  # checked importable by check_model at start-up
+
+        self.net = torchvision.models.get_model(
+            arch, weights=None, num_classes=num_classes
+        )
+        use_ghost_batchnorm(self.net, bn_group_size)
+        plain = {
+            type(m).__name__
+            for m in self.net.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            and not isinstance(m, BatchNorm2d)
+        }
+        if plain:
+            raise ValueError(
+                f"torchvision:{arch} has {', '.join(sorted(plain))} layers whose "
+                "statistics would depend on the microbatch size and the number of "
+                "ranks; pick another model or edit TorchvisionNet in model.py"
+            )
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        units = []
+        for child in self.net.children():
+            containers = (nn.Sequential, nn.ModuleList)
+            members = child.children() if isinstance(child, containers) else [child]
+            units += [m for m in members if next(m.parameters(), None) is not None]
+        return units
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """Class logits (batch, classes) for images (batch, channels, height, width)."""
+        if images.shape[1] == 1:  # grey: the same image in red, green and blue
+            images = images.expand(-1, 3, -1, -1)
+        return self.net(images)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
