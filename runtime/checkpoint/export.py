@@ -24,7 +24,6 @@ def read_weights(source: Path | str, entry: str = "") -> tuple[dict[str, torch.T
     `entry` is the module entry of the loop's `state`; "" takes the one the run recorded in
     train_state.json (`Checkpointer(export=...)`: e.g. averaged weights), else "model".
     """
-    """
     if storage.is_remote(source):
         remote = storage.Remote(str(source))
         try:
