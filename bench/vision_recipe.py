@@ -50,7 +50,7 @@ def epochs_of(recipe: str) -> int:
 def corpus_hash(project: Path) -> str:
     """sha256 of the training and validation images and labels, as the generated data.py loads them."""
     code = ("import hashlib; from data import load_images; d = load_images(''); "
-            "h = hashlib.sha256(); [h.update(s.images.tobytes() + s.labels.tobytes()) for s in (d.train, d.val)]; "
+            "h = hashlib.sha256(); [h.update(s.pixels.tobytes() + s.labels.tobytes()) for s in (d.train, d.val)]; "
             "print(h.hexdigest()[:16], len(d.train), len(d.val))")
     out = subprocess.run([sys.executable, "-c", code], cwd=project, env=bench_env(), capture_output=True, text=True)
     return out.stdout.strip() or f"(not hashed: {out.stderr.strip().splitlines()[-1:]})"
