@@ -152,7 +152,8 @@ class Config:
     stochastic_depth_drop_distribution: Literal["linear", "uniform"] = "linear"
     # the drop probabilities rise linearly from 0 over this long (none: no warmup)
     stochastic_depth_drop_warmup: Time | Literal["none"] = "none"
-    # block: a block is skipped for the whole step; sample: per sample of the global batch
+    # block: a block is skipped for the whole step; sample: per sample of
+    # the global batch
     stochastic_depth_mode: Literal["block", "sample"] = "sample"
     # end algorithm: stochastic_depth
 
@@ -293,8 +294,8 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     # algorithm: mixup
     if not cfg.mixup_alpha > 0.0 or not 0.0 <= cfg.mixup_prob <= 1.0:
         config.fail(
-            f"mixup_alpha={cfg.mixup_alpha} must be > 0 and mixup_prob={cfg.mixup_prob} "
-            "in [0, 1]"
+            f"mixup_alpha={cfg.mixup_alpha} must be > 0 and "
+            f"mixup_prob={cfg.mixup_prob} in [0, 1]"
         )
     # end algorithm: mixup
 
@@ -323,7 +324,8 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     # algorithm: stochastic_depth
     if not 0.0 <= cfg.stochastic_depth_drop_rate <= 1.0:
         config.fail(
-            f"stochastic_depth_drop_rate={cfg.stochastic_depth_drop_rate} must be in [0, 1]"
+            f"stochastic_depth_drop_rate={cfg.stochastic_depth_drop_rate} "
+            "must be in [0, 1]"
         )
     try:
         if cfg.stochastic_depth_drop_warmup != "none":
@@ -338,7 +340,8 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     if cfg.model.startswith(TORCHVISION):
         config.fail(
             "stochastic_depth drops the branches of model.py's residual blocks; "
-            f"model={cfg.model} has no such blocks: use a preset or remove the algorithm"
+            f"model={cfg.model} has no such blocks: use a preset or remove the "
+            "algorithm"
         )
     # end algorithm: stochastic_depth
 
@@ -1103,8 +1106,9 @@ def main() -> None:
             # end algorithm: progressive_resizing
 
             # algorithm: stochastic_depth
-            # This step's drops: a pure function of (seed, step, block, global sample), so a
-            # resumed run, on any number of ranks or microbatch size, drops the same ones.
+            # This step's drops: a pure function of (seed, step, block, global
+            # sample), so a resumed run, on any number of ranks or microbatch size,
+            # drops the same ones.
             ramp = (
                 1.0  # the share of the drop rates in force (below 1 during drop_warmup)
             )
@@ -1124,8 +1128,8 @@ def main() -> None:
             # end algorithm: stochastic_depth
 
             # algorithm: channels_last
-            # The batch in NHWC too, so the first convolution needs no layout change; the
-            # microbatches (slices along the batch dimension) stay NHWC.
+            # The batch in NHWC too, so the first convolution needs no layout
+            # change; the microbatches (slices along the batch dimension) stay NHWC.
             inputs = inputs.contiguous(memory_format=torch.channels_last)
             # end algorithm: channels_last
 
@@ -1149,7 +1153,7 @@ def main() -> None:
                     # event: MICROBATCH_START
 
                     # algorithm: stochastic_depth
-                    # Sample mode: this microbatch's rows of the rank's share (its drop decisions).
+                    # Sample mode: which rows of the rank's share this microbatch holds.
                     depth.start_microbatch(i * size, micro_inputs.shape[0])
                     # end algorithm: stochastic_depth
 

@@ -259,8 +259,8 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     # algorithm: mixup
     if not cfg.mixup_alpha > 0.0 or not 0.0 <= cfg.mixup_prob <= 1.0:
         config.fail(
-            f"mixup_alpha={cfg.mixup_alpha} must be > 0 and mixup_prob={cfg.mixup_prob} "
-            "in [0, 1]"
+            f"mixup_alpha={cfg.mixup_alpha} must be > 0 and "
+            f"mixup_prob={cfg.mixup_prob} in [0, 1]"
         )
     # end algorithm: mixup
 
@@ -900,8 +900,8 @@ def main() -> None:
             # end algorithm: progressive_resizing
 
             # algorithm: channels_last
-            # The batch in NHWC too, so the first convolution needs no layout change; the
-            # microbatches (slices along the batch dimension) stay NHWC.
+            # The batch in NHWC too, so the first convolution needs no layout
+            # change; the microbatches (slices along the batch dimension) stay NHWC.
             inputs = inputs.contiguous(memory_format=torch.channels_last)
             # end algorithm: channels_last
 

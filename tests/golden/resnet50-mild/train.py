@@ -780,8 +780,8 @@ def main() -> None:
             # end algorithm: progressive_resizing
 
             # algorithm: channels_last
-            # The batch in NHWC too, so the first convolution needs no layout change; the
-            # microbatches (slices along the batch dimension) stay NHWC.
+            # The batch in NHWC too, so the first convolution needs no layout
+            # change; the microbatches (slices along the batch dimension) stay NHWC.
             inputs = inputs.contiguous(memory_format=torch.channels_last)
             # end algorithm: channels_last
 
