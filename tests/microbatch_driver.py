@@ -23,8 +23,8 @@ settled: list[int] = []
 _settle = microbatch.Search._settle
 
 
-def _record(self: microbatch.Search, seq_len: int) -> None:
-    _settle(self, seq_len)
+def _record(self: microbatch.Search, seq_len: int, proven: bool = True) -> None:
+    _settle(self, seq_len, proven)
     settled.append(self.size)
 
 
