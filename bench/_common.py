@@ -49,3 +49,28 @@ def median(values: list[float]) -> float:
 
 def scratch() -> Path:
     return Path(tempfile.mkdtemp(prefix="scaffold-bench-"))
+
+
+def plot_curves(curves: dict[str, list[list[tuple[float, float]]]], path: Path, *, xlabel: str, ylabel: str,
+                title: str) -> bool:
+    """One PNG: each arm's runs as (x, y) lines in the arm's colour, labelled once. False
+    (and nothing written) without matplotlib, which the numbers do not need."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for (arm, runs), colour in zip(curves.items(), plt.cm.tab10.colors):
+        for i, points in enumerate(runs):
+            axes.plot([x for x, _ in points], [y for _, y in points], color=colour, alpha=0.8,
+                      label=arm if i == 0 else None)
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.set_title(title)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    return True

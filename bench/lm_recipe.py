@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _common import ALLOCATOR, REPO, bench_env, median, scratch, train
+from _common import ALLOCATOR, REPO, bench_env, median, plot_curves, scratch, train
 
 RECIPES = REPO / "templates" / "recipes"
 SHIPPED = ("gpt2-baseline", "gpt2-speedup", "gpt2-modern")
@@ -90,27 +90,6 @@ def reach(target: float, points: list[tuple[int, int, float, float]]) -> tuple[f
     return None
 
 
-def plot(curves: dict[str, list[list[tuple[int, int, float, float]]]], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    figure, axes = plt.subplots(figsize=(8, 5))
-    for (arm, runs), colour in zip(curves.items(), plt.cm.tab10.colors):
-        for i, points in enumerate(runs):
-            axes.plot([p[2] for p in points], [p[3] for p in points], color=colour, alpha=0.8,
-                      label=arm if i == 0 else None)
-    axes.set_xlabel("training time (s, CPU; evaluation excluded)")
-    axes.set_ylabel("validation loss (nats/byte)")
-    axes.set_title("time to loss: gpt2 recipes and each modern algorithm alone, tiny preset")
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    return True
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -150,7 +129,10 @@ def main() -> None:
             if reached is not None and base is not None:
                 for key, b, a in zip(("steps", "tokens", "time"), base, reached):
                     ratios[arm][key].append(b / a)
-    if plot(curves, args.plot):
+    seconds_and_loss = {arm: [[(p[2], p[3]) for p in points] for points in runs] for arm, runs in curves.items()}
+    if plot_curves(seconds_and_loss, args.plot, xlabel="training time (s, CPU; evaluation excluded)",
+                   ylabel="validation loss (nats/byte)",
+                   title="time to loss: gpt2 recipes and each modern algorithm alone, tiny preset"):
         print(f"plot: {args.plot}")
     print(f"median over {len(args.seeds)} seeds of baseline/arm to the target (steps, tokens, time):")
     for arm in arms[1:]:

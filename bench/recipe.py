@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from _common import ALLOCATOR, generate, median, scratch, train
+from _common import ALLOCATOR, generate, median, plot_curves, scratch, train
 
 
 def curve(records: list[dict]) -> list[tuple[float, float]]:
@@ -34,27 +34,6 @@ def time_to(target: float, points: list[tuple[float, float]]) -> float | None:
         previous = (seconds, loss)
     return None
 
-
-def plot(curves: dict[str, list[list[tuple[float, float]]]], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    for (recipe, runs), colour in zip(curves.items(), ("tab:blue", "tab:orange")):
-        for i, points in enumerate(runs):
-            seconds, losses = zip(*points)
-            axes.plot(seconds, losses, color=colour, alpha=0.8, label=recipe if i == 0 else None)
-    axes.set_xlabel("training time (s, CPU)")
-    axes.set_ylabel("validation loss (nats/byte)")
-    axes.set_title("gpt2-speedup vs gpt2-baseline, tiny preset")
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    return True
 
 
 def main() -> None:
@@ -87,7 +66,8 @@ def main() -> None:
             speedups.append(times["gpt2-baseline"] / times["gpt2-speedup"])
         else:
             print(f"{seed:4d} gpt2-speedup never reached the baseline's final loss {target:.4f}")
-    if plot(curves, args.plot):
+    if plot_curves(curves, args.plot, xlabel="training time (s, CPU)", ylabel="validation loss (nats/byte)",
+                   title="gpt2-speedup vs gpt2-baseline, tiny preset"):
         print(f"plot: {args.plot}")
     summary = f"{median(speedups):.2f}" if speedups else "n/a (speedup never reached the target)"
     print(f"speedup: baseline/speedup time-to-loss = {summary} (median of {len(speedups)} seeds)")

@@ -25,7 +25,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from _common import ALLOCATOR, REPO, bench_env, median, scratch, train
+from _common import ALLOCATOR, REPO, bench_env, median, plot_curves, scratch, train
 
 RECIPES = REPO / "templates" / "recipes"
 BASELINE = "cifar-resnet56-baseline"
@@ -75,27 +75,6 @@ def reach(target: float, points: list[tuple[int, float, float]]) -> tuple[float,
     return None
 
 
-def plot(curves: dict[str, list[list[tuple[int, float, float]]]], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    figure, axes = plt.subplots(figsize=(8, 5))
-    for (arm, runs), colour in zip(curves.items(), plt.cm.tab10.colors):
-        for i, points in enumerate(runs):
-            axes.plot([p[1] for p in points], [p[2] for p in points], color=colour, alpha=0.8,
-                      label=arm if i == 0 else None)
-    axes.set_xlabel("training time (s, CPU; evaluation excluded)")
-    axes.set_ylabel("validation top-1")
-    axes.set_title("time to accuracy: CIFAR ResNet recipes on the embedded digits")
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    return True
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -136,7 +115,9 @@ def main() -> None:
             print(f"{seed:4d} {arm:24} {points[-1][2]:11.4f} {target:7.4f} {shown[0]:>7} {shown[1]:>8}", flush=True)
             if reached is not None and base is not None:
                 ratios[arm].append(base[1] / reached[1])
-    if plot(curves, args.plot):
+    seconds_and_top1 = {arm: [[(p[1], p[2]) for p in points] for points in runs] for arm, runs in curves.items()}
+    if plot_curves(seconds_and_top1, args.plot, xlabel="training time (s, CPU; evaluation excluded)",
+                   ylabel="validation top-1", title="time to accuracy: CIFAR ResNet recipes on the embedded digits"):
         print(f"plot: {args.plot}")
     print(f"median over {len(args.seeds)} seeds of the baseline's time to its final top-1 over the recipe's:")
     for arm in arms[1:]:

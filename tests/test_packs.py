@@ -211,7 +211,7 @@ def test_every_algorithm_renders_alone_and_trains(
                                        and not any(spot.split(".")[1] in TRAIN_POINTS
                                                    for spot in spec.spots)])
 def test_deleting_an_algorithms_fences_by_hand_leaves_no_dangling_name(
-    algorithm: str, generated: dict[str, Path], project_copy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    algorithm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An algorithm owns its Config fields, checks, helpers and metrics: cut every one of its
     fenced blocks out of train.py and the project still trains."""
@@ -227,14 +227,8 @@ def test_deleting_an_algorithms_fences_by_hand_leaves_no_dangling_name(
     text, cuts = fence.subn("\n", train.read_text())
     assert cuts >= 2
     train.write_text(text)
-    rows = train_in_process(project, tmp_path / "work", monkeypatch, *TASK_ARGS.get(task_of(project), []))
+    rows = train_in_process(project, tmp_path / "work", monkeypatch, *TASK_ARGS.get(task, []))
     assert [row["step"] for row in rows if "loss" in row] == [1, 2]
-
-
-def task_of(project: Path) -> str:
-    """The task a generated project was rendered for (from its copier answers)."""
-    answers = (project / ".copier-answers.yml").read_text()
-    return re.search(r"^task: (\S+)$", answers, re.M).group(1)
 
 
 # ---------------------------------------------------------------- refusals

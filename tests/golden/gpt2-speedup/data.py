@@ -258,9 +258,8 @@ class Batches:
         pin_memory: bool = False,
     ):
         self.tokens = tokens
-        self.pin_memory = (
-            pin_memory  # page-locked batches: asynchronous copies to a GPU
-        )
+        # Page-locked batches: asynchronous copies to a GPU.
+        self.pin_memory = pin_memory
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.seed = seed

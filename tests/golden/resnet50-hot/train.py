@@ -65,9 +65,7 @@ import copy
 class Config:
     run_name: str = "my-gpt"  # runs/<run_name>/; rerunning a name resumes it
     seed: int = 42  # a run is a function of (config, seed)
-    data: str = (
-        ""  # "": scikit-learn's digits; or an ImageFolder tree, cifar-10-batches-bin
-    )
+    data: str = ""  # "": sklearn's digits; ImageFolder, cifar-10-batches-bin, shards
     # ImageFolder sizes (CIFAR and the digits keep their 32 and 8 pixels). Training at a
     # smaller crop than evaluation matches the apparent object size of the two (Touvron
     # et al. 2019, "FixRes"): Composer's ResNet recipes train at 176, evaluate at 224.
@@ -1109,19 +1107,20 @@ def main() -> None:
             # This step's drops: a pure function of (seed, step, block, global
             # sample), so a resumed run, on any number of ranks or microbatch size,
             # drops the same ones.
-            ramp = (
-                1.0  # the share of the drop rates in force (below 1 during drop_warmup)
-            )
+            # The share of the drop rates in force: below 1 during drop_warmup.
+            ramp = 1.0
             if cfg.stochastic_depth_drop_warmup != "none":
                 warmup = as_fraction(cfg.stochastic_depth_drop_warmup, cfg.max_duration)
                 ramp = min(progress.fraction(cfg.max_duration) / warmup, 1.0)
+            first_sample = env.rank * (
+                cfg.global_batch_size // env.world_size
+            )  # this rank's
             depth.start_step(
                 cfg.seed,
                 progress.batch,
                 ramp,
                 cfg.global_batch_size,
-                env.rank
-                * (cfg.global_batch_size // env.world_size),  # this rank's first sample
+                first_sample,
                 inputs.shape[0],
                 env.device,
             )

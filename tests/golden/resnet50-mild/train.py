@@ -54,9 +54,7 @@ import copy
 class Config:
     run_name: str = "my-gpt"  # runs/<run_name>/; rerunning a name resumes it
     seed: int = 42  # a run is a function of (config, seed)
-    data: str = (
-        ""  # "": scikit-learn's digits; or an ImageFolder tree, cifar-10-batches-bin
-    )
+    data: str = ""  # "": sklearn's digits; ImageFolder, cifar-10-batches-bin, shards
     # ImageFolder sizes (CIFAR and the digits keep their 32 and 8 pixels). Training at a
     # smaller crop than evaluation matches the apparent object size of the two (Touvron
     # et al. 2019, "FixRes"): Composer's ResNet recipes train at 176, evaluate at 224.
