@@ -47,6 +47,18 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def speedup_line(arm: str, ratios: list[float], bounds: list[float], detail: str = "") -> str:
+    """`speedup: <arm> = X`, the median over seeds of the baseline's time to the target over the
+    arm's. A seed whose arm never reached the target gives only a bound: its time to the target
+    is longer than its whole training time, so its ratio is below the baseline's time over that.
+    The median of exact ratios and such bounds bounds the true median, so with any bound the
+    line says `<` and how many seeds missed."""
+    if not bounds:
+        return f"speedup: {arm} = {median(ratios):.2f}{detail}"
+    missed = f"target not reached in {len(bounds)} of {len(ratios) + len(bounds)} seeds"
+    return f"speedup: {arm} < {median(ratios + bounds):.2f} ({missed}: an upper bound)"
+
+
 def scratch() -> Path:
     return Path(tempfile.mkdtemp(prefix="scaffold-bench-"))
 

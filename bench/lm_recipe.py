@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _common import ALLOCATOR, REPO, bench_env, median, plot_curves, scratch, train
+from _common import ALLOCATOR, REPO, bench_env, median, plot_curves, scratch, speedup_line, train
 
 RECIPES = REPO / "templates" / "recipes"
 SHIPPED = ("gpt2-baseline", "gpt2-speedup", "gpt2-modern")
@@ -90,7 +90,6 @@ def reach(target: float, points: list[tuple[int, int, float, float]]) -> tuple[f
     return None
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
@@ -113,6 +112,7 @@ def main() -> None:
     print(f"{'seed':>4} {'arm':22} {'final val':>9} {'target':>7} {'steps':>7} {'tokens':>9} {'seconds':>8}")
     curves: dict[str, list] = {arm: [] for arm in arms}
     ratios: dict[str, dict[str, list[float]]] = {arm: {"steps": [], "tokens": [], "time": []} for arm in arms}
+    bounds: dict[str, list[float]] = {arm: [] for arm in arms}
     for seed in args.seeds:
         runs = {}
         for arm, project in projects.items():
@@ -126,9 +126,11 @@ def main() -> None:
             shown = ("never", "", "") if reached is None else (f"{reached[0]:.0f}", f"{reached[1]:.0f}", f"{reached[2]:.1f}")
             print(f"{seed:4d} {arm:22} {points[-1][3]:9.4f} {target:7.4f} {shown[0]:>7} {shown[1]:>9} {shown[2]:>8}",
                   flush=True)
-            if reached is not None and base is not None:
+            if reached is not None:
                 for key, b, a in zip(("steps", "tokens", "time"), base, reached):
                     ratios[arm][key].append(b / a)
+            else:
+                bounds[arm].append(base[2] / points[-1][2])
     seconds_and_loss = {arm: [[(p[2], p[3]) for p in points] for points in runs] for arm, runs in curves.items()}
     if plot_curves(seconds_and_loss, args.plot, xlabel="training time (s, CPU; evaluation excluded)",
                    ylabel="validation loss (nats/byte)",
@@ -137,11 +139,8 @@ def main() -> None:
     print(f"median over {len(args.seeds)} seeds of baseline/arm to the target (steps, tokens, time):")
     for arm in arms[1:]:
         r = ratios[arm]
-        if len(r["time"]) < len(args.seeds):
-            print(f"speedup: {arm} = n/a (reached the target in {len(r['time'])} of {len(args.seeds)} seeds)")
-            continue
-        print(f"speedup: {arm} = {median(r['time']):.2f} (time; steps {median(r['steps']):.2f}, "
-              f"tokens {median(r['tokens']):.2f})")
+        detail = "" if bounds[arm] else f" (time; steps {median(r['steps']):.2f}, tokens {median(r['tokens']):.2f})"
+        print(speedup_line(arm, r["time"], bounds[arm], detail))
 
 
 if __name__ == "__main__":

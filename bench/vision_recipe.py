@@ -25,7 +25,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from _common import ALLOCATOR, REPO, bench_env, median, plot_curves, scratch, train
+from _common import ALLOCATOR, REPO, bench_env, plot_curves, scratch, speedup_line, train
 
 RECIPES = REPO / "templates" / "recipes"
 BASELINE = "cifar-resnet56-baseline"
@@ -75,7 +75,6 @@ def reach(target: float, points: list[tuple[int, float, float]]) -> tuple[float,
     return None
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
@@ -100,6 +99,7 @@ def main() -> None:
     print(f"{'seed':>4} {'recipe':24} {'final top-1':>11} {'target':>7} {'steps':>7} {'seconds':>8}")
     curves: dict[str, list] = {arm: [] for arm in arms}
     ratios: dict[str, list[float]] = {arm: [] for arm in arms}
+    bounds: dict[str, list[float]] = {arm: [] for arm in arms}
     for seed in args.seeds:
         runs = {}
         for arm, project in projects.items():
@@ -113,18 +113,17 @@ def main() -> None:
             reached = reach(target, points)
             shown = ("never", "") if reached is None else (f"{reached[0]:.0f}", f"{reached[1]:.1f}")
             print(f"{seed:4d} {arm:24} {points[-1][2]:11.4f} {target:7.4f} {shown[0]:>7} {shown[1]:>8}", flush=True)
-            if reached is not None and base is not None:
+            if reached is not None:
                 ratios[arm].append(base[1] / reached[1])
+            else:
+                bounds[arm].append(base[1] / points[-1][1])
     seconds_and_top1 = {arm: [[(p[1], p[2]) for p in points] for points in runs] for arm, runs in curves.items()}
     if plot_curves(seconds_and_top1, args.plot, xlabel="training time (s, CPU; evaluation excluded)",
                    ylabel="validation top-1", title="time to accuracy: CIFAR ResNet recipes on the embedded digits"):
         print(f"plot: {args.plot}")
     print(f"median over {len(args.seeds)} seeds of the baseline's time to its final top-1 over the recipe's:")
     for arm in arms[1:]:
-        if len(ratios[arm]) < len(args.seeds):
-            print(f"speedup: {arm} = n/a (reached the target in {len(ratios[arm])} of {len(args.seeds)} seeds)")
-            continue
-        print(f"speedup: {arm} = {median(ratios[arm]):.2f}")
+        print(speedup_line(arm, ratios[arm], bounds[arm]))
 
 
 if __name__ == "__main__":
