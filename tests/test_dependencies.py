@@ -10,6 +10,7 @@ in an optional extra instead.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import sys
 import tomllib
@@ -49,7 +50,13 @@ def imports(path: Path) -> list[tuple[str, bool, int]]:
 def distributions(module: str) -> list[str]:
     """The distributions that provide an import name (the import name when none is installed):
     mlflow's `mlflow` package comes from mlflow-skinny too, and declaring either is enough."""
-    return [_normalize(name) for name in metadata.packages_distributions().get(module, [module])]
+    return [_normalize(name) for name in _packages_distributions().get(module, [module])]
+
+
+@functools.cache
+def _packages_distributions() -> dict[str, list[str]]:
+    # Reads every installed distribution's file list: seconds, so once per session.
+    return metadata.packages_distributions()
 
 
 def distribution(module: str) -> str:

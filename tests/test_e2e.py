@@ -13,7 +13,15 @@ from conftest import RECIPES
 from projects import checkout_env, read_metrics, run_train
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+# One recipe per task in every run (gpt2-speedup is README's main job); the others with --slow:
+# their own tests differ only in answers, and test_vision_recipes, test_image, test_modern and
+# test_text_classification train those recipes in every run.
+OWN_TESTS_EVERY_RUN = ("gpt2-speedup", "cifar-resnet56-baseline", "bert-sst2-speedup")
+
+
+@pytest.mark.parametrize(
+    "recipe", [r if r in OWN_TESTS_EVERY_RUN else pytest.param(r, marks=pytest.mark.slow) for r in RECIPES]
+)
 def test_generated_project_passes_its_own_tests(recipe: str, generated: dict[str, Path], project_copy) -> None:
     """The project's smoke tests: the loss falls, and a killed-and-resumed run is bitwise identical."""
     project = project_copy(generated[recipe])
