@@ -241,10 +241,10 @@ def kill_trials(project: Path, workdir: Path, trials: int, seed: int, nproc: int
     return stats
 
 
-def test_kill_9_at_random_moments_loses_nothing(generated: dict[str, Path], tmp_path: Path, corpus: Path,
-                                                request: pytest.FixtureRequest) -> None:
+@pytest.mark.slow  # 2 minutes; every run kills -9 in test_catalog_resume, test_image and others
+def test_kill_9_at_random_moments_loses_nothing(generated: dict[str, Path], tmp_path: Path, corpus: Path) -> None:
     shutil.copy(corpus, tmp_path / "corpus.txt")
-    trials = 30 if request.config.getoption("--slow") else 10
+    trials = 30
     stats = kill_trials(generated["gpt2-speedup"], tmp_path, trials, seed=trials)
     print(stats)
     assert stats["kills"] == trials and stats["in_save"] >= 2, stats
