@@ -25,19 +25,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--slow", action="store_true", help="also run the long fault-injection tests")
 
 
-# README's test command runs the files on every core (pytest-xdist, --dist loadfile), which hands
-# whole files to workers in collection order: the suite ends when the last file handed out does.
-# The longest files go first (measured on 2 cores), so the last ones handed out are short.
-LONGEST_FIRST = ("test_elastic.py", "test_upgrade.py", "test_check.py", "test_distributed.py",
-                 "test_text_classification.py", "test_e2e.py", "test_image.py", "test_gpt2_hf.py",
-                 "test_catalog_resume.py", "test_packs.py", "test_vision_recipes.py", "test_modern.py",
-                 "test_microbatch.py", "test_vision_targets.py", "test_vision_catalog_model.py",
-                 "test_vision_catalog_augment.py", "test_streaming.py", "test_slurm.py", "test_storage.py")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST
-               else len(LONGEST_FIRST))  # stable: a file's tests keep their order
     if config.getoption("--slow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --slow")

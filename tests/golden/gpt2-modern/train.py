@@ -48,9 +48,8 @@ class Config:
     model: Preset = "tiny"  # size preset, see PRESETS in model.py
     seq_len: int = 128  # tokens per training sequence
     dropout: float = 0.0
-    # Hugging Face GPT-2 weights to start from (GPT2LMHeadModel: a save_pretrained
-    # folder or a hub id; needs transformers). "": random init. A resumed run ignores
-    # it.
+    # Hugging Face GPT-2 weights to start from: a GPT2LMHeadModel save_pretrained
+    # folder or hub id (needs transformers); "": random init; a resume ignores it.
     init_from: str = ""
     # optimization; Time strings: 10ep, 2000ba (steps), 4096sp, 1e6tok, 0.25dur
     max_duration: Time = Time.parse("600ba")  # training length

@@ -1112,9 +1112,8 @@ def main() -> None:
             if cfg.stochastic_depth_drop_warmup != "none":
                 warmup = as_fraction(cfg.stochastic_depth_drop_warmup, cfg.max_duration)
                 ramp = min(progress.fraction(cfg.max_duration) / warmup, 1.0)
-            first_sample = env.rank * (
-                cfg.global_batch_size // env.world_size
-            )  # this rank's
+            # This rank's first sample in the global batch.
+            first_sample = env.rank * (cfg.global_batch_size // env.world_size)
             depth.start_step(
                 cfg.seed,
                 progress.batch,
