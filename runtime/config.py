@@ -15,6 +15,7 @@ Time needs a custom constructor. Writing TOML is tomli-w's job (escaping, nan/in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import inspect
@@ -26,7 +27,7 @@ import tokenize
 import tomllib
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal, TypeVar
 
 import tomli_w
@@ -364,6 +365,16 @@ def fail(message: str, status: int = 2) -> typing.NoReturn:
     if os.environ.get("RANK", "0") == "0":
         print("error: " + " ".join(message.splitlines()), file=sys.stderr)
     raise SystemExit(status)
+
+
+@contextlib.contextmanager
+def failing(*errors: type[Exception], prefix: str = "") -> Iterator[None]:
+    """Inside, an error of these types (a bad path, a bad value: the user's input) is
+    `fail(prefix + message)`: one line and exit status 2, instead of a traceback."""
+    try:
+        yield
+    except errors as error:
+        fail(f"{prefix}{error}")
 
 
 # ---------------------------------------------------------------- output

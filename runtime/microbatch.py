@@ -194,8 +194,15 @@ class Injection:
                                          f"per microbatch > {self.tokens}, in {phase}")
 
 
-def check(device_microbatch_size: int | str) -> str | None:
-    """Why this size (or SCAFFOLD_INJECT_OOM) cannot be used, or None."""
+def check(device_microbatch_size: int | str, auto: bool = True) -> str | None:
+    """Why this size (or SCAFFOLD_INJECT_OOM) cannot be used, or None. `auto`: whether
+    the project was generated with the search (a plain accumulation loop has none)."""
+    if device_microbatch_size == "auto" and not auto:
+        return (
+            "device_microbatch_size=auto: this project was generated with a fixed "
+            "microbatch size and has no out-of-memory search; add it with `scaffold set "
+            "auto_microbatching=true` (your edits are kept), or give a size"
+        )
     if device_microbatch_size != "auto" and (
         not isinstance(device_microbatch_size, int) or device_microbatch_size < 1
     ):

@@ -160,34 +160,45 @@ class Monitor:
     def __init__(
         self,
         run_dir: Path,
-        progress: Progress,
         max_duration: Time,
         global_batch_size: int,
         enabled: bool = True,
     ) -> None:
+        """The run's log, metrics and progress bar; `info` works at once, `log` and the
+        bar after `start(progress)` (called once the run has resumed, so a resumed run's
+        metrics.jsonl and bar continue from where it stands)."""
         self.enabled = enabled
         self.metrics_path = run_dir / "metrics.jsonl"
         self.log_path = run_dir / "log.txt"
         self._bar: tqdm | None = None
         self._paused = 0.0
         self._train_seconds = 0.0
-        self._last_time = time.perf_counter()
-        self._last_samples = progress.sample
-        self._last_tokens = progress.token
-        self._last_batch = progress.batch
-        self._start_time = self._last_time
-        self._start_fraction = progress.fraction(max_duration)
         self._max_duration = max_duration
+        self._global_batch_size = global_batch_size
         self._flops_per_token = 0.0
         self._flops_per_sample = 0.0
         self._peak = 0.0  # FLOP/s of all devices together; 0: no MFU
         self._cuda: torch.device | None = None
         self._trackers: Trackers | None = None
-        if not enabled:
+        self.start(Progress(batches_per_epoch=1), keep_metrics=False)
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, progress: Progress, keep_metrics: bool = True) -> None:
+        """Measure from where training stands; drop metrics.jsonl lines logged after it
+        (a resumed run logs those steps again) and show the progress bar."""
+        self._last_time = time.perf_counter()
+        self._last_samples = progress.sample
+        self._last_tokens = progress.token
+        self._last_batch = progress.batch
+        self._start_time = self._last_time
+        self._start_fraction = progress.fraction(self._max_duration)
+        if not (self.enabled and keep_metrics):
             return
-        run_dir.mkdir(parents=True, exist_ok=True)
         self._keep_metrics_until(progress.batch)
-        total, self._unit = _bar_total(max_duration, progress.batches_per_epoch, global_batch_size)
+        total, self._unit = _bar_total(
+            self._max_duration, progress.batches_per_epoch, self._global_batch_size
+        )
         self._bar = tqdm(
             total=total,
             initial=min(progress.token if self._unit == "tok" else progress.batch, total),

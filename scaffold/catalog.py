@@ -41,10 +41,8 @@ TRAIN_SECTIONS = ("imports", "config", "checks", "functions", "metrics", "augmen
 # per-sample augmentations the DataLoader workers run).
 DATA_SECTIONS = ("functions",)
 # Code of train.py an algorithm may replace (at most one algorithm each), and the event it
-# belongs to: `train.optimizer` stands instead of the task's optimizer construction;
-# `train.backward` instead of the call of forward_backward() inside a microbatch attempt (an
-# algorithm that runs it twice, as SAM does: out of memory in either retries the whole step).
-TRAIN_POINTS = {"optimizer": "OPTIMIZER", "backward": "AFTER_BACKWARD"}
+# belongs to: `train.optimizer` stands instead of the task's optimizer construction.
+TRAIN_POINTS = {"optimizer": "OPTIMIZER"}
 SNIPPET_SUFFIX = ".py.jinja"
 # A hyperparameter's `range`: an interval, brackets closed, parentheses open, inf allowed.
 RANGE = re.compile(r"([\[(])\s*(-?inf|[-+0-9.e]+)\s*,\s*(-?inf|[-+0-9.e]+)\s*([\])])")

@@ -162,6 +162,23 @@ def remove(
     _report(result, f"removed {algorithm} from {project}")
 
 
+@app.command(name="set")
+def set_(
+    answers: Annotated[
+        list[str], typer.Argument(help="Answers to change: key=value (e.g. auto_microbatching=true).")
+    ],
+    project: Annotated[Path, typer.Option("--project", help="The project folder (a clean git work tree).")] = Path("."),
+) -> None:
+    """Change a generation answer of a project: the code it changes is merged in, your edits are kept."""
+    from scaffold.upgrade import UpdateError, set_answers
+
+    try:
+        result = set_answers(project, answers)
+    except (UpdateError, HistoryError) as error:
+        raise _fail(str(error)) from None
+    _report(result, f"set {', '.join(answers)} in {project}")
+
+
 @app.command()
 def check(
     project: Annotated[Path, typer.Argument(help="The project folder.")] = Path("."),

@@ -28,14 +28,18 @@ from packaging.version import InvalidVersion, Version
 from plumbum import local
 
 from scaffold.catalog import (
+    add_algorithm,
     Algorithm,
     CatalogError,
-    ModelFamily,
-    RecipeError,
-    add_algorithm,
+    DERIVED_ANSWERS,
     load_algorithms,
     load_models,
+    ModelFamily,
+    parse_override,
+    Recipe,
+    RecipeError,
     remove_algorithm,
+    resolve,
 )
 from scaffold.check import CheckError, read_answers
 from scaffold.history import (
@@ -431,3 +435,35 @@ def describe(result: UpdateResult) -> list[str]:
         lines.extend(f"  {label:<9} {path}" for path in paths)
     return lines
 
+
+
+def set_answers(
+    project: Path, overrides: Sequence[str], release: TemplateRelease | None = None
+) -> UpdateResult:
+    """Change generation answers (`key=value`, e.g. `auto_microbatching=true`) and merge
+    the project re-rendered with them into its files, keeping the user's edits."""
+    release = release or installed_release()
+    state = preflight(project, release)
+    changed = dict(parse_override(text) for text in overrides)
+    if not changed:
+        raise UpdateError("name an answer to change, e.g. `scaffold set auto_microbatching=true`")
+    kept = {
+        key: value
+        for key, value in state.answers.items()
+        if not key.startswith("_") and key not in DERIVED_ANSWERS
+    }
+    recipe = Recipe(
+        str(state.answers.get("recipe", "custom")),
+        "",
+        kept | changed,
+        dict(state.answers.get("algorithms") or {}),
+    )
+    with tempfile.TemporaryDirectory(prefix="scaffold-template.") as scratch:
+        template = export_version(history_path(), state.version, Path(scratch))
+        try:  # every answer checked as `scaffold new` checks a recipe's
+            answers = resolve(recipe, template, str(state.answers["project_name"]))
+        except RecipeError as error:
+            raise UpdateError(str(error).replace("recipe ", "answers of ", 1)) from None
+    check_code(state)
+    _update(state, copier.VcsRef.CURRENT, {key: answers[key] for key in changed}, dry_run=False)
+    return UpdateResult(state.path, state.version, state.version, file_changes(state.path))

@@ -22,7 +22,9 @@ def make(run_dir: Path, step: int = 0, enabled: bool = True) -> tuple[Monitor, P
     progress = Progress(batches_per_epoch=10)
     for _ in range(step):
         progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
-    return Monitor(run_dir, progress, Time.parse("100ba"), GLOBAL_BATCH, enabled=enabled), progress
+    monitor = Monitor(run_dir, Time.parse("100ba"), GLOBAL_BATCH, enabled=enabled)
+    monitor.start(progress)
+    return monitor, progress
 
 
 def test_a_task_without_tokens_logs_samples_only(tmp_path: Path) -> None:

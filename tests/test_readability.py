@@ -1,0 +1,89 @@
+"""The generated train.py reads top to bottom: shallow, no classes but Config, the
+out-of-memory search only where it was asked for; the task templates write nothing twice.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from pathlib import Path
+
+import pytest
+
+from conftest import RECIPES
+from scaffold.paths import template_dir
+
+TASKS = template_dir() / "tasks"
+# nanoGPT's train.py nests its loop 5 levels deep; so may ours (DESIGN.md §3).
+MAX_DEPTH = 5
+# Lines a reader scrolls through, measured on the 0.2.0 goldens: 494 and 1,304.
+MAX_LINES = {"gpt2-baseline": 450, "resnet50-hot": 1000}
+# Task templates hold only task-specific code: shared runs longer than this are a copy.
+MAX_SHARED_RUN = 10
+
+
+def depth(node: ast.AST, level: int = 0) -> int:
+    """The deepest statement under `node`; its own body's statements are at level + 1."""
+    deepest = level
+    for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+        for child in getattr(node, field, []) or []:
+            if isinstance(child, (ast.stmt, ast.excepthandler, ast.match_case)):
+                deepest = max(deepest, depth(child, level + 1))
+    return deepest
+
+
+def main_function(tree: ast.Module) -> ast.FunctionDef:
+    return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_train_py_is_shallow_and_defines_only_config(recipe: str, generated: dict[str, Path]) -> None:
+    source = (generated[recipe] / "train.py").read_text()
+    tree = ast.parse(source)
+    assert depth(main_function(tree)) <= MAX_DEPTH, recipe
+    classes = [n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+    assert classes == ["Config"], (recipe, classes)
+    # A fixed microbatch size (every shipped recipe): plain accumulation, no retry.
+    assert "attempt" not in source and "microbatch.Search" not in source, recipe
+    if recipe in MAX_LINES:
+        assert len(source.splitlines()) <= MAX_LINES[recipe], recipe
+
+
+def shared_runs(a: list[str], b: list[str], longer_than: int) -> list[tuple[int, int, int]]:
+    """(line in a, line in b, length) of every maximal run of equal lines longer than
+    `longer_than` (lines compared stripped, blank lines left out)."""
+    runs, previous = [], [0] * (len(b) + 1)
+    for i in range(1, len(a) + 1):
+        current = [0] * (len(b) + 1)
+        for j in range(1, len(b) + 1):
+            if a[i - 1] == b[j - 1]:
+                current[j] = previous[j - 1] + 1
+        for j in range(1, len(b) + 1):
+            ends = i == len(a) or j == len(b) or a[i] != b[j]
+            if current[j] > longer_than and ends:
+                runs.append((i - current[j] + 1, j - current[j] + 1, current[j]))
+        previous = current
+    return runs
+
+
+def test_task_templates_share_no_run_of_more_than_ten_lines() -> None:
+    files = {
+        path: [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        for path in TASKS.rglob("*")
+        if path.is_file()
+    }
+    copies = []
+    for (a, lines_a), (b, lines_b) in itertools.combinations(files.items(), 2):
+        if a.relative_to(TASKS).parts[0] == b.relative_to(TASKS).parts[0]:
+            continue  # one task's own files
+        for start_a, start_b, length in shared_runs(lines_a, lines_b, MAX_SHARED_RUN):
+            copies.append(f"{a.relative_to(TASKS)} and {b.relative_to(TASKS)}: {length} lines "
+                          f"({lines_a[start_a - 1]!r} ...)")
+    assert not copies, "write these once in templates/common/:\n" + "\n".join(copies)
+
+
+def test_the_shared_run_finder_finds_a_run() -> None:
+    a = [f"line {i}" for i in range(20)]
+    b = ["other"] + a[3:15] + ["other"]
+    assert shared_runs(a, b, 10) == [(4, 2, 12)]
+    assert shared_runs(a, b, 12) == []
