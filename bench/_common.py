@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# The same allocator settings for both sides of every ratio (DESIGN §9: glibc's defaults cost
+# The same allocator settings for both sides of every ratio (DESIGN.md §12.8: glibc's defaults cost
 # a small loop hundreds of page faults per step). Set here so runs are comparable; printed.
 ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
 

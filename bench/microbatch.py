@@ -7,7 +7,7 @@ Both loops run in the same process, interleaved in rounds, through the same
 `search.attempts()` construct train.py uses. The auto search is forced down to --found by
 raising torch.OutOfMemoryError above it (as an OOM would), then both are timed. The printed
 ratio auto/fixed should be 1.00 within noise: a settled search has no hooks and no votes.
-Allocator settings matter on CPU (DESIGN §9): the same ones apply to both sides; they are
+Allocator settings matter on CPU (DESIGN.md §12.8): the same ones apply to both sides; they are
 printed.
 """
 

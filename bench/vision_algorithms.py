@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args()
     if any(os.environ.get(key) != value for key, value in ALLOCATOR.items()):
-        # glibc reads its malloc settings at start-up: run again with _common's (DESIGN §9).
+        # glibc reads its malloc settings at start-up: run again with _common's (DESIGN.md §12.8).
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ALLOCATOR})
     rounds = args.rounds or (5 if args.long else 3)
     steps = args.steps or (20 if args.long else 10)

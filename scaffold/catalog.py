@@ -1,6 +1,6 @@
 """The packs, the algorithm catalog and recipes: loading, validation, and resolving a recipe into copier answers.
 
-A project is rendered from three kinds of pack (DESIGN §2):
+A project is rendered from three kinds of pack (DESIGN.md §5):
 - a task, `templates/tasks/<task>/` with `task.toml` (summary, the model families it takes);
 - a model family, `templates/models/<family>/` with `model.toml` (summary, size presets, and the
   extension points architectural algorithms fill);
@@ -28,7 +28,7 @@ from runtime.time import Time, TimeError
 # Answers scaffold computes itself; a recipe may not set them.
 DERIVED_ANSWERS = ("project_name", "recipe", "algorithms")
 HYPERPARAMETER_TYPES = ("int", "float", "bool", "str", "time")
-# The event points of every task's train.py, in loop order (DESIGN §3).
+# The event points of every task's train.py, in loop order (DESIGN.md §4.2).
 EVENTS = (
     "INIT", "MODEL", "OPTIMIZER", "FIT_START", "EPOCH_START", "BATCH_START", "MICROBATCH_START",
     "AFTER_FORWARD", "LOSS", "AFTER_BACKWARD", "BATCH_END", "EVAL", "EPOCH_END", "FIT_END",

@@ -1,7 +1,7 @@
 """Template history: a local git repository holding one tagged commit per template version.
 
 copier can only update a project from a git source whose history holds the version the
-project was made with (DESIGN §6). Every scaffold run makes sure `~/.cache/scaffold/
+project was made with (DESIGN.md §8.1). Every scaffold run makes sure `~/.cache/scaffold/
 template-history` exists and holds the installed `templates/` folder under a version tag (a
 wheel's shipped bundle is fetched first when present; a development install snapshots
 itself). Projects record this path literally, with `~`, so they stay valid for every user

@@ -2,7 +2,7 @@
 
 copier's update re-renders the old and new template versions and 3-way merges them with the
 user's files; formatting after rendering would be invisible to that baseline and turn into
-spurious conflicts (DESIGN §6). Each `.py.jinja` wraps its body in `{% filter black %}`.
+spurious conflicts (DESIGN.md §8.3). Each `.py.jinja` wraps its body in `{% filter black %}`.
 """
 
 from __future__ import annotations

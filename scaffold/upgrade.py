@@ -2,7 +2,7 @@
 
 All three are one operation: copier re-renders the project's recorded template version with
 its recorded answers (the merge base), renders the target version with the target answers,
-and 3-way merges the difference into the user's files (DESIGN §6). `upgrade` changes the
+and 3-way merges the difference into the user's files (DESIGN.md §8.5). `upgrade` changes the
 version; `add`/`remove` change the `algorithms` answer at the project's current version.
 
 Nothing is written before every precondition holds (a clean git tree, a scaffold answers file,
@@ -246,7 +246,7 @@ def _run_copier_update(project: Path, version: str | copier.VcsRef, data: dict[s
                 defaults=True,
                 skip_answered=True,
                 overwrite=True,
-                conflict="inline",  # never "rej": it silently keeps the template's line (DESIGN §6)
+                conflict="inline",  # never "rej" (DESIGN.md §12.1)
                 unsafe=True,  # the template's black filter is a jinja extension
                 quiet=True,
             )

@@ -1,4 +1,4 @@
-"""Every algorithm in the catalog resumes bitwise after kill -9 (DESIGN §4).
+"""Every algorithm in the catalog resumes bitwise after kill -9 (DESIGN.md §11.5).
 
 One parametrised test over `scaffold.catalog.load_algorithms`: an algorithm added to
 `templates/algorithms/` is included without touching this file. For each, a tiny project of

@@ -7,7 +7,7 @@ val_loss.
 
 Each torchrun launch costs ~5 s here, so every launch checks several things. Tolerances:
 ranks sum gradients in a different order than one process does, which moves fp32 results
-by ~1e-7 per step (DESIGN §9 measured ~5e-7 on losses); over 4 AdamW steps the losses agree
+by ~1e-7 per step (DESIGN.md §12.2: ~5e-7 on losses); over 4 AdamW steps the losses agree
 to 1e-5 relative and the parameters to 1e-5 absolute (weights are ~0.02 in scale).
 """
 
