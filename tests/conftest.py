@@ -17,6 +17,7 @@ from scaffold.paths import template_dir
 REPO = Path(__file__).resolve().parent.parent
 collect_ignore = ["golden"]  # generated projects' own tests run in test_e2e.py
 RECIPES = tuple(recipe_paths(template_dir()))  # every shipped recipe
+RECIPE_AUTO_IMAGE = "cifar-resnet56-baseline"  # the image task with auto_microbatching
 PROJECT_NAME = "my-gpt"
 
 
@@ -67,6 +68,19 @@ def generated(tmp_path_factory: pytest.TempPathFactory, isolated_home: Path) -> 
     for recipe in RECIPES:
         dest = root / recipe / PROJECT_NAME
         result = scaffold_cli("new", "--recipe", recipe, str(dest))
+        assert result.returncode == 0, result.stderr
+        projects[recipe] = dest
+    return projects
+
+
+@pytest.fixture(scope="session")
+def generated_auto(tmp_path_factory: pytest.TempPathFactory, isolated_home: Path) -> dict[str, Path]:
+    """Recipes generated with the out-of-memory search (`--set auto_microbatching=true`)."""
+    root = tmp_path_factory.mktemp("generated-auto")
+    projects = {}
+    for recipe in ("gpt2-baseline", "gpt2-speedup", RECIPE_AUTO_IMAGE):
+        dest = root / recipe / PROJECT_NAME
+        result = scaffold_cli("new", "--recipe", recipe, "--set", "auto_microbatching=true", str(dest))
         assert result.returncode == 0, result.stderr
         projects[recipe] = dest
     return projects

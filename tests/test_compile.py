@@ -115,11 +115,11 @@ def test_recompilation_is_bounded_over_sequence_lengths_and_microbatch_sizes(mod
 
 @pytest.mark.slow
 def test_compile_under_fsdp2_with_checkpointing_and_auto_microbatching_matches_eager(
-    generated: dict[str, Path], tmp_path: Path
+    generated_auto: dict[str, Path], tmp_path: Path
 ) -> None:
     """2 ranks, FSDP2 + activation checkpointing + auto microbatching + sequence-length
     warmup: compiled and eager runs take the same steps (fp32 tolerance)."""
-    project = generated["gpt2-speedup"]
+    project = generated_auto["gpt2-speedup"]
 
     def launch(name: str, compile_: bool) -> list[float]:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

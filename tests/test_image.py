@@ -315,12 +315,15 @@ def reference(project: Path, tmp_path_factory: pytest.TempPathFactory) -> list[t
     ids=["fsdp-2", "ddp-3", "fsdp-2-auto-oom"],
 )
 def test_distributed_runs_equal_one_process(nproc: int, args: list[str], inject: str, project: Path,
-                                           reference: list[tuple], tmp_path: Path) -> None:
+                                           reference: list[tuple], generated_auto: dict[str, Path],
+                                           tmp_path: Path) -> None:
     """Per-step losses, validation loss and top-1 equal one process's (ghost BatchNorm makes
-    the step independent of the split); with an injected OOM the size halves 6 -> 4 -> 2."""
+    the step independent of the split); with an injected OOM (the project generated with
+    auto_microbatching) the size halves 6 -> 4 -> 2."""
     env = {"SCAFFOLD_INJECT_OOM": inject} if inject else None
     launch = [*small(*args), "--max_duration=4ba", "--eval_interval=2ba", "--run_name=dist"]
-    result = ok(torchrun(nproc, project / "train.py", *launch, cwd=tmp_path, env=env))
+    target = generated_auto[RECIPE] if inject else project
+    result = ok(torchrun(nproc, target / "train.py", *launch, cwd=tmp_path, env=env))
     assert_close(trajectory(tmp_path, "dist"), reference)
     if inject:
         assert "retrying the batch at 4" in result.stdout and "retrying the batch at 2" in result.stdout

@@ -221,7 +221,7 @@ def final_params(workdir: Path, run_name: str) -> dict[str, torch.Tensor]:
      pytest.param("ddp", 3, marks=pytest.mark.slow)],
 )
 def test_one_rank_oom_in_forward_or_backward_settles_everywhere_and_trains_as_fixed(
-    parallelism: str, nproc: int, generated: dict[str, Path], tmp_path: Path
+    parallelism: str, nproc: int, generated_auto: dict[str, Path], tmp_path: Path
 ) -> None:
     """OOM on one rank only (forward in one run, backward in another): no hang, every rank
     settles on the same size, and the final weights equal a run with that size from the start.
@@ -247,7 +247,7 @@ def test_one_rank_oom_in_forward_or_backward_settles_everywhere_and_trains_as_fi
              "args": [*warming, "--run_name=eval", "--device_microbatch_size=auto"]},
             {"name": "evalref", "inject": "", "args": [*warming, "--run_name=evalref", "--device_microbatch_size=1"]},
         ]
-    result = launch(generated["gpt2-speedup"], tmp_path, nproc, plan)
+    result = launch(generated_auto["gpt2-speedup"], tmp_path, nproc, plan)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     if nproc <= 2:
         evaluated, reference = read_metrics(tmp_path, "eval"), read_metrics(tmp_path, "evalref")
@@ -276,10 +276,10 @@ def test_one_rank_oom_in_forward_or_backward_settles_everywhere_and_trains_as_fi
                 name, key, (value - fixed[key]).abs().max().item())
 
 
-def test_oom_at_every_size_fails_fast_with_one_error_and_no_checkpoint(generated: dict[str, Path], tmp_path: Path) -> None:
+def test_oom_at_every_size_fails_fast_with_one_error_and_no_checkpoint(generated_auto: dict[str, Path], tmp_path: Path) -> None:
     plan = [{"name": "never", "inject": "ranks=1;above=0;phase=backward",
              "args": [*SMALL, "--parallelism=fsdp", "--run_name=never", "--device_microbatch_size=auto"]}]
-    result = launch(generated["gpt2-speedup"], tmp_path, 2, plan)
+    result = launch(generated_auto["gpt2-speedup"], tmp_path, 2, plan)
     assert result.returncode != 0
     assert result.stderr.count("error: out of memory at every device_microbatch_size down to 1") == 1, result.stderr
     checkpoints = tmp_path / "runs" / "never" / "checkpoints"
@@ -287,8 +287,8 @@ def test_oom_at_every_size_fails_fast_with_one_error_and_no_checkpoint(generated
     assert not (tmp_path / "runs" / "never" / "metrics.jsonl").exists()
 
 
-def test_resume_reuses_the_found_size_without_searching(generated: dict[str, Path], tmp_path: Path) -> None:
-    project = generated["gpt2-baseline"]  # constant sequence length: nothing to re-arm on resume
+def test_resume_reuses_the_found_size_without_searching(generated_auto: dict[str, Path], tmp_path: Path) -> None:
+    project = generated_auto["gpt2-baseline"]  # constant sequence length: nothing to re-arm on resume
     args = [a for a in SMALL if not a.startswith(("--max_duration", "--save_interval"))]
     args += ["--run_name=r", "--device_microbatch_size=auto", "--save_interval=2ba"]
     env = {**checkout_env(), microbatch.INJECT_ENV: "above=3"}  # 12 -> 6 -> 3

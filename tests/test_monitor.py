@@ -295,3 +295,18 @@ def test_training_flops_count_attention_on_every_device() -> None:
     heads, length, width = 2, 16, 8
     flops = training_flops(Attention(), torch.zeros(1, heads, length, width))
     assert flops == 3 * 4 * length**2 * heads * width
+
+
+def test_the_0_2_0_call_starts_at_once(tmp_path: Path) -> None:
+    """Projects of 0.1.0 and 0.2.0 build the monitor after their resume, with the progress:
+    lines logged after the resumed step are dropped and the bar starts there."""
+    progress = Progress(batches_per_epoch=10)
+    for _ in range(3):
+        progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(1, 6)))
+    monitor = Monitor(tmp_path, progress, Time.parse("100ba"), GLOBAL_BATCH, True)
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
+    monitor.log(progress, loss=1.0)
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 4
+    monitor.close()
