@@ -328,6 +328,8 @@ class Search:
         log: Callable[[str], None] = print,
         timeout: timedelta = timedelta(minutes=10),
         multiple_of: int = 1,
+        *,
+        resumed: Mapping[str, Any] | None = None,
     ) -> None:
         self.model, self.env, self._log = model, env, log
         # Sizes tried are multiples of this (e.g. BatchNorm groups that must not be split).
@@ -348,6 +350,11 @@ class Search:
         self._fsdp_units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         if self.injection is not None:
             self._install()  # injection needs its hooks on every step
+        if resumed:
+            # Only a train.py of scaffold 0.1.0 passes this (the `extra` of its
+            # checkpoint.resume), until `scaffold upgrade`; now the checkpoint's resume
+            # calls load_state_dict.
+            self.load_state_dict(resumed)
 
     # ------------------------------------------------------------ loop API
 

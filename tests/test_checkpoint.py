@@ -865,6 +865,10 @@ def test_0_1_0_module_functions_save_and_resume(tmp_path: Path) -> None:
     assert resumed.step == 3 and again.batch == 3 and resumed.extra == found
     assert same_params(fresh, model)
     assert resumed.describe() == [f"resumed from {path} at step 3"]
+    # 0.1.0's train.py hands the extra to the search's constructor.
+    search = microbatch.Search(fresh, [fresh[0]], ONE_PROCESS, "auto", per_rank_batch=8,
+                               resumed=resumed.extra, log=lambda line: None)
+    assert (search.size, search.settled_len) == (2, 16)
 
     upgraded, upgraded_optimizer = build(seed=1)
     search = microbatch.Search(upgraded, [upgraded[0]], ONE_PROCESS, "auto",
