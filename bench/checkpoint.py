@@ -97,13 +97,13 @@ def single_process(args: argparse.Namespace, root: Path) -> dict[str, float]:
     progress = Progress(batches_per_epoch=1000)
     results: dict[str, float] = {"params": n}
     step = [0]
-    state = {"model": model, "optimizer": optimizer}
+    state = {"model": model, "optimizer": optimizer, "progress": progress}
     checkpointer = checkpoint.Checkpointer(root / "dcp", keep=1)
 
     def dcp_save() -> None:
         step[0] += 1
         progress.batch = step[0]
-        checkpointer.save(state, progress)
+        checkpointer.save(state)
 
     def torch_save() -> None:
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, root / "plain.pt")
@@ -116,9 +116,9 @@ def single_process(args: argparse.Namespace, root: Path) -> dict[str, float]:
     results["dcp_save"], results["torch_save"] = alternating(sync_after(dcp_save), torch_save, args.saves)
     fresh, fresh_optimizer = build(args.params)
     path = checkpoint.latest(root / "dcp")
-    fresh_state = {"model": fresh, "optimizer": fresh_optimizer}
-    results["dcp_load"] = best(lambda: checkpoint.load(path, fresh_state, Progress(batches_per_epoch=1000)),
-                               args.repeat)
+    fresh_state = {"model": fresh, "optimizer": fresh_optimizer,
+                   "progress": Progress(batches_per_epoch=1000)}
+    results["dcp_load"] = best(lambda: checkpoint.load(path, fresh_state), args.repeat)
 
     def torch_load() -> None:
         state = torch.load(root / "plain.pt", weights_only=True)
@@ -134,7 +134,7 @@ def single_process(args: argparse.Namespace, root: Path) -> dict[str, float]:
         progress.batch = step[0]
         saver = checkpoint.Checkpointer(root / "dcp", keep=1, async_save=async_save)
         start = time.perf_counter()
-        saver.save(state, progress)
+        saver.save(state)
         blocked = time.perf_counter() - start
         saver.close()
         return blocked
@@ -152,15 +152,15 @@ def worker(args: argparse.Namespace) -> None:
     try:
         root = Path(args.dir)
         model, optimizer = build(args.params, env)
-        state = {"model": model, "optimizer": optimizer}
         progress = Progress(batches_per_epoch=1000)
+        state = {"model": model, "optimizer": optimizer, "progress": progress}
         if args.worker == "save":
             progress.batch = 1
-            checkpoint.Checkpointer(root / "sharded").save(state, progress)
+            checkpoint.Checkpointer(root / "sharded").save(state)
         else:
             dist.barrier()
             start = time.perf_counter()
-            checkpoint.load(root / "sharded" / "step-1", state, progress)
+            checkpoint.load(root / "sharded" / "step-1", state)
             elapsed = torch.tensor([time.perf_counter() - start])
             if dist.is_distributed():  # the slowest rank's time
                 torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)

@@ -62,10 +62,12 @@ def measure(folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, rep
         for _ in range(repeat + 1):  # step-<repeat+1>: each save a new checkpoint
             progress.advance(samples=1, tokens=1)
         checkpointer = checkpoint.Checkpointer(folder, keep=1)
-        saves.append(timed(lambda: checkpointer.save({"model": model, "optimizer": optimizer}, progress)))
-        fresh = Progress(batches_per_epoch=1000)
-        loads.append(timed(lambda: checkpoint.Checkpointer(folder, keep=1).resume(
-            {"model": model, "optimizer": optimizer}, fresh)))
+        state = {"model": model, "optimizer": optimizer, "progress": progress}
+        saves.append(timed(lambda: checkpointer.save(state)))
+        fresh = {"model": model, "optimizer": optimizer,
+                 "progress": Progress(batches_per_epoch=1000)}
+        reader = checkpoint.Checkpointer(folder, keep=1)
+        loads.append(timed(lambda: reader.resume(fresh)))
     return {"save": statistics.median(saves), "load": statistics.median(loads)}
 
 

@@ -25,28 +25,24 @@ def check(metric: str, patience: Time, min_delta: float) -> str | None:
 
 
 class EarlyStopper:
+    """Watches `metric` (none: never stops). An entry of the loop's checkpointed
+    `state`: the resume calls `load_state_dict`, so a stopped run stays stopped."""
+
     def __init__(
         self,
         metric: str,
         patience: Time,
         min_delta: float = 0.0,
         mode: str = "min",
-        resumed: Mapping[str, Any] | None = None,
         log: Callable[[str], None] = print,
     ) -> None:
         self.metric, self.patience, self.min_delta, self.mode = metric, patience, min_delta, mode
         self.log = log
-        state = (resumed or {}).get("early_stop") or {}
-        self.best: float | None = state.get("best")
-        self.best_step: int = state.get("best_step", 0)
-        self.best_at: int = state.get("best_at", 0)  # when, in patience's unit
-        self.stopped: bool = bool(state.get("stopped", False)) and bool(metric)
-        if self.stopped:
-            log(
-                f"early stopping: this run stopped at its checkpoint ({metric} best {self.best:.6g} "
-                f"at step {self.best_step}); nothing to train (start a new run_name to train more)"
-            )
-        elif metric:
+        self.best: float | None = None
+        self.best_step: int = 0
+        self.best_at: int = 0  # when, in patience's unit
+        self.stopped: bool = False
+        if metric:
             log(f"early stopping: on {metric} ({mode}imize, min_delta {min_delta:g}, patience {patience})")
 
     def _improved(self, value: float) -> bool:
@@ -75,7 +71,8 @@ class EarlyStopper:
         return self.stopped
 
     def state_dict(self) -> dict[str, Any]:
-        """For checkpoint extras (JSON)."""
+        """For checkpoints (JSON). Under the key 0.2.0 merged into its checkpoints'
+        `extra`, which `load_state_dict` therefore also reads."""
         if not self.metric:
             return {}
         return {
@@ -86,3 +83,19 @@ class EarlyStopper:
                 "stopped": self.stopped,
             }
         }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from `state_dict`: the best so far and when, and whether the run
+        stopped (it stays stopped while a metric is watched). Other keys are ignored: a
+        checkpoint of 0.2.0 holds the microbatch search's beside these."""
+        saved = state.get("early_stop") or {}
+        self.best = saved.get("best")
+        self.best_step = int(saved.get("best_step", 0))
+        self.best_at = int(saved.get("best_at", 0))
+        self.stopped = bool(saved.get("stopped", False)) and bool(self.metric)
+        if self.stopped:
+            self.log(
+                f"early stopping: this run stopped at its checkpoint ({self.metric} "
+                f"best {self.best:.6g} at step {self.best_step}); nothing to train "
+                "(start a new run_name to train more)"
+            )

@@ -17,10 +17,11 @@ repeated. The loop divides summed token losses by the global token count, so the
 do not depend on the size found. If even 1 does not fit, every rank exits with one clear
 error before anything is saved.
 
-The size found is stored in checkpoints (`state_dict()`) and reused on resume without a new
-search (same world size). It is settled per sequence length: a longer batch than any that
-has succeeded (sequence-length warmup) is searched again, starting from the current size,
-so a size found on short sequences cannot crash the run later.
+The size found is stored in checkpoints (`state_dict()`: the search is an entry of the
+loop's checkpointed `state`) and reused on resume without a new search (same world
+size). It is settled per sequence length: a longer batch than any that has succeeded
+(sequence-length warmup) is searched again, starting from the current size, so a size
+found on short sequences cannot crash the run later.
 
 Evaluation runs at the full sequence length, possibly before training has reached it:
 
@@ -92,7 +93,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
@@ -331,10 +332,11 @@ class Search:
         device_microbatch_size: int | str,
         per_rank_batch: int,
         max_size: int = 0,
-        resumed: dict[str, Any] | None = None,
         log: Callable[[str], None] = print,
         timeout: timedelta = timedelta(minutes=10),
         multiple_of: int = 1,
+        *,
+        resumed: Mapping[str, Any] | None = None,
     ) -> None:
         self.model, self.env, self._log = model, env, log
         # Sizes tried are multiples of this (e.g. BatchNorm groups that must not be split).
@@ -346,22 +348,20 @@ class Search:
         self.eval_size, self.eval_settled_len = 0, 0  # evaluation's own, where training's is not settled
         self._attempt: Attempt | None = None
         self._handles: list[Any] = []
-        if not self.auto:
-            self.size = int(device_microbatch_size)
-        else:
-            self.size = min(per_rank_batch, max_size) if max_size > 0 else per_rank_batch
-            resumed = resumed or {}
-            if resumed.get("microbatch_size") and resumed.get("microbatch_world_size") == env.world_size:
-                self.size = min(self.size, int(resumed["microbatch_size"]))
-                self.settled_len = int(resumed.get("microbatch_seq_len", 0))
-                log(f"microbatch size: {self.size} (found before, from the checkpoint)")
-            else:
-                log(f"microbatch size: auto, starting at {self.size}")
+        # The largest size searched; a resume may set a smaller one (`load_state_dict`).
+        self.size = int(device_microbatch_size) if not self.auto else (
+            min(per_rank_batch, max_size) if max_size > 0 else per_rank_batch)
+        self._announced = False  # "starting at" is logged by the first search, if any
         distributed = torch_dist.is_available() and torch_dist.is_initialized()
         self._vote = _Vote(timeout) if self.auto and distributed and env.world_size > 1 else None
         self._fsdp_units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         if self.injection is not None:
             self._install()  # injection needs its hooks on every step
+        if resumed:
+            # Only a train.py of scaffold 0.1.0 passes this (the `extra` of its
+            # checkpoint.resume), until `scaffold upgrade`; now the checkpoint's resume
+            # calls load_state_dict.
+            self.load_state_dict(resumed)
 
     # ------------------------------------------------------------ loop API
 
@@ -374,6 +374,9 @@ class Search:
         if not self.auto or seq_len <= self.settled_len:
             yield Attempt(self, self.size, searching=False)
             return
+        if not self._announced and self.settled_len == 0:
+            self._log(f"microbatch size: auto, starting at {self.size}")
+        self._announced = True
         fsdp.defer_gradient_sync(self.model, True)  # DDP: reduced by hand once it fits
         try:
             for attempt in self._search(self.size, seq_len, "the batch"):
@@ -405,11 +408,26 @@ class Search:
                                   f"length {seq_len}), {self.size} for training")
 
     def state_dict(self) -> dict[str, int]:
-        """For checkpoint extras: the size found, for which sequence length and world size."""
+        """For checkpoints: the size found, for which sequence length and world size.
+        (The keys are those 0.2.0 merged into its checkpoints' `extra`, which
+        `load_state_dict` therefore also reads.)"""
         if not self.auto:
             return {}
         return {"microbatch_size": self.size, "microbatch_seq_len": self.settled_len,
                 "microbatch_world_size": self.env.world_size}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Reuse a size found before (`state_dict`) without searching again, when it was
+        found on as many ranks as now (a rank's share of the batch, hence the memory it
+        needs, depends on the world size) and the size is `auto`. Other keys are
+        ignored: a checkpoint of 0.2.0 holds the early stopper's beside these."""
+        found = int(state.get("microbatch_size") or 0)
+        same_world = state.get("microbatch_world_size") == self.env.world_size
+        if not (self.auto and found and same_world):
+            return
+        self.size = min(self.size, found)
+        self.settled_len = int(state.get("microbatch_seq_len", 0))
+        self._log(f"microbatch size: {self.size} (found before, from the checkpoint)")
 
     # ------------------------------------------------------------ internals
 

@@ -4,8 +4,10 @@
     torchrun --nproc_per_node=3 elastic_worker.py load DIR   # load both into FSDP2 and compare
     python elastic_worker.py load DIR                         # the same on one process
 
-The state saved is the loop's `{"model", "optimizer"}` plus an EMA of the model (a second,
-equally sharded module, as an algorithm would add). The DDP run saves asynchronously. `save`
+The state saved is the loop's `{"model", "optimizer", "progress", "stopper"}` plus an
+EMA of the model (a second, equally sharded module, as an algorithm would add); the
+progress and the early stopper are kept in rank 0's train_state.json and must reach
+every rank of a load. The DDP run saves asynchronously. `save`
 also writes the full (consolidated) state that was saved, as the reference; `load` compares
 what it loaded with it, bitwise, and exits 1 naming any difference.
 """
@@ -25,7 +27,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from runtime import checkpoint, dist, fsdp
-from runtime.time import Progress
+from runtime.early_stop import EarlyStopper
+from runtime.time import Progress, Time
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -49,19 +52,24 @@ class Tiny(nn.Module):
 
 
 def build(env: dist.DistEnv, parallelism: str, seed: int) -> dict:
-    """The checkpointed state: model, optimizer and an EMA of the model (sharded alike)."""
+    """The checkpointed state: model, optimizer, an EMA of the model (sharded alike),
+    the progress and an early stopper."""
     torch.manual_seed(seed)
     model, ema = Tiny(), Tiny()
     config = fsdp.ParallelConfig(parallelism=parallelism)
     model, ema = (fsdp.parallelize(m, m.blocks, env, config) for m in (model, ema))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    return {"model": model, "optimizer": optimizer, "ema": ema}
+    stopper = EarlyStopper("val_loss", Time.parse("5ba"), log=lambda line: None)
+    return {"model": model, "optimizer": optimizer, "ema": ema,
+            "progress": Progress(batches_per_epoch=10), "stopper": stopper}
 
 
 def full_state(state: dict) -> dict:
     return {"model": get_model_state_dict(state["model"], options=FULL),
             "optimizer": get_optimizer_state_dict(state["model"], state["optimizer"], options=FULL),
-            "ema": get_model_state_dict(state["ema"], options=FULL)}
+            "ema": get_model_state_dict(state["ema"], options=FULL),
+            "progress": state["progress"].state_dict(),
+            "stopper": state["stopper"].state_dict()}
 
 
 def differences(a: object, b: object, where: str = "") -> list[str]:
@@ -88,7 +96,7 @@ def main() -> None:
             for parallelism in ("fsdp", "ddp"):
                 state = build(env, parallelism, seed=0)
                 model, optimizer = state["model"], state["optimizer"]
-                progress = Progress(batches_per_epoch=10)
+                progress = state["progress"]
                 gen = torch.Generator().manual_seed(1)
                 for _ in range(3):
                     idx = torch.randint(0, 50, (env.world_size * 2, 6), generator=gen)
@@ -100,8 +108,10 @@ def main() -> None:
                         for average, param in zip(state["ema"].parameters(), model.parameters()):
                             average.lerp_(param, 0.25)
                     progress.advance(samples=idx.shape[0], tokens=idx.numel())
+                    val_loss = {"val_loss": 3.0 - progress.batch}
+                    state["stopper"].update(progress, val_loss, Time.parse("10ba"))
                 checkpointer = checkpoint.Checkpointer(root / parallelism, async_save=parallelism == "ddp")
-                checkpointer.save(state, progress)
+                checkpointer.save(state)
                 reference = full_state(state)
                 checkpointer.close()
                 if env.rank == 0:
@@ -111,13 +121,14 @@ def main() -> None:
             parallelism = "fsdp" if env.world_size > 1 else "none"
             for saved in ("fsdp", "ddp"):
                 state = build(env, parallelism, seed=123)  # other initial weights
-                progress = Progress(batches_per_epoch=10)
-                checkpoint.load(root / saved / "step-3", state, progress)
+                checkpoint.load(root / saved / "step-3", state)
+                # Every rank, not only rank 0 (which wrote train_state.json):
+                assert state["progress"].batch == 3, env.rank
+                assert state["stopper"].best == 0.0, env.rank
                 loaded = full_state(state)
                 if env.rank == 0:
                     reference = torch.load(root / f"{saved}-reference.pt", weights_only=True)
                     failures += [f"{saved} -> {parallelism}: {d}" for d in differences(reference, loaded)]
-                    assert progress.batch == 3, progress
             if failures:
                 print("\n".join(failures[:20]), file=sys.stderr)
                 raise SystemExit(1)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ from torch import nn
 
 from runtime import checkpoint
 from runtime.checkpoint import MARKER, TRAIN_STATE, CheckpointError
+from runtime.dist import DistEnv
 from runtime.time import Progress
 
 BATCHES_PER_EPOCH = 5
@@ -46,9 +50,24 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, progress: Progress
         progress.advance(samples=6, tokens=24)
 
 
-def state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+def state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+          progress: Progress | None = None, **more: object) -> dict:
     """What the generated loop checkpoints (the model alone: a weights-only load)."""
-    return {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
+    entries = {"model": model, "optimizer": optimizer, "progress": progress, **more}
+    return {name: value for name, value in entries.items() if value is not None}
+
+
+class Note:
+    """Small plain JSON state (as the microbatch search's): kept in train_state.json."""
+
+    def __init__(self, **values: object) -> None:
+        self.values = values
+
+    def state_dict(self) -> dict:
+        return dict(self.values)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.values = dict(state_dict)
 
 
 def same_params(a: nn.Module, b: nn.Module) -> bool:
@@ -69,10 +88,12 @@ def saved(tmp_path: Path) -> dict:
     for group in optimizer.param_groups:
         group["lr"] = 3e-3  # as a schedule would: a fresh optimizer (lr=1e-2) must take this value
     folder = tmp_path / "checkpoints"
-    path = checkpoint.Checkpointer(folder).save(state(model, optimizer), progress, extra={"microbatch": 3, "note": "x"})
+    note = Note(microbatch=3, note="x")
+    checkpointer = checkpoint.Checkpointer(folder)
+    path = checkpointer.save(state(model, optimizer, progress, note=note))
     next_rand = torch.rand(8)
     return {"folder": folder, "path": path, "model": model, "optimizer": optimizer,
-            "progress": progress, "next_rand": next_rand}
+            "progress": progress, "note": note, "next_rand": next_rand}
 
 
 # ---------------------------------------------------------------- round trip
@@ -85,6 +106,10 @@ def test_save_writes_complete_step_folder(saved: dict) -> None:
     assert list(path.glob("*.distcp")) and (path / "rng-rank0.pt").is_file()
     state = json.loads((path / TRAIN_STATE).read_text())
     assert state["world_size"] == 1 and state["progress"]["batch"] == 7
+    # Plain JSON state is kept here, readable, under its entry's name; not in DCP.
+    assert state["note"] == {"microbatch": 3, "note": "x"} and "extra" not in state
+    metadata = checkpoint.reading.read_metadata(path).state_dict_metadata
+    assert sorted({key.split(".")[0] for key in metadata}) == ["model", "optimizer"]
 
 
 def test_load_restores_model_optimizer_progress_rng_bitwise(saved: dict) -> None:
@@ -93,9 +118,13 @@ def test_load_restores_model_optimizer_progress_rng_bitwise(saved: dict) -> None
     progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
     torch.manual_seed(12345)  # any RNG state; load must bring back the saved one
 
-    extra = checkpoint.load(saved["path"], state(model, optimizer), progress, seed=0)
+    note = Note()
+    loaded = state(model, optimizer, progress, note=note)
+    resumed = checkpoint.load(saved["path"], loaded, seed=0)
 
-    assert extra == {"microbatch": 3, "note": "x", "rng_restored": True, "world_size": 1}
+    assert resumed.step == 7 and resumed.saved_world_size == 1
+    assert resumed.rng_restored is True
+    assert note.values == {"microbatch": 3, "note": "x"}
     assert torch.equal(torch.rand(8), saved["next_rand"])
     assert progress.state_dict() == saved["progress"].state_dict()
     assert progress.batch == 7 and progress.epoch == 1 and progress.batch_in_epoch == 2
@@ -121,9 +150,9 @@ def test_load_restores_model_optimizer_progress_rng_bitwise(saved: dict) -> None
 
 def test_load_weights_only(saved: dict) -> None:
     model, optimizer = build(seed=1)
-    extra = checkpoint.load(saved["path"], state(model))
+    resumed = checkpoint.load(saved["path"], state(model))
     assert same_params(model, saved["model"])
-    assert extra["microbatch"] == 3 and extra["rng_restored"] is True
+    assert resumed.step == 7 and resumed.rng_restored is True
     assert not optimizer.state  # untouched
 
 
@@ -172,20 +201,20 @@ def test_rotation_keeps_newest_complete(tmp_path: Path) -> None:
     checkpointer = checkpoint.Checkpointer(folder, keep=2)
     for _ in range(4):
         train(model, optimizer, progress, 1)
-        checkpointer.save(state(model, optimizer), progress)
+        checkpointer.save(state(model, optimizer, progress))
     assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-4"]
 
     # An interrupted save (no marker) must not count as one of the kept two.
     make_dir(folder, "step-5", complete=False)
     train(model, optimizer, progress, 2)
     assert progress.batch == 6
-    checkpointer.save(state(model, optimizer), progress)
+    checkpointer.save(state(model, optimizer, progress))
     complete = sorted(p.name for p in folder.iterdir() if checkpoint.is_complete(p))
     assert complete == ["step-4", "step-6"]
 
     # keep=0 keeps everything.
     train(model, optimizer, progress, 1)
-    checkpoint.Checkpointer(folder, keep=0).save(state(model, optimizer), progress)
+    checkpoint.Checkpointer(folder, keep=0).save(state(model, optimizer, progress))
     assert sorted(p.name for p in folder.iterdir() if checkpoint.is_complete(p)) == ["step-4", "step-6", "step-7"]
 
 
@@ -195,11 +224,14 @@ def test_saving_same_step_twice_is_a_noop(saved: dict) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    again = checkpoint.Checkpointer(saved["folder"]).save(state(model, optimizer), progress, extra={"note": "changed"})
+    changed = state(model, optimizer, progress, note=Note(note="changed"))
+    again = checkpoint.Checkpointer(saved["folder"]).save(changed)
     assert again == saved["path"]
     assert snapshot(saved["path"]) == before
     fresh, _ = build(seed=1)
-    assert checkpoint.load(again, state(fresh))["note"] == "x"
+    note = Note()
+    checkpoint.load(again, state(fresh, note=note))
+    assert note.values["note"] == "x"
     assert not same_params(fresh, model)  # the first save's weights, not the changed ones
 
 
@@ -225,7 +257,7 @@ def test_truncated_shard_raises_and_deletes_nothing(saved: dict, keep_bytes: flo
     before = snapshot(path)
     model, optimizer = build(seed=1)
     with pytest.raises(CheckpointError) as info:
-        checkpoint.load(path, state(model, optimizer), Progress(batches_per_epoch=BATCHES_PER_EPOCH))
+        checkpoint.load(path, state(model, optimizer, Progress(BATCHES_PER_EPOCH)))
     message = str(info.value)
     assert str(path) in message and "Traceback" not in message
     assert len(message) < 2500
@@ -281,7 +313,7 @@ def test_damaged_train_state_raises(saved: dict, damage) -> None:
     for progress in (Progress(batches_per_epoch=BATCHES_PER_EPOCH), None):
         model, optimizer = build(seed=1)
         with pytest.raises(CheckpointError, match=TRAIN_STATE):
-            checkpoint.load(saved["path"], state(model, optimizer), progress)
+            checkpoint.load(saved["path"], state(model, optimizer, progress))
         assert not same_params(model, saved["model"])  # rejected before anything was restored
         if progress is not None:
             assert progress.batch == 0
@@ -291,7 +323,7 @@ def test_other_batches_per_epoch_raises_before_restoring(saved: dict) -> None:
     model, optimizer = build(seed=1)
     progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH + 1)
     with pytest.raises(CheckpointError, match="batches_per_epoch"):
-        checkpoint.load(saved["path"], state(model, optimizer), progress)
+        checkpoint.load(saved["path"], state(model, optimizer, progress))
     assert not same_params(model, saved["model"]) and progress.batch == 0
 
 
@@ -301,8 +333,9 @@ def test_other_batches_per_epoch_raises_before_restoring(saved: dict) -> None:
 def next_rand_after_load(path: Path, seed: int, noise: int) -> tuple[torch.Tensor, bool]:
     model, optimizer = build(seed=1)
     torch.manual_seed(noise)  # a different RNG state before each load
-    extra = checkpoint.load(path, state(model, optimizer), Progress(batches_per_epoch=BATCHES_PER_EPOCH), seed=seed)
-    return torch.rand(8), extra["rng_restored"]
+    progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
+    resumed = checkpoint.load(path, state(model, optimizer, progress), seed=seed)
+    return torch.rand(8), resumed.rng_restored
 
 
 def test_other_world_size_reseeds_deterministically(saved: dict) -> None:
@@ -386,7 +419,7 @@ def test_async_save_copies_the_state_and_marks_after_writing(saved: dict) -> Non
     train(model, optimizer, progress, 1)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     checkpointer = checkpoint.Checkpointer(saved["folder"], keep=1, async_save=True)
-    path = checkpointer.save(state(model, optimizer), progress)
+    path = checkpointer.save(state(model, optimizer, progress))
     with torch.no_grad():  # training goes on at once: the checkpoint must not see this
         for p in model.parameters():
             p.add_(1.0)
@@ -404,7 +437,7 @@ def test_next_save_waits_for_async_save(saved: dict) -> None:
     checkpointer = checkpoint.Checkpointer(saved["folder"], async_save=True)
     for _ in range(2):
         train(model, optimizer, progress, 1)
-        checkpointer.save(state(model, optimizer), progress)
+        checkpointer.save(state(model, optimizer, progress))
     assert checkpoint.is_complete(saved["folder"] / "step-8")  # waited for by the second save
     checkpointer.wait()
     assert checkpoint.latest(saved["folder"]) == saved["folder"] / "step-9"
@@ -417,7 +450,7 @@ def fresh_resume(folder: Path, **kwargs):
     model, optimizer = build(seed=1)
     progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
     checkpointer = checkpoint.Checkpointer(folder)
-    resumed = checkpointer.resume(state(model, optimizer), progress, **kwargs)
+    resumed = checkpointer.resume(state(model, optimizer, progress), **kwargs)
     return resumed, model, optimizer, progress, checkpointer
 
 
@@ -453,7 +486,7 @@ def test_load_path_weights_only_then_restart_continues(saved: dict, tmp_path: Pa
         assert same_params(model, saved["model"]) and progress.batch == 0 and not optimizer.state
         assert resumed.describe()[-1].startswith("loaded model weights from")
     train(model, optimizer, progress, 2)
-    checkpointer.save(state(model, optimizer), progress)  # records where this run started
+    checkpointer.save(state(model, optimizer, progress))  # records where it started
     # The same command again: this run's own checkpoint, not the weights it started from.
     resumed, again, _, progress, _ = fresh_resume(run_dir, load_path=str(saved["folder"].parent),
                                                weights_only=True)
@@ -486,7 +519,8 @@ def test_export_safetensors_with_tied_weights(tmp_path: Path) -> None:
     optimizer.step()
     progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
     progress.advance(samples=1, tokens=2)
-    checkpoint.Checkpointer(tmp_path / "run" / "checkpoints").save(state(model, optimizer), progress)
+    checkpointer = checkpoint.Checkpointer(tmp_path / "run" / "checkpoints")
+    checkpointer.save(state(model, optimizer, progress))
     info = checkpoint.export_safetensors(tmp_path / "run", tmp_path / "model.safetensors")
     assert info["step"] == 1 and info["tensors"] == 2
     weights = load_file(tmp_path / "model.safetensors")
@@ -511,11 +545,11 @@ def test_checkpointers_share_no_save_in_flight_and_no_origin(saved: dict, tmp_pa
     a = checkpoint.Checkpointer(tmp_path / "a", async_save=True)
     model, optimizer = build(seed=1)
     progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
-    assert a.resume(state(model, optimizer), progress, load_path=str(saved["path"])) is not None
+    assert a.resume(state(model, optimizer, progress), load_path=str(saved["path"]))
     b = checkpoint.Checkpointer(tmp_path / "b")
     (tmp_path / "a" / "step-7" / ".metadata.tmp").mkdir(parents=True)  # A's write fails here
-    a.save(state(model, optimizer), progress)
-    b_path = b.save(state(model, optimizer), progress)
+    a.save(state(model, optimizer, progress))
+    b_path = b.save(state(model, optimizer, progress))
     assert checkpoint.is_complete(b_path)
     assert json.loads((b_path / TRAIN_STATE).read_text())["origin"] is None
     with pytest.raises(CheckpointError, match=r"checkpoint step-7 was not saved to .*a/step-7: "
@@ -571,21 +605,26 @@ def full_state(seed: int) -> dict:
     model, optimizer = build(seed=seed)
     ema, _ = build(seed=seed + 10)  # as an EMA of the model would be: a second module
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-    return {"model": model, "optimizer": optimizer, "ema": ema, "scheduler": scheduler, "counter": Counter()}
+    return {"model": model, "optimizer": optimizer, "ema": ema, "scheduler": scheduler,
+            "counter": Counter(), "progress": Progress(BATCHES_PER_EPOCH)}
 
 
 def test_extra_state_entries_are_saved_and_resumed(tmp_path: Path) -> None:
-    saved, progress = full_state(seed=0), Progress(batches_per_epoch=BATCHES_PER_EPOCH)
+    saved = full_state(seed=0)
     for _ in range(3):
-        train(saved["model"], saved["optimizer"], progress, 1)
+        train(saved["model"], saved["optimizer"], saved["progress"], 1)
         saved["scheduler"].step()
     saved["counter"].count += torch.tensor([1.0, 2.0])
     saved["counter"].label = "three steps"
-    path = checkpoint.Checkpointer(tmp_path).save(saved, progress)
+    path = checkpoint.Checkpointer(tmp_path).save(saved)
+    # The schedule's plain state is in train_state.json; the counter's tensor in DCP.
+    train_state = json.loads((path / TRAIN_STATE).read_text())
+    assert train_state["scheduler"] == saved["scheduler"].state_dict()
+    assert "counter" not in train_state
 
     loaded = full_state(seed=1)
-    resumed = checkpoint.Checkpointer(tmp_path).resume(loaded, Progress(batches_per_epoch=BATCHES_PER_EPOCH))
-    assert resumed.path == path and resumed.step == 3
+    resumed = checkpoint.Checkpointer(tmp_path).resume(loaded)
+    assert resumed.path == path and resumed.step == 3 and loaded["progress"].batch == 3
     assert same_params(loaded["ema"], saved["ema"]) and same_params(loaded["model"], saved["model"])
     assert loaded["scheduler"].state_dict() == saved["scheduler"].state_dict()
     assert loaded["optimizer"].param_groups[0]["lr"] == saved["optimizer"].param_groups[0]["lr"] == 5e-3
@@ -594,17 +633,23 @@ def test_extra_state_entries_are_saved_and_resumed(tmp_path: Path) -> None:
 
     # Weights only (a fine-tune): every module's weights, nothing else.
     fine_tune = full_state(seed=1)
-    checkpoint.Checkpointer(tmp_path / "ft").resume(fine_tune, Progress(batches_per_epoch=BATCHES_PER_EPOCH),
-                                                   load_path=str(path), weights_only=True)
+    checkpoint.Checkpointer(tmp_path / "ft").resume(fine_tune, load_path=str(path),
+                                                   weights_only=True)
     assert same_params(fine_tune["ema"], saved["ema"]) and not fine_tune["optimizer"].state
     assert fine_tune["scheduler"].last_epoch == 0 and fine_tune["counter"].label == ""
+    assert fine_tune["progress"].batch == 0
 
     # A checkpoint saved without the EMA entry cannot fill it: named, nothing restored.
-    checkpoint.Checkpointer(tmp_path / "plain").save(state(saved["model"], saved["optimizer"]), progress)
+    plain = state(saved["model"], saved["optimizer"], saved["progress"])
+    checkpoint.Checkpointer(tmp_path / "plain").save(plain)
     later = full_state(seed=1)
-    with pytest.raises(CheckpointError, match=r"step-3 holds no ema, scheduler, counter \(it holds model, optimizer\)"):
+    with pytest.raises(CheckpointError, match=r"step-3 holds no ema, scheduler, "
+                       r"counter \(it holds model, optimizer, progress\)"):
         checkpoint.load(tmp_path / "plain" / "step-3", later)
     assert not same_params(later["model"], saved["model"])
+    assert later["progress"].batch == 0
+    # An entry with nothing to restore (an empty state dict) is not required.
+    checkpoint.load(tmp_path / "plain" / "step-3", {**plain, "note": Note()})
 
 
 def test_state_entries_that_cannot_be_saved_are_named(tmp_path: Path) -> None:
@@ -612,9 +657,16 @@ def test_state_entries_that_cannot_be_saved_are_named(tmp_path: Path) -> None:
     checkpointer = checkpoint.Checkpointer(tmp_path)
     progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
     with pytest.raises(TypeError, match=r"state\['step'\] is a int"):
-        checkpointer.save({"model": model, "step": 3}, progress)
+        checkpointer.save({"model": model, "step": 3, "progress": progress})
     with pytest.raises(TypeError, match=r"state\['optimizer'\] optimizes parameters of no module"):
-        checkpointer.save({"optimizer": optimizer}, progress)
+        checkpointer.save({"optimizer": optimizer, "progress": progress})
+    with pytest.raises(TypeError, match=r"state\['origin'\]: train_state.json keeps"):
+        checkpointer.save({"model": model, "progress": progress, "origin": Note()})
+    # The progress names the checkpoint (step-N) and is recorded in train_state.json.
+    with pytest.raises(ValueError, match=r"no 'progress' entry \(it has model\)"):
+        checkpointer.save({"model": model})
+    with pytest.raises(TypeError, match=r"'progress'\] is a dict, not a runtime.time"):
+        checkpointer.save({"model": model, "progress": progress.state_dict()})
     assert not tmp_path.joinpath("step-0").exists()
 
 
@@ -645,7 +697,7 @@ def test_a_writer_thread_that_fails_fails_the_save(saved: dict, monkeypatch: pyt
     train(model, optimizer, progress, 1)
     checkpointer = checkpoint.Checkpointer(saved["folder"], keep=1, async_save=async_save)
     with pytest.raises(checkpoint.StorageError) as raised:
-        checkpointer.save(state(model, optimizer), progress)
+        checkpointer.save(state(model, optimizer, progress))
         checkpointer.wait()
     assert took.is_set()
     assert str(raised.value) == (f"checkpoint step-8 was not saved to {saved['folder'] / 'step-8'}: No space "
@@ -654,3 +706,174 @@ def test_a_writer_thread_that_fails_fails_the_save(saved: dict, monkeypatch: pyt
     assert "Traceback" not in capfd.readouterr().err
     assert not checkpoint.is_complete(saved["folder"] / "step-8")
     assert checkpoint.latest(saved["folder"]) == saved["path"]  # step-7 kept
+
+
+# ---------------------------------------------------------------- older checkpoints
+
+REPO = Path(__file__).resolve().parent.parent
+RELEASE_0_2_0 = "e505f85f8df8c7d945cd7d7096dac869c9ada644"  # main before this format
+ONE_PROCESS = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1,
+                      device=torch.device("cpu"))
+# Trains 4 steps with 0.2.0's runtime and saves as its train.py did: the microbatch
+# search's and the early stopper's state merged into `extra`. OOMs above 2 samples.
+SAVE_0_2_0 = """
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from runtime import checkpoint, early_stop, microbatch
+from runtime.dist import DistEnv
+from runtime.time import Progress, Time
+
+out = Path(sys.argv[1])
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+progress = Progress(batches_per_epoch=3)
+env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1,
+              device=torch.device("cpu"))
+search = microbatch.Search(model, [model[0]], env, "auto", per_rank_batch=8)
+stopper = early_stop.EarlyStopper("val_loss", Time.parse("2ba"))
+for val_loss in (2.0, 1.0, 1.5, 1.5):  # best at step 2; 2 steps later (step 4) it stops
+    for attempt in search.attempts(seq_len=16):
+        with attempt:
+            for micro in torch.randn(8, 4).split(attempt.size):
+                if attempt.size > 2:
+                    raise torch.OutOfMemoryError("injected")
+                model(micro).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    progress.advance(samples=8, tokens=128)
+    stopper.update(progress, {"val_loss": val_loss}, Time.parse("100ba"))
+assert search.size == 2 and stopper.stopped
+checkpointer = checkpoint.Checkpointer(out / "checkpoints")
+checkpointer.save({"model": model, "optimizer": optimizer}, progress,
+                  extra=search.state_dict() | stopper.state_dict())
+saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+torch.save(saved, out / "saved.pt")
+"""
+
+
+def runtime_of(commit: str, dest: Path) -> Path:
+    """The runtime package of a past commit of this repository, in `dest`."""
+    found = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=REPO,
+                           capture_output=True)
+    if found.returncode != 0:
+        pytest.skip(f"this checkout's git history lacks commit {commit[:7]} (shallow?)")
+    dest.mkdir()
+    archive = subprocess.run(["git", "archive", "--format=tar", commit, "runtime"],
+                             cwd=REPO, capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    return dest
+
+
+def test_a_0_2_0_checkpoint_resumes_with_every_entry(tmp_path: Path) -> None:
+    """Written by 0.2.0's own runtime (from this repository's history): the model,
+    optimizer, progress, microbatch size found and early stopper's state come back."""
+    from runtime import early_stop, microbatch
+    from runtime.time import Time
+
+    old = runtime_of(RELEASE_0_2_0, tmp_path / "runtime-0.2.0")
+    run = subprocess.run([sys.executable, "-c", SAVE_0_2_0, str(tmp_path)],
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(old)},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    step = tmp_path / "checkpoints" / "step-4"
+    assert json.loads((step / TRAIN_STATE).read_text())["extra"] == {
+        "microbatch_size": 2, "microbatch_seq_len": 16, "microbatch_world_size": 1,
+        "early_stop": {"best": 1.0, "best_step": 2, "best_at": 2, "stopped": True}}
+
+    def fresh() -> tuple[dict, list[str]]:
+        torch.manual_seed(1)  # other initial weights
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        lines: list[str] = []
+        search = microbatch.Search(model, [model[0]], ONE_PROCESS, "auto",
+                                   per_rank_batch=8, log=lines.append)
+        patience = Time.parse("2ba")
+        stopper = early_stop.EarlyStopper("val_loss", patience, log=lines.append)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return {"model": model, "optimizer": optimizer, "progress": Progress(3),
+                "microbatch": search, "stopper": stopper}, lines
+
+    state, lines = fresh()
+    resumed = checkpoint.Checkpointer(tmp_path / "checkpoints").resume(state)
+    assert resumed is not None and resumed.step == 4 and resumed.rng_restored
+    saved = torch.load(tmp_path / "saved.pt", weights_only=True)
+    model_state = state["model"].state_dict()
+    assert all(torch.equal(saved["model"][k], model_state[k]) for k in model_state)
+    optimizer_state = state["optimizer"].state_dict()["state"]
+    for index, expected in saved["optimizer"]["state"].items():
+        assert all(torch.equal(value, optimizer_state[index][k])
+                   for k, value in expected.items())
+    assert state["progress"].state_dict() == {
+        "batches_per_epoch": 3, "epoch": 1, "batch": 4, "sample": 32, "token": 512,
+        "batch_in_epoch": 1, "previous_epoch": 1, "previous_batch": 3,
+        "previous_sample": 24, "previous_token": 384}
+    search, stopper = state["microbatch"], state["stopper"]
+    assert (search.size, search.settled_len) == (2, 16)
+    assert [a.searching for a in search.attempts(seq_len=16)] == [False]  # no search
+    assert stopper.stopped
+    assert (stopper.best, stopper.best_step, stopper.best_at) == (1.0, 2, 2)
+    assert "microbatch size: 2 (found before, from the checkpoint)" in lines
+    assert "nothing to train" in lines[-1]
+
+    # Saved again, in this release's format (no `extra`); that resumes the same way.
+    state["progress"].advance(samples=8, tokens=128)
+    path = checkpoint.Checkpointer(tmp_path / "checkpoints").save(state)
+    train_state = json.loads((path / TRAIN_STATE).read_text())
+    assert "extra" not in train_state
+    assert train_state["microbatch"]["microbatch_size"] == 2 and train_state["stopper"]
+    again, lines = fresh()
+    assert checkpoint.Checkpointer(tmp_path / "checkpoints").resume(again).step == 5
+    assert again["microbatch"].size == 2 and again["stopper"].stopped
+
+
+def test_an_entry_a_0_2_0_checkpoint_lacks_and_its_extra_cannot_restore_is_named(
+    saved: dict, tmp_path: Path
+) -> None:
+    """A newer entry (here: strict about its keys) is handed 0.2.0's `extra` too."""
+    file = saved["path"] / TRAIN_STATE
+    legacy = {**json.loads(file.read_text()), "extra": {"microbatch_size": 2}}
+    file.write_text(json.dumps(legacy))
+    model, optimizer = build(seed=1)
+    with pytest.raises(CheckpointError, match=r"step-7 \(saved by scaffold 0.2.0 or "
+                       r"before\) holds no counter, and its extra state does not "
+                       r"restore it \(KeyError"):
+        checkpoint.load(saved["path"], state(model, optimizer, counter=Counter()))
+
+
+def test_0_1_0_module_functions_save_and_resume(tmp_path: Path) -> None:
+    """A 0.1.0 project's calls (until `scaffold upgrade`): its `extra` (the microbatch
+    search's state) is kept where 0.2.0 kept it; after the upgrade, the search's."""
+    from runtime import microbatch
+
+    found = {"microbatch_size": 2, "microbatch_seq_len": 16, "microbatch_world_size": 1}
+    model, optimizer = build()
+    progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
+    train(model, optimizer, progress, 3)
+    path = checkpoint.save(tmp_path, model, optimizer, progress, extra=found, keep=1)
+    assert path == tmp_path / "step-3"
+    assert json.loads((path / TRAIN_STATE).read_text())["extra"] == found
+    checkpoint.wait()
+
+    fresh, fresh_optimizer = build(seed=1)
+    again = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
+    with pytest.warns(FutureWarning, match="scaffold upgrade"):
+        resumed = checkpoint.resume(tmp_path, fresh, fresh_optimizer, again)
+    assert resumed.step == 3 and again.batch == 3 and resumed.extra == found
+    assert same_params(fresh, model)
+    assert resumed.describe() == [f"resumed from {path} at step 3"]
+    # 0.1.0's train.py hands the extra to the search's constructor.
+    search = microbatch.Search(fresh, [fresh[0]], ONE_PROCESS, "auto", per_rank_batch=8,
+                               resumed=resumed.extra, log=lambda line: None)
+    assert (search.size, search.settled_len) == (2, 16)
+
+    upgraded, upgraded_optimizer = build(seed=1)
+    search = microbatch.Search(upgraded, [upgraded[0]], ONE_PROCESS, "auto",
+                               per_rank_batch=8, log=lambda line: None)
+    state = {"model": upgraded, "optimizer": upgraded_optimizer, "search": search,
+             "progress": Progress(batches_per_epoch=BATCHES_PER_EPOCH)}
+    assert checkpoint.Checkpointer(tmp_path).resume(state).step == 3
+    assert (search.size, search.settled_len) == (2, 16)

@@ -50,10 +50,25 @@ def test_state_survives_a_checkpoint() -> None:
     first = EarlyStopper("val_loss", Time.parse("4ba"), log=lines.append)
     progress = Progress(batches_per_epoch=1000)
     assert run(first, [2.0, 1.0, 1.0], progress) is None  # best at step 2, 1 step of patience used
-    resumed = EarlyStopper("val_loss", Time.parse("4ba"), resumed=first.state_dict(), log=lines.append)
+    resumed = EarlyStopper("val_loss", Time.parse("4ba"), log=lines.append)
+    resumed.load_state_dict(first.state_dict())
     assert run(resumed, [1.0, 1.0, 1.0], progress) == 6  # keeps counting from step 2
-    stopped = EarlyStopper("val_loss", Time.parse("4ba"), resumed=resumed.state_dict(), log=lines.append)
+    stopped = EarlyStopper("val_loss", Time.parse("4ba"), log=lines.append)
+    stopped.load_state_dict(resumed.state_dict())
     assert stopped.stopped and "nothing to train" in lines[-1]
+    assert run(stopped, [0.1], progress) == 7  # stays stopped, even on an improvement
+    # Early stopping switched off on resume: the run trains on.
+    off = EarlyStopper("", Time.parse("4ba"), log=lines.append)
+    off.load_state_dict(resumed.state_dict())
+    assert not off.stopped and run(off, [1.0], progress) is None
+    # 0.2.0 saved it merged with the microbatch search's state: other keys are ignored.
+    merged = EarlyStopper("val_loss", Time.parse("4ba"), log=lines.append)
+    merged.load_state_dict({"microbatch_size": 3, **first.state_dict()})
+    assert (merged.best, merged.best_step, merged.stopped) == (1.0, 2, False)
+    # Saved with early stopping off (an empty state): a fresh start.
+    fresh = EarlyStopper("val_loss", Time.parse("4ba"), log=lines.append)
+    fresh.load_state_dict({})
+    assert fresh.best is None and not fresh.stopped
 
 
 def test_check() -> None:

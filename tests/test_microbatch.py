@@ -130,6 +130,48 @@ def test_settled_size_runs_without_hooks_and_a_late_oom_propagates(monkeypatch: 
     assert list(search.attempts(seq_len=1)) and not model.blocks[0]._forward_hooks
 
 
+def test_a_found_size_is_reused_from_its_state_dict_at_the_same_world_size() -> None:
+    lines: list[str] = []
+    _, found, _, _ = train_step("auto", frozenset({(8, 0)}), log=lines.append)
+    assert found.state_dict() == {"microbatch_size": 4, "microbatch_seq_len": 1,
+                                  "microbatch_world_size": 1}
+    assert lines[0] == "microbatch size: auto, starting at 8"  # by the search, once
+
+    def search(size: int | str, world_size: int = 1) -> microbatch.Search:
+        env = DistEnv(rank=0, local_rank=0, world_size=world_size,
+                      local_world_size=world_size, device=torch.device("cpu"))
+        model = Toy()
+        return microbatch.Search(model, model.blocks, env, size, per_rank_batch=8,
+                                 log=lines.append)
+
+    lines.clear()
+    resumed = search("auto")
+    resumed.load_state_dict(found.state_dict())
+    assert (resumed.size, resumed.settled_len) == (4, 1)
+    assert [attempt.searching for attempt in resumed.attempts(seq_len=1)] == [False]
+    assert lines == ["microbatch size: 4 (found before, from the checkpoint)"]
+    # A longer sequence than the size was found for: searched again, from that size.
+    attempts = resumed.attempts(seq_len=2)
+    first = next(attempts)
+    assert (first.size, first.searching) == (4, True)
+    attempts.close()
+    # 0.2.0 saved it merged with the early stopper's state: other keys are ignored.
+    merged = search("auto")
+    merged.load_state_dict({**found.state_dict(), "early_stop": {"best": 1.0}})
+    assert merged.size == 4
+    # Another world size (another share of the batch per rank), or a fixed size: unused.
+    other = search("auto", world_size=2)
+    other.load_state_dict(found.state_dict())
+    assert (other.size, other.settled_len) == (8, 0)
+    fixed = search(8)
+    fixed.load_state_dict(found.state_dict())
+    assert fixed.size == 8 and fixed.state_dict() == {}
+    # Saved with a fixed size (an empty state), resumed with auto: a search from 8.
+    fresh = search("auto")
+    fresh.load_state_dict({})
+    assert (fresh.size, fresh.settled_len) == (8, 0)
+
+
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_injected_oom_one_process_gives_the_fixed_size_gradients(phase: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(microbatch.INJECT_ENV, f"above=2;phase={phase}")

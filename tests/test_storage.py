@@ -271,10 +271,10 @@ def test_s3_save_rotate_resume_export(s3_env: dict, tmp_path: Path, async_save: 
     model, optimizer = build()
     progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
     checkpointer = checkpoint.Checkpointer(url, keep=2, async_save=async_save)
-    assert checkpointer.resume(state(model, optimizer), progress) is None
+    assert checkpointer.resume(state(model, optimizer, progress)) is None
     for _ in range(3):
         train(model, optimizer, progress, 1)
-        saved = checkpointer.save(state(model, optimizer), progress)
+        saved = checkpointer.save(state(model, optimizer, progress))
     checkpointer.close()
     assert saved == f"{url}/step-3"
     files = listing(url)
@@ -285,7 +285,8 @@ def test_s3_save_rotate_resume_export(s3_env: dict, tmp_path: Path, async_save: 
 
     loaded, loaded_optimizer = build(seed=1)
     again = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
-    resumed = checkpoint.Checkpointer(url, keep=2).resume(state(loaded, loaded_optimizer), again)
+    reader = checkpoint.Checkpointer(url, keep=2)
+    resumed = reader.resume(state(loaded, loaded_optimizer, again))
     assert resumed is not None and resumed.path == f"{url}/step-3" and again.batch == 3
     assert same_params(loaded, model)
     assert resumed.describe() == [f"resumed from {url}/step-3 at step 3"]
@@ -308,12 +309,13 @@ def test_s3_wrong_credentials_is_one_line(s3_auth: dict, monkeypatch: pytest.Mon
     model, optimizer = build()
     progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
     train(model, optimizer, progress, 1)
-    checkpoint.Checkpointer("s3://ckpt/creds").save(state(model, optimizer), progress)  # the right key works
+    checkpoint.Checkpointer("s3://ckpt/creds").save(state(model, optimizer, progress))  # the right key works
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAUNKNOWNKEY000000")
     s3fs.S3FileSystem.clear_instance_cache()
     with pytest.raises(checkpoint.CheckpointError) as raised:
-        checkpoint.Checkpointer("s3://ckpt/creds").resume(state(model, optimizer), progress)
+        checkpoint.Checkpointer("s3://ckpt/creds").resume(state(model, optimizer,
+                                                                progress))
     assert str(raised.value) == (
         "cannot read checkpoints in s3://ckpt/creds: ClientError: An error occurred (403) when calling the "
         "HeadObject operation: Forbidden (the store refused: check the credentials in its usual environment "
@@ -324,7 +326,8 @@ def test_s3_wrong_credentials_is_one_line(s3_auth: dict, monkeypatch: pytest.Mon
     s3fs.S3FileSystem.clear_instance_cache()
     train(model, optimizer, progress, 1)
     with pytest.raises(checkpoint.StorageError) as raised:
-        checkpoint.Checkpointer("s3://ckpt/creds").save(state(model, optimizer), progress)
+        checkpoint.Checkpointer("s3://ckpt/creds").save(state(model, optimizer,
+                                                              progress))
     assert str(raised.value) == (
         "checkpoint step-2 was not saved to s3://ckpt/creds/step-2: ClientError: An error occurred "
         "(SignatureDoesNotMatch) when calling the PutObject operation: The request signature we calculated does not match the signature you provided. Check your key and signing method. (the "
@@ -344,7 +347,7 @@ def test_s3_store_gone_mid_upload(s3_env: dict, monkeypatch: pytest.MonkeyPatch)
     progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
     checkpointer = checkpoint.Checkpointer(url)
     train(model, optimizer, progress, 1)
-    checkpointer.save(state(model, optimizer), progress)
+    checkpointer.save(state(model, optimizer, progress))
     expected = {k: v.clone() for k, v in model.state_dict().items()}
 
     put = checkpoint.storage.Remote.upload
@@ -359,7 +362,7 @@ def test_s3_store_gone_mid_upload(s3_env: dict, monkeypatch: pytest.MonkeyPatch)
     train(model, optimizer, progress, 1)
     try:
         with pytest.raises(checkpoint.StorageError) as raised:
-            checkpointer.save(state(model, optimizer), progress)
+            checkpointer.save(state(model, optimizer, progress))
     finally:
         relay.start()
     message = str(raised.value)
@@ -372,8 +375,9 @@ def test_s3_store_gone_mid_upload(s3_env: dict, monkeypatch: pytest.MonkeyPatch)
     assert sorted(listing(url)) == ["step-1", "step-2"]  # step-2: a partial upload, no marker
 
     loaded, loaded_optimizer = build(seed=1)
-    resumed = checkpoint.Checkpointer(url).resume(state(loaded, loaded_optimizer),
-                                                  Progress(batches_per_epoch=BATCHES_PER_EPOCH))
+    again = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
+    resumed = checkpoint.Checkpointer(url).resume(state(loaded, loaded_optimizer,
+                                                        again))
     assert resumed is not None and resumed.step == 1
     assert sorted(listing(url)) == ["step-1"]
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in expected.items())

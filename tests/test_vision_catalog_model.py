@@ -355,9 +355,9 @@ def test_stochastic_depth_resumes_and_ignores_the_microbatch_size(
 
     save = checkpoint.Checkpointer.save
 
-    def save_then_stop(self, state, progress, *args, **kwargs):
-        path = save(self, state, progress, *args, **kwargs)
-        if progress.batch == 2:
+    def save_then_stop(self, state, *args, **kwargs):
+        path = save(self, state, *args, **kwargs)
+        if state["progress"].batch == 2:
             self.wait()
             raise Stop
         return path

@@ -1,9 +1,11 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): world-size independent, complete or absent.
 
     checkpointer = checkpoint.Checkpointer(folder, keep=2, async_save=False)
-    state = {"model": model, "optimizer": optimizer}  # add entries: an EMA model, a scheduler
-    resumed = checkpointer.resume(state, progress, load_path=..., seed=...)  # None: fresh start
-    checkpointer.save(state, progress, extra={...})  # step-<N>/, COMPLETE once every rank wrote
+    # Everything a run resumes: modules, optimizers, and objects with state_dict() and
+    # load_state_dict() (the progress, the microbatch search, the early stopper, ...).
+    state = {"model": model, "optimizer": optimizer, "progress": progress}
+    resumed = checkpointer.resume(state, load_path=..., seed=...)  # None: a fresh start
+    checkpointer.save(state)  # step-<progress.batch>/, COMPLETE once every rank wrote
     checkpointer.close()  # an asynchronous save in flight: finished and marked complete
     checkpoint.export_safetensors(run_or_checkpoint, "model.safetensors")  # no process group
 
@@ -12,7 +14,7 @@ train_state.json), `reading` (loading without executing pickles), `contents` (wh
 the `state` dict's modules, optimizers and state-dict objects), `checkpointer` (save, resume,
 the asynchronous save in flight), `export` (safetensors for inference), `storage` (fsspec
 URLs: staged uploads, downloads, remote rotation), `failures` (a storage failure in one line),
-`writing` (DCP's writer whose threads report their errors).
+`writing` (DCP's writer whose threads report their errors), `compat` (0.1.0's API).
 """
 
 from runtime.checkpoint.checkpointer import Checkpointer, Resumed, load, will_resume

@@ -36,44 +36,64 @@ from runtime.checkpoint.writing import Writer
 from runtime.time import Progress
 
 
-def load(path: Path, state: dict[str, Any], progress: Progress | None = None, *,
-         seed: int = 0, restore_rng: bool = True) -> dict[str, Any]:
-    """Restore a checkpoint saved on any world size into the objects of `state` (and `progress`).
+def load(path: Path, state: dict[str, Any], *, seed: int = 0,
+         restore_rng: bool = True) -> Resumed:
+    """Restore a checkpoint saved on any world size into the objects of `state`.
 
-    Only the entries in `state` are read (`{"model": model}` loads weights alone). RNG states
-    come back exactly when the world size matches; otherwise each rank's generator is
-    re-seeded from (seed, step, rank), deterministically. Returns the saved `extra` dict plus
-    `rng_restored` (bool) and `world_size` (the saver's). Everything is checked before
-    anything is restored, and nothing on disk is changed.
+    Only the entries in `state` are read (`{"model": model}` loads weights alone); the
+    `Progress` at `state["progress"]` comes back from train_state.json, checked against
+    its `batches_per_epoch`. An entry that a checkpoint of scaffold 0.2.0 or before
+    lacks (the microbatch search, the early stopper) is restored from its `extra` (see
+    `contents`). RNG states come back exactly when the world size matches; otherwise
+    each rank's generator is re-seeded from (seed, step, rank), deterministically.
+    Returns what was loaded (a `Resumed`). Everything is checked before anything is
+    restored, and nothing on disk is changed.
     """
     if not path.is_dir():
         raise CheckpointError(f"{path} does not exist")
     if not layout.is_complete(path):
         raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} marker); "
                               "pass a step-<N> folder written by a finished save")
-    train_state = layout.read_train_state(path, progress.batches_per_epoch if progress else None)
-    loaded = contents.state_dicts(state)
+    progress = state.get("progress")
+    per_epoch = progress.batches_per_epoch if isinstance(progress, Progress) else None
+    train_state = layout.read_train_state(path, per_epoch)
     metadata = reading.read_metadata(path)
-    contents.check_saved(path, metadata, state, loaded)
+    found = contents.sources(path, state, train_state, metadata)
+    through_dcp = {name: state[name] for name, where in found.items() if where == "dcp"}
+    loaded = contents.state_dicts(through_dcp)
+    contents.check_saved(path, metadata, through_dcp, loaded)
     reading.check_files(path, metadata)
-    # Not necessarily damage (another optimizer's state also fails here), so only a hint.
-    reading.load(loaded, path, "; if its files are damaged, delete it to resume from the previous "
-                 "complete checkpoint")
-    contents.restore(state, loaded)
-    if progress is not None:
-        progress.load_state_dict(train_state["progress"])
+    if through_dcp:
+        # Not necessarily damage (another optimizer's state also fails here): a hint.
+        reading.load(loaded, path, "; if its files are damaged, delete it to resume "
+                     "from the previous complete checkpoint")
+    contents.restore(path, state, found, loaded, train_state)
+    step = int(train_state["progress"]["batch"])
     rng_file = path / f"rng-rank{dist.rank()}.pt"
-    rng_restored = restore_rng and train_state["world_size"] == dist.world_size() and rng_file.is_file()
+    rng_restored = (restore_rng and train_state["world_size"] == dist.world_size()
+                    and rng_file.is_file())
     if rng_restored:
         rng = torch.load(rng_file, weights_only=True)
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     elif restore_rng:
-        step = train_state["progress"]["batch"]
         digest = hashlib.sha256(f"{seed}/{step}/{dist.rank()}".encode()).digest()
         torch.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    return {**train_state["extra"], "rng_restored": rng_restored, "world_size": train_state["world_size"]}
+    return Resumed(path, step, False, rng_restored, train_state["world_size"])
+
+
+def progress_of(state: dict[str, Any]) -> Progress:
+    """`state["progress"]`: a checkpoint is named by its step and records it."""
+    if "progress" not in state:
+        raise ValueError(f"state has no 'progress' entry (it has "
+                         f"{', '.join(state) or 'none'}); add the loop's "
+                         "runtime.time.Progress: state['progress'] = progress")
+    progress = state["progress"]
+    if not isinstance(progress, Progress):
+        raise TypeError(f"state['progress'] is a {type(progress).__name__}, not a "
+                        "runtime.time.Progress")
+    return progress
 
 
 def will_resume(folder: Path | str, *, load_path: str = "", autoresume: bool = True) -> bool:
@@ -98,7 +118,6 @@ class Resumed:
     weights_only: bool
     rng_restored: bool
     saved_world_size: int
-    extra: dict[str, Any]
     notes: list[str] = field(default_factory=list)
 
     def describe(self) -> list[str]:
@@ -145,17 +164,20 @@ class Checkpointer:
 
     # ------------------------------------------------------------ resume
 
-    def resume(self, state: dict[str, Any], progress: Progress, *, load_path: str = "",
-               weights_only: bool = False, autoresume: bool = True, seed: int = 0) -> Resumed | None:
-        """Start or continue a run: clean up interrupted saves, then load what the run starts from.
+    def resume(self, state: dict[str, Any], *, load_path: str = "",
+               weights_only: bool = False, autoresume: bool = True,
+               seed: int = 0) -> Resumed | None:
+        """Start or continue a run: clean up interrupted saves, then load what the run
+        starts from into the objects of `state` (see `load`), the progress included.
 
         - `load_path` (a checkpoint, a checkpoints folder or a run folder; local or a URL) is
           where a run starts: it is loaded in preference to this run's own checkpoints, except
           when those were written by this very run after it started from the same `load_path`
           (a restart after a preemption continues the run instead of starting it over).
         - otherwise, with `autoresume`, the newest complete checkpoint in the folder.
-        - `weights_only`: the modules' weights only (a fine-tune): optimizers, other entries and
-          progress stay fresh, and the RNG is left as seeded.
+        - `weights_only`: the modules' weights only (a fine-tune): optimizers, other
+          entries (the progress, the microbatch search, the early stopper) stay fresh,
+          and the RNG is left as seeded.
         Returns None for a fresh start. Raises CheckpointError (nothing is changed but the
         removal of interrupted saves).
         """
@@ -170,7 +192,7 @@ class Checkpointer:
         self.last_complete = source
         local = self._each_rank(lambda: self._fetch(source), f"cannot download {storage.redact(source)}")
         try:
-            resumed = self._load(local, state, progress, weights_only, seed, notes)
+            resumed = self._load(local, state, weights_only, seed, notes)
         finally:
             if storage.is_remote(source):
                 shutil.rmtree(local, ignore_errors=True)
@@ -248,16 +270,16 @@ class Checkpointer:
             raise CheckpointError(f"{what}: {cause(error) if error else 'it failed on another rank'}")
         return result
 
-    def _load(self, path: Path, state: dict[str, Any], progress: Progress, weights_only: bool,
-              seed: int, notes: list[str]) -> Resumed:
+    def _load(self, path: Path, state: dict[str, Any], weights_only: bool, seed: int,
+              notes: list[str]) -> Resumed:
         if weights_only:
-            modules = {name: value for name, value in state.items() if isinstance(value, torch.nn.Module)}
-            extra = load(path, modules, seed=seed, restore_rng=False)
+            modules = {name: value for name, value in state.items()
+                       if isinstance(value, torch.nn.Module)}
+            resumed = load(path, modules, seed=seed, restore_rng=False)
         else:
-            extra = load(path, state, progress, seed=seed)
-        rng_restored, world_size = extra.pop("rng_restored"), extra.pop("world_size")
-        step = int(layout.read_train_state(path)["progress"]["batch"])
-        return Resumed(path, step, weights_only, rng_restored, world_size, extra, notes)
+            resumed = load(path, state, seed=seed)
+        resumed.weights_only, resumed.notes = weights_only, notes
+        return resumed
 
     # ------------------------------------------------------------ save
 
@@ -285,14 +307,16 @@ class Checkpointer:
         if dist.any_rank(error is not None, group):
             raise self._failed(name, error)
 
-    def save(self, state: dict[str, Any], progress: Progress, extra: dict[str, Any] | None = None) -> Path | str:
-        """Save `step-<progress.batch>` on every rank, mark it complete, rotate; return where
-        it is (a local folder, or the URL of a remote one).
+    def save(self, state: dict[str, Any]) -> Path | str:
+        """Save `state` (see `contents`) as `step-<N>`, N the batch of its "progress",
+        on every rank, mark it complete, rotate; return where it is (a local folder, or
+        the URL of a remote one).
 
         Asynchronously: return once the state is copied; the write, the upload, the marker and
         the rotation happen in the background (the next `save()` or `wait()` waits for them).
         Raises StorageError (every rank) when storage fails; earlier checkpoints stay complete.
         """
+        progress = progress_of(state)
         self.wait()
         name = f"step-{progress.batch}"
         path = self.folder / name
@@ -302,7 +326,10 @@ class Checkpointer:
             return path  # e.g. the final save landing on a save_interval step
         if self.remote is not None and target == self.last_complete:
             return target
-        saved = contents.state_dicts(state)
+        saved, plain = contents.split(state)
+        train_state = {"progress": plain.pop("progress"),
+                       "world_size": dist.world_size(), "origin": self.origin,
+                       "export": self.export, **plain}
 
         def stage() -> None:
             # Each rank's RNG file and rank 0's JSON are written before the rank joins DCP's
@@ -313,9 +340,6 @@ class Checkpointer:
                 rng["cuda"] = torch.cuda.get_rng_state()
             torch.save(rng, path / f"rng-rank{dist.rank()}.pt")
             if dist.rank() == 0:
-                train_state = {"progress": progress.state_dict(), "world_size": dist.world_size(),
-                               "extra": extra or {}, "origin": self.origin,
-                               "export": self.export}
                 layout.write_atomic(path / TRAIN_STATE, json.dumps(train_state, indent=2))
 
         self._agree(name, stage)

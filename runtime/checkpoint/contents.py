@@ -1,10 +1,21 @@
-"""What a checkpoint holds: the loop's `state = {"model": model, "optimizer": optimizer, ...}`.
+"""What a checkpoint holds: the loop's `state = {"model": model, "optimizer": optimizer,
+"progress": progress, ...}`.
 
 Each entry is saved under its name. Modules and optimizers go through DCP's
 `get_*_state_dict` / `set_*_state_dict`, so their state does not depend on the world size or
 the sharding (FSDP2, DDP or none); an optimizer is paired with the module in `state` that
-holds its parameters. Anything else with `state_dict()` / `load_state_dict()` is saved as its
-state dict (tensors, numbers, strings; no pickled objects).
+holds its parameters. Anything else with `state_dict()` / `load_state_dict()` (the
+progress, the microbatch search, the early stopper, an LR schedule) is saved as its
+state dict:
+
+- plain JSON data (dicts with string keys, lists, strings, numbers, booleans, None)
+  goes into train_state.json, under the entry's name, beside the progress. Such state
+  is small and worth reading by eye (the microbatch size found, the best validation
+  loss), and it comes back as it was saved: DCP would load it into the shape of the
+  object's state dict now, which changes with the configuration (early stopping
+  switched on, a fixed microbatch size made `auto`), where a resume should hand the
+  object what it saved.
+- anything else (tensors) goes through DCP, like a module (no pickles either way).
 """
 
 from __future__ import annotations
@@ -23,6 +34,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from runtime.checkpoint.layout import CheckpointError
+
+# train_state.json's own keys, which no entry's name may take.
+RESERVED = ("world_size", "origin", "export")
+# 0.1.0 and 0.2.0 saved the objects that were not entries (the microbatch search, the
+# early stopper) merged in one dict under this key of train_state.json.
+LEGACY_EXTRA = "extra"
 
 
 def _module_of(state: dict[str, Any], name: str) -> nn.Module:
@@ -45,44 +62,124 @@ def _optimizers(value: Any) -> Any:
     return None
 
 
+def _check_entry(name: str, value: Any) -> None:
+    if name in RESERVED:
+        raise TypeError(f"state[{name!r}]: train_state.json keeps its own {name!r} "
+                        "there; give the entry another name")
+    saveable = (isinstance(value, nn.Module) or _optimizers(value) is not None
+                or (callable(getattr(value, "state_dict", None))
+                    and callable(getattr(value, "load_state_dict", None))))
+    if not saveable:
+        raise TypeError(f"state[{name!r}] is a {type(value).__name__}: checkpoints "
+                        "hold modules, optimizers and objects with state_dict() and "
+                        "load_state_dict()")
+
+
+def _through_dcp(value: Any) -> bool:
+    return isinstance(value, nn.Module) or _optimizers(value) is not None
+
+
+def _has_state(value: Any) -> bool:
+    """Whether loading into `value` would change it (an optimizer has param groups)."""
+    return _optimizers(value) is not None or bool(value.state_dict())
+
+
+def is_plain(value: Any) -> bool:
+    """JSON gives it back equal: dicts with string keys, lists, strings, numbers,
+    booleans and None (not tuples, which come back as lists, nor int keys: strings)."""
+    if value is None or isinstance(value, (str, int, float)):
+        return True
+    if isinstance(value, list):
+        return all(is_plain(item) for item in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and is_plain(item) for k, item in value.items())
+    return False
+
+
 def state_dicts(state: dict[str, Any]) -> dict[str, Any]:
     """The state dict of every entry, as DCP saves (or loads into) it; TypeError for an entry
     that cannot be saved."""
     result = {}
     for name, value in state.items():
+        _check_entry(name, value)
         if isinstance(value, nn.Module):
             result[name] = get_model_state_dict(value)
         elif _optimizers(value) is not None:
             result[name] = get_optimizer_state_dict(_module_of(state, name), _optimizers(value))
-        elif callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
-            result[name] = value.state_dict()
         else:
-            raise TypeError(f"state[{name!r}] is a {type(value).__name__}: checkpoints hold modules, "
-                            "optimizers and objects with state_dict() and load_state_dict()")
+            result[name] = value.state_dict()
     return result
 
 
-def restore(state: dict[str, Any], loaded: dict[str, Any]) -> None:
-    """Load `loaded` (from `state_dicts(state)`, filled by DCP) into the objects of `state`."""
+def split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The state dicts to save: (through DCP, into train_state.json); see the module
+    docstring. TypeError for an entry that cannot be saved."""
+    saved = state_dicts(state)
+    plain = {name: saved.pop(name) for name, value in state.items()
+             if not _through_dcp(value) and is_plain(saved[name])}
+    return saved, plain
+
+
+def sources(path: Path, state: dict[str, Any], train_state: dict[str, Any],
+            metadata: Metadata) -> dict[str, str]:
+    """Where each entry of `state` comes back from: "dcp", "json" (its key in
+    train_state.json) or LEGACY_EXTRA (a checkpoint of 0.2.0 or before: the dict the
+    microbatch search and the early stopper were saved in, merged; each object picks its
+    own keys). An entry the checkpoint lacks is left out when its state dict is empty
+    (nothing to restore); otherwise every such entry is named in one CheckpointError."""
+    in_dcp = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+    in_json = {name for name in train_state if name not in RESERVED}
+    legacy = isinstance(train_state.get(LEGACY_EXTRA), dict)
+    found: dict[str, str] = {}
+    absent = []
+    for name, value in state.items():
+        _check_entry(name, value)
+        if name in in_dcp:
+            found[name] = "dcp"
+        elif name in in_json and not _through_dcp(value):
+            found[name] = "json"
+        elif legacy and not _through_dcp(value):
+            found[name] = LEGACY_EXTRA
+        elif _has_state(value):
+            absent.append(name)
+    if absent:
+        raise CheckpointError(f"{path} holds no {', '.join(absent)} (it holds "
+                              f"{', '.join(sorted(in_dcp | in_json))}); start from a "
+                              "checkpoint saved with the same state entries")
+    return found
+
+
+def restore(path: Path, state: dict[str, Any], found: dict[str, str],
+            loaded: dict[str, Any], train_state: dict[str, Any]) -> None:
+    """Load into the objects of `state`: DCP's `loaded` (`state_dicts` of the "dcp"
+    entries, filled by DCP), the others' state dicts from train_state.json."""
     # Optimizers first, then modules: the order of DCP's set_state_dict.
     for name, value in state.items():
-        if _optimizers(value) is not None:
+        if found.get(name) == "dcp" and _optimizers(value) is not None:
             set_optimizer_state_dict(_module_of(state, name), _optimizers(value), loaded[name])
     for name, value in state.items():
-        if isinstance(value, nn.Module):
+        source = found.get(name)
+        if source == "dcp" and isinstance(value, nn.Module):
             set_model_state_dict(value, loaded[name])
-        elif _optimizers(value) is None:
+        elif source == "dcp" and _optimizers(value) is None:
             value.load_state_dict(loaded[name])
+        elif source == "json":
+            value.load_state_dict(train_state[name])
+        elif source == LEGACY_EXTRA:
+            try:
+                value.load_state_dict(train_state[LEGACY_EXTRA])
+            except (KeyError, TypeError, ValueError) as error:
+                # An object 0.2.0 did not save in `extra` (a newer entry) gets it too.
+                why = f"{type(error).__name__}: {error}"
+                raise CheckpointError(
+                    f"{path} (saved by scaffold 0.2.0 or before) holds no {name}, and "
+                    f"its extra state does not restore it ({why}); start from a "
+                    "checkpoint saved with the same state entries") from error
 
 
 def check_saved(path: Path, metadata: Metadata, state: dict[str, Any], loaded: dict[str, Any]) -> None:
-    """The checkpoint holds every entry, and each module's keys and shapes: all differences named
-    (DCP reports only the first, and not unexpected keys)."""
-    saved_names = sorted({key.split(".", 1)[0] for key in metadata.state_dict_metadata})
-    absent = [name for name in state if loaded[name] and name not in saved_names]
-    if absent:
-        raise CheckpointError(f"{path} holds no {', '.join(absent)} (it holds {', '.join(saved_names)}); "
-                              "start from a checkpoint saved with the same state entries")
+    """Each module's keys and shapes are the checkpoint's: all differences named (DCP
+    reports only the first, and not unexpected keys)."""
     problems = []
     for name, value in state.items():
         if isinstance(value, nn.Module):

@@ -1,6 +1,8 @@
-"""Checkpoints on disk. `<folder>/step-<N>/` holds DCP shards of every state entry, each rank's
-`rng-rank<R>.pt`, rank 0's `train_state.json` (progress, world size, extras, the `load_path` the
-run started from) and, written last by rank 0 after every rank finished, the marker `COMPLETE`.
+"""Checkpoints on disk. `<folder>/step-<N>/` holds DCP shards of the state entries with
+tensors, each rank's `rng-rank<R>.pt`, rank 0's `train_state.json` (progress, world
+size, the `load_path` the run started from, the entry `scaffold export` writes out, and
+the state dicts of the other entries: see `contents`) and, written last by rank 0 after
+every rank finished, the marker `COMPLETE`.
 A folder without the marker is an interrupted save: it is never loaded and is deleted on the
 next start.
 """
@@ -93,8 +95,8 @@ def read_train_state(path: Path, batches_per_epoch: int | None = None) -> dict[s
     except (OSError, ValueError) as error:
         raise damaged(path, f"{file} is unreadable ({error})") from error
     if not (isinstance(state, dict) and isinstance(state.get("progress"), dict)
-            and isinstance(state.get("world_size"), int) and isinstance(state.get("extra"), dict)):
-        raise damaged(path, f"{file} lacks progress, world_size or extra")
+            and isinstance(state.get("world_size"), int)):
+        raise damaged(path, f"{file} lacks progress or world_size")
     try:
         # A scratch Progress validates every counter (and batches_per_epoch against this run).
         saved = state["progress"]
