@@ -17,8 +17,10 @@ from __future__ import annotations
 import difflib
 import re
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import yaml
@@ -177,7 +179,7 @@ def _spot_of(snippet: Path) -> str:
     return spot
 
 
-def catalog_order(algorithms: dict[str, Algorithm]) -> list[str]:
+def catalog_order(algorithms: Mapping[str, Algorithm | SimpleNamespace]) -> list[str]:
     """Names in the order their code runs at any event: every declared `before`/`after` holds,
     ties broken alphabetically (a stable topological sort)."""
     must_precede: dict[str, set[str]] = {name: set() for name in algorithms}
@@ -195,6 +197,19 @@ def catalog_order(algorithms: dict[str, Algorithm]) -> list[str]:
         order.append(ready[0])
         pending.remove(ready[0])
     return order
+
+
+def declared_order(template: Path) -> list[str]:
+    """The template's algorithm names in catalog order, read from each algorithm.toml's
+    `before`/`after` alone: the templates of older versions, which `scaffold upgrade`
+    re-renders, are ordered by their own declarations whatever else their packs hold."""
+    declared = {}
+    for meta_path in sorted((template / "algorithms").glob("*/algorithm.toml")):
+        meta = _read_toml(meta_path)
+        declared[meta_path.parent.name] = SimpleNamespace(
+            before=tuple(meta.get("before", ())), after=tuple(meta.get("after", ()))
+        )
+    return catalog_order(declared)
 
 
 def load_algorithms(template: Path) -> dict[str, Algorithm]:

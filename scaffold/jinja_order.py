@@ -19,9 +19,9 @@ from jinja2.ext import Extension
 
 @functools.lru_cache(maxsize=16)
 def _catalog_names(template_root: str) -> tuple[str, ...]:
-    from scaffold.catalog import load_algorithms
+    from scaffold.catalog import declared_order
 
-    return tuple(load_algorithms(Path(template_root)))
+    return tuple(declared_order(Path(template_root)))
 
 
 @pass_environment
