@@ -154,3 +154,19 @@ def test_a_0_2_0_project_with_a_hand_edit_upgrades_and_resumes_its_checkpoint(
     assert "resumed from" in resumed.stdout and "step-6" in resumed.stdout
     tail = [row for row in reference if row["step"] > 6]
     assert compared(read_metrics(work, "r")) == compared(tail)
+
+
+def test_a_0_2_0_project_not_yet_upgraded_says_how_to_upgrade(release_0_2_0, tmp_path: Path) -> None:
+    """`pip install -U scaffold` without `scaffold upgrade`: the 0.2.0 loop stops with one
+    line naming the command, before anything is written."""
+    old_release, _ = release_0_2_0
+    project = generate_0_2_0("gpt2-baseline", tmp_path / "my-gpt", old_release)
+    (tmp_path / "work").mkdir()
+    result = subprocess.run(
+        [sys.executable, str(project / "train.py"), "--device=cpu", "--max_duration=2ba"],
+        cwd=tmp_path / "work", env=checkout_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "`scaffold upgrade`" in lines[0] and "0.2.0" in lines[0], result.stderr
+    assert not (tmp_path / "work" / "runs" / "my-gpt" / "checkpoints").exists()
