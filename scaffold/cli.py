@@ -279,7 +279,7 @@ def export(
         typer.Option(
             "--entry",
             help="The checkpoint entry to export (e.g. model, ema); default: the one the run named "
-            "(the EMA weights when ema is on with export_ema), else model.",
+            "(the EMA weights when ema is on with ema_export), else model.",
         ),
     ] = "",
 ) -> None:
