@@ -239,7 +239,9 @@ def algorithms(
     for algorithm in load_algorithms(template).values():
         if task is not None and task not in algorithm.tasks:
             continue
-        params = ", ".join(f"{p.name}={p.default}" for p in algorithm.hyperparameters.values())
+        params = ", ".join(f"{p.name}={p.default}" + (f" in {p.range}" if p.range else "")
+                           + (f" of {'|'.join(map(str, p.choices))}" if p.choices else "")
+                           for p in algorithm.hyperparameters.values())
         table.add_row(algorithm.name, ", ".join(algorithm.events), ", ".join(algorithm.tasks),
                       params or "-", algorithm.summary)
     out.print(table)
