@@ -127,10 +127,10 @@ class Algorithm:
             acts.add("MODEL")
         return tuple(event for event in EVENTS if event in acts)
 
-    def params(self, answers: dict[str, Any]) -> dict[str, Any]:
+    def params(self, answers: dict[str, Any] | None) -> dict[str, Any]:
         """A project's hyperparameter answers, with the declared default of any it lacks (a
         hyperparameter added since the project was generated)."""
-        return {**{key: hp.default for key, hp in self.hyperparameters.items()}, **answers}
+        return {**{key: hp.default for key, hp in self.hyperparameters.items()}, **(answers or {})}
 
     def describe(self, params: dict[str, Any]) -> str:
         """Its `architecture` phrase with the project's hyperparameters filled in."""
