@@ -20,6 +20,7 @@ import math
 import re
 from pathlib import Path
 
+import jinja2
 import pytest
 
 from projects import project_modules
@@ -125,7 +126,14 @@ def test_no_snippet_repeats_a_declared_range(name: str) -> None:
     ranges = ranged_fields(name)
     bounds = {field: {float(b) for b in re.findall(r"-?inf|-?[0-9.]+(?:e-?[0-9]+)?", interval)}
               for field, interval in ranges.items()}
-    tree = ast.parse(snippet.read_text())
+    # Rendered with every algorithm selected, so that each conditional part is there.
+    environment = jinja2.Environment()
+    environment.filters["repr"] = repr
+    spec = CATALOG[name]
+    source = environment.from_string(snippet.read_text()).render(
+        algorithms={other: {} for other in CATALOG}, params=spec.params({}), hp=spec.hyperparameters)
+    assert "config.fail" in source, name
+    tree = ast.parse(source)
     aliases = _aliases(tree, set(ranges))
     for node in ast.walk(tree):
         if not isinstance(node, ast.Compare):
