@@ -21,6 +21,7 @@ import difflib
 import inspect
 import io
 import os
+import re
 import sys
 import textwrap
 import tokenize
@@ -375,6 +376,48 @@ def failing(*errors: type[Exception], prefix: str = "") -> Iterator[None]:
         yield
     except errors as error:
         fail(f"{prefix}{error}")
+
+
+# ---------------------------------------------------------------- declared ranges
+
+# An interval: brackets closed, parentheses open, inf allowed ("[0, 1)", "(0, inf)", "[1, 10]").
+# Declared once per hyperparameter in the template's algorithm.toml, checked by scaffold when a
+# project is generated and, with the same text, by the generated setup() at run time.
+_INTERVAL = re.compile(r"([\[(])\s*(-?inf|[-+0-9.e]+)\s*,\s*(-?inf|[-+0-9.e]+)\s*([\])])")
+
+
+def _interval(text: str) -> tuple[bool, float, float, bool]:
+    """(low closed, low, high, high closed) of an interval; ValueError if it does not parse."""
+    match = _INTERVAL.fullmatch(text.strip())
+    if match is not None:
+        try:
+            return match[1] == "[", float(match[2]), float(match[3]), match[4] == "]"
+        except ValueError:  # e.g. "1.2.3"
+            pass
+    raise ValueError(f"{text!r} is not an interval such as \"[0, 1)\" or \"(0, inf)\"")
+
+
+def in_range(value: float, interval: str) -> bool:
+    """Whether the number `value` lies in `interval` ("[0, 1)": 0 <= value < 1); never NaN.
+
+    ValueError for an interval that does not parse (a template bug, never user input).
+    """
+    low_closed, low, high, high_closed = _interval(interval)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    above = value >= low if low_closed else value > low
+    below = value <= high if high_closed else value < high
+    return above and below
+
+
+def check_ranges(cfg: object, **intervals: str) -> None:
+    """Reject the first field of `cfg` outside its interval, e.g.
+    `check_ranges(cfg, mixup_alpha="(0, inf)", mixup_prob="[0, 1]")`: one `error:` line naming
+    the key, its value and the interval, exit status 2 (see `fail`)."""
+    for key, interval in intervals.items():
+        value = getattr(cfg, key)
+        if not in_range(value, interval):
+            fail(f"{key}={value!r} is outside its range {interval}")
 
 
 # ---------------------------------------------------------------- output

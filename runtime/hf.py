@@ -5,9 +5,10 @@
     hf.export_gpt2("runs/NAME", "out/")  # config.json + model.safetensors for transformers
 
 Which weight is which, and which are transposed (GPT-2's Conv1D), is the model's business and
-lives in the generated model.py (`from_hf_gpt2`, `to_hf_gpt2`, `HF_LAYOUT_CHANGES`), where a
-user who changes the model changes it too. This module reads and writes the files: it imports
-transformers only to read (the optional `hf` extra), and writes without it.
+lives in the generated model.py (`from_hf_gpt2`, `to_hf_gpt2`, generated only where the model
+has GPT-2's layout), where a user who changes the model changes it too. This module reads and
+writes the files: it imports transformers only to read (the optional `hf` extra), and writes
+without it.
 """
 
 from __future__ import annotations
@@ -95,14 +96,18 @@ def export_gpt2(source: Path | str, out_dir: Path | str, *, run_config: Path | s
     if not project and not (folder / "model.py").is_file():
         folder = Path.cwd()  # runs/ written away from the project: run from the project
     model = _import_model(folder / "model.py")
-    changes = getattr(model, "HF_LAYOUT_CHANGES", None)
-    if changes is None or not hasattr(model, "to_hf_gpt2"):
-        raise CheckpointError(f"{folder / 'model.py'} has no Hugging Face GPT-2 mapping "
-                              "(to_hf_gpt2); --format hf exports causal_lm GPT projects")
+    changes = getattr(model, "HF_LAYOUT_CHANGES", {})  # older projects: the mapping, and why not
     if changes:
         reasons = "; ".join(f"{name}: {why}" for name, why in changes.items())
         raise CheckpointError(f"GPT2LMHeadModel cannot hold this model ({reasons}); "
                               "export it with --format safetensors")
+    if not hasattr(model, "to_hf_gpt2"):
+        if hasattr(model, "GPTConfig"):  # a GPT whose algorithms changed GPT-2's layout
+            raise CheckpointError(f"GPT2LMHeadModel cannot hold this model: its algorithms change GPT-2's "
+                                  f"layout (the docstring of {folder / 'model.py'} says how), so it has no "
+                                  "Hugging Face GPT-2 mapping; export it with --format safetensors")
+        raise CheckpointError(f"{folder / 'model.py'} has no Hugging Face GPT-2 mapping "
+                              "(to_hf_gpt2); --format hf exports causal_lm GPT projects")
     if run.get("model") not in model.PRESETS:
         raise CheckpointError(f"{config_file}: model={run.get('model')!r} is not a preset of {folder / 'model.py'}")
     weights, step, checkpoint, _ = export.read_weights(source)

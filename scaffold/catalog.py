@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from runtime.config import in_range
 from runtime.time import Time, TimeError
 
 # Answers scaffold computes itself; a recipe may not set them.
@@ -46,8 +47,6 @@ DATA_SECTIONS = ("functions",)
 # belongs to: `train.optimizer` stands instead of the task's optimizer construction.
 TRAIN_POINTS = {"optimizer": "OPTIMIZER"}
 SNIPPET_SUFFIX = ".py.jinja"
-# A hyperparameter's `range`: an interval, brackets closed, parentheses open, inf allowed.
-RANGE = re.compile(r"([\[(])\s*(-?inf|[-+0-9.e]+)\s*,\s*(-?inf|[-+0-9.e]+)\s*([\])])")
 
 
 class RecipeError(ValueError):
@@ -65,7 +64,14 @@ class Hyperparameter:
     default: Any
     help: str
     choices: tuple[Any, ...] = ()  # empty: any value of the type
-    range: str = ""  # an interval a number must lie in, e.g. "[0, 1)", "(0, inf)"; "": any
+    # An interval a number must lie in, e.g. "[0, 1)", "(0, inf)"; "": any. Checked by
+    # `scaffold new`/`add`, and at run time by the check the template renders from it.
+    range: str = ""
+
+    @property
+    def literal(self) -> str:
+        """The Config field's type for its choices: Literal["all", "safe"]."""
+        return f"Literal[{', '.join(map(repr, self.choices))}]"
 
 
 @dataclass(frozen=True)
@@ -94,7 +100,9 @@ class Task:
 class Algorithm:
     name: str
     summary: str
-    spots: tuple[str, ...] = ()  # from the snippet file names: train.BATCH_START, model.gpt.attention
+    # Where it writes: its snippet file names (train.BATCH_START, model.gpt.attention), the
+    # spots it `replaces`, and train.checks when the template renders checks of its ranges.
+    spots: tuple[str, ...] = ()
     requires: tuple[str, ...] = ()
     conflicts: tuple[str, ...] = ()
     hyperparameters: dict[str, Hyperparameter] = field(default_factory=dict)
@@ -103,6 +111,12 @@ class Algorithm:
     before: tuple[str, ...] = ()  # algorithms it must run before, at every event both use
     after: tuple[str, ...] = ()
     paper: str = ""
+    # Spots whose default code it removes with nothing in its place (no snippet there), e.g.
+    # model.gpt.position_embedding: the host writes neither the default nor an empty fence.
+    replaces: tuple[str, ...] = ()
+    # What it makes of the model, for model.py's docstring, formatted with its
+    # hyperparameters ("ReLU² MLP", "logits soft-capped at {cap}"); "": no change to describe.
+    architecture: str = ""
 
     @property
     def events(self) -> tuple[str, ...]:
@@ -112,6 +126,15 @@ class Algorithm:
         if any(spot.startswith("model.") for spot in self.spots):
             acts.add("MODEL")
         return tuple(event for event in EVENTS if event in acts)
+
+    def params(self, answers: dict[str, Any] | None) -> dict[str, Any]:
+        """A project's hyperparameter answers, with the declared default of any it lacks (a
+        hyperparameter added since the project was generated)."""
+        return {**{key: hp.default for key, hp in self.hyperparameters.items()}, **(answers or {})}
+
+    def describe(self, params: dict[str, Any]) -> str:
+        """Its `architecture` phrase with the project's hyperparameters filled in."""
+        return self.architecture.format(**params)
 
     def model_points(self, family: str) -> tuple[str, ...]:
         """The extension points of `family` it fills."""
@@ -228,7 +251,28 @@ def load_algorithms(template: Path) -> dict[str, Algorithm]:
                 raise CatalogError(f"{meta_path}: hyperparameter '{hp.name}' has range {hp.range!r}; a "
                                    "range is an interval such as \"[0, 1)\" on an int or float that "
                                    "holds its default")
-        spots = tuple(sorted(_spot_of(path) for path in meta_path.parent.glob(f"*{SNIPPET_SUFFIX}")))
+            if hp.choices and any(not _has_type(choice, hp.type) for choice in (hp.default, *hp.choices)):
+                raise CatalogError(f"{meta_path}: hyperparameter '{hp.name}' has choices {list(hp.choices)}; "
+                                   f"each, and the default, must be of type {hp.type}")
+            if hp.choices and hp.default not in hp.choices:
+                raise CatalogError(f"{meta_path}: hyperparameter '{hp.name}': its default "
+                                   f"{hp.default!r} is not one of its choices {list(hp.choices)}")
+        snippets = {_spot_of(path) for path in meta_path.parent.glob(f"*{SNIPPET_SUFFIX}")}
+        replaces = tuple(meta.get("replaces", ()))
+        for spot in replaces:
+            if spot in snippets or len(spot.split(".")) != 3 or not spot.startswith("model."):
+                raise CatalogError(f"{meta_path}: replaces {spot!r}; `replaces` lists model.<family>.<point> "
+                                   "spots whose default code the algorithm removes, with no snippet there")
+        # Config fields `<name>_<hyperparameter>` (a train.config snippet) with a declared range
+        # get their run-time check rendered at train.checks (common/packs.jinja).
+        if "train.config" in snippets and any(hp.range for hp in hyperparameters.values()):
+            snippets.add("train.checks")
+        spots = tuple(sorted(snippets | set(replaces)))
+        try:
+            str(meta.get("architecture", "")).format(**{k: hp.default for k, hp in hyperparameters.items()})
+        except (KeyError, IndexError, ValueError) as error:
+            raise CatalogError(f"{meta_path}: architecture names {error}, which is not a hyperparameter; "
+                               "write {name} for a hyperparameter's value") from error
         algorithms[name] = Algorithm(
             name=name,
             summary=meta["summary"],
@@ -241,6 +285,8 @@ def load_algorithms(template: Path) -> dict[str, Algorithm]:
             before=tuple(meta.get("before", ())),
             after=tuple(meta.get("after", ())),
             paper=str(meta.get("paper", "")),
+            replaces=replaces,
+            architecture=str(meta.get("architecture", "")),
         )
     return {name: algorithms[name] for name in catalog_order(algorithms)}
 
@@ -390,18 +436,20 @@ def _coerce(value: Any, kind: str, where: str) -> Any:
 
 
 def _in_range(value: Any, interval: str) -> bool:
-    """Whether the number `value` lies in `interval` ("[0, 1)": 0 <= value < 1); False for
-    an interval that does not parse."""
-    match = RANGE.fullmatch(interval.strip())
-    if match is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
+    """Whether the number `value` lies in `interval` (runtime.config's reading of it, the one
+    the generated check uses); False for an interval that does not parse."""
     try:
-        low, high = float(match[2]), float(match[3])
+        return in_range(value, interval)
     except ValueError:
         return False
-    above = value >= low if match[1] == "[" else value > low
-    below = value <= high if match[4] == "]" else value < high
-    return above and below
+
+
+def _has_type(value: Any, kind: str) -> bool:
+    try:
+        _coerce(value, kind, "")
+    except RecipeError:
+        return False
+    return True
 
 
 def _hyperparameter(hp: Hyperparameter, value: Any, where: str) -> Any:

@@ -256,7 +256,9 @@ def algorithms(
     for algorithm in load_algorithms(template).values():
         if task is not None and task not in algorithm.tasks:
             continue
-        params = ", ".join(f"{p.name}={p.default}" for p in algorithm.hyperparameters.values())
+        params = ", ".join(f"{p.name}={p.default}" + (f" in {p.range}" if p.range else "")
+                           + (f" of {'|'.join(map(str, p.choices))}" if p.choices else "")
+                           for p in algorithm.hyperparameters.values())
         table.add_row(algorithm.name, ", ".join(algorithm.events), ", ".join(algorithm.tasks),
                       params or "-", algorithm.summary)
     out.print(table)
@@ -296,7 +298,7 @@ def export(
         typer.Option(
             "--entry",
             help="The checkpoint entry to export (e.g. model, ema); default: the one the run named "
-            "(the EMA weights when ema is on with export_ema), else model.",
+            "(the EMA weights when ema is on with ema_export), else model.",
         ),
     ] = "",
 ) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -208,3 +210,60 @@ def test_user_strings_are_escaped_not_pasted(tmp_path: Path) -> None:
     recipe.write_text('[answers]\nmodel = "tiny\\"; import os"\n')
     result = scaffold_cli("new", str(tmp_path / "evil"), "--recipe", str(recipe))
     assert result.returncode == 2 and "is not a gpt preset" in result.stderr
+
+
+# ---------------------------------------------------------------- declarations in algorithm.toml
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "old", "new", "message"),
+    [
+        # `replaces` names default code a snippet does not already stand for
+        ("rotary", 'replaces = ["model.gpt.position_embedding"]', 'replaces = ["model.gpt.embed"]',
+         "replaces 'model.gpt.embed'"),
+        ("rotary", 'replaces = ["model.gpt.position_embedding"]', 'replaces = ["train.checks"]',
+         "replaces 'train.checks'"),
+        # the architecture phrase is formatted with the algorithm's own hyperparameters
+        ("logit_softcap", "soft-capped at {cap}", "soft-capped at {limit}", "architecture names 'limit'"),
+        # choices hold the default, and are of the declared type
+        ("augmix", 'default = "all"', 'default = "most"', "its default 'most' is not one of its choices"),
+        ("augmix", 'choices = ["all", "safe"]', 'choices = ["all", 2]', "must be of type str"),
+    ],
+)
+def test_malformed_declarations_are_catalog_errors(algorithm: str, old: str, new: str, message: str,
+                                                   tmp_path: Path) -> None:
+    from scaffold.catalog import CatalogError
+
+    template = tmp_path / "template"
+    shutil.copytree(TEMPLATE, template)
+    toml = template / "algorithms" / algorithm / "algorithm.toml"
+    assert old in toml.read_text()
+    toml.write_text(toml.read_text().replace(old, new, 1))
+    with pytest.raises(CatalogError, match=re.escape(message)):
+        load_algorithms(template)
+
+
+def test_declared_spots_replaces_and_checks() -> None:
+    """`spots` holds the snippets, the declared `replaces`, and train.checks where a Config
+    field has a declared range (its check is rendered); `params` fills declared defaults in."""
+    catalog = load_algorithms(TEMPLATE)
+    rotary = catalog["rotary"]
+    assert "model.gpt.position_embedding" in rotary.spots and rotary.replaces == ("model.gpt.position_embedding",)
+    assert "MODEL" in rotary.events
+    assert "train.checks" in catalog["label_smoothing"].spots  # no snippet: only the declared range
+    assert not (TEMPLATE / "algorithms" / "label_smoothing" / "train.checks.py.jinja").exists()
+    assert "train.checks" not in catalog["logit_softcap"].spots  # a range, but no Config field
+    assert catalog["ema"].params({"half_life": "5ba"}) == {"half_life": "5ba", "update_interval": "1ba",
+                                                          "export": True}
+    assert catalog["stochastic_depth"].hyperparameters["mode"].literal == "Literal['block', 'sample']"
+
+
+def test_cli_add_refuses_a_value_out_of_range_with_one_line_and_changes_nothing(tmp_path: Path) -> None:
+    dest = tmp_path / "proj"
+    assert scaffold_cli("new", str(dest), "--recipe", "gpt2-baseline").returncode == 0
+    result = scaffold_cli("add", "seq_length_warmup", str(dest), "--set", "min_len=0")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: seq_length_warmup.min_len = 0 is outside its range [1, inf); fix the recipe or the --set value"]
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=dest, capture_output=True, text=True)
+    assert status.stdout == ""

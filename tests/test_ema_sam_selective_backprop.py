@@ -36,7 +36,7 @@ model = "tiny"
 # backprop keeps a third of them (4: two per rank on 2 ranks), from the first step on.
 SMALL = ["--model=tiny", "--precision=fp32", "--global_batch_size=12", "--device_microbatch_size=2",
          "--bn_group_size=2", "--lr=0.2", "--lr_warmup=0.25dur", "--eval_batches=3", "--dist_timeout=120",
-         "--sb_start=0", f"--sb_keep={1 / 3!r}", "--ema_half_life=2ba"]
+         "--selective_backprop_start=0", f"--selective_backprop_keep={1 / 3!r}", "--ema_half_life=2ba"]
 TOLERANCE = 2e-5  # reduction order on 2 ranks (see test_image.py)
 
 
@@ -241,7 +241,7 @@ def test_selective_backprop_keeps_the_top_loss_samples_and_the_gradient_is_their
     inputs, labels = torch.randn(8, 3, 2, 2), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
     inputs[5] = inputs[2]
     labels[5] = labels[2]  # a tie: sample 2 goes first
-    cfg = train.Config(sb_scale_factor=1.0, precision="fp32")
+    cfg = train.Config(selective_backprop_scale_factor=1.0, precision="fp32")
     env = train.dist.environment("cpu")
     with torch.no_grad():
         losses = F.cross_entropy(net(inputs), labels, reduction="none")
@@ -262,7 +262,7 @@ def test_selective_backprop_keeps_the_top_loss_samples_and_the_gradient_is_their
 
 
 def test_selective_backprop_kept_count_must_fill_batchnorm_groups(project: Path, tmp_path: Path) -> None:
-    result = run_train(project, tmp_path, *small("--sb_keep=0.25"))  # 3 samples, groups of 2
+    result = run_train(project, tmp_path, *small("--selective_backprop_keep=0.25"))  # 3 samples, groups of 2
     assert result.returncode == 2 and "= 3 samples" in result.stderr, result.stderr
     assert "bn_group_size = 2" in result.stderr
     assert not (tmp_path / "runs").exists()

@@ -3,7 +3,8 @@
 A tiny random GPT2LMHeadModel of the `tiny` preset's sizes is saved with `save_pretrained` and read
 back through transformers' real `from_pretrained`; the generated model's logits equal GPT-2's
 (within 1e-5) after the conversion in, after training and the conversion out, and round trip.
-Architectures GPT-2's layout cannot hold are refused with one line, exit 2, nothing written.
+Architectures GPT-2's layout cannot hold have neither the mapping nor `init_from` (both are
+generated only where the layout fits), and export refuses them with one line, nothing written.
 Nothing is downloaded (HF_HUB_OFFLINE=1).
 """
 
@@ -174,9 +175,9 @@ def test_refusals_are_one_line_and_write_nothing(generated: dict[str, Path], tmp
         "no-preset": ("gpt2-baseline", [f"--init_from={other}"], "add a preset of those sizes to PRESETS"),
         "vocab": ("gpt2-baseline", [f"--init_from={wide_vocab}"], "the checkpoint has 300 tokens, the model 256"),
         "missing": ("gpt2-baseline", [f"--init_from={tmp_path / 'nothing'}"], "no Hugging Face model there"),
-        "alibi": ("gpt2-speedup", [f"--init_from={tiny}"],
-                  "do not fit this model (alibi: it replaces the learned position embeddings (wpe))"),
-        "rotary": ("gpt2-modern", [f"--init_from={tiny}"], "rotary: it replaces the learned position embeddings (wpe)"),
+        # No init_from where GPT-2's layout cannot hold the model (alibi, rotary: no wpe).
+        "alibi": ("gpt2-speedup", [f"--init_from={tiny}"], "unknown config key 'init_from'"),
+        "rotary": ("gpt2-modern", [f"--init_from={tiny}"], "unknown config key 'init_from'"),
         "no-transformers": ("gpt2-baseline", [f"--init_from={tiny}"],
                             "needs transformers: pip install 'scaffold[hf]'"),
     }
@@ -198,13 +199,34 @@ def test_refusals_are_one_line_and_write_nothing(generated: dict[str, Path], tmp
     assert probe.stdout.strip() == "False", probe.stderr
 
     # Export refuses what GPT2LMHeadModel cannot hold, from the run's config and its project's model.py.
-    for recipe, expected in (("gpt2-speedup", "alibi: it replaces the learned position embeddings (wpe)"),
-                             ("gpt2-modern", "rotary: it replaces the learned position embeddings (wpe)")):
+    expected = "GPT2LMHeadModel cannot hold this model: its algorithms change GPT-2's layout"
+    for recipe in ("gpt2-speedup", "gpt2-modern"):
         run = tmp_path / recipe / "runs" / "r"
         run.mkdir(parents=True)
         (run / "config.toml").write_text('model = "tiny"\n')
         result = scaffold_cli("export", "--format", "hf", str(run), str(tmp_path / recipe / "out"),
                               "--project", str(generated[recipe]))
         one_line_error(result, expected)
-        assert "GPT2LMHeadModel cannot hold this model" in result.stderr
+        assert "export it with --format safetensors" in result.stderr
         assert not (tmp_path / recipe / "out").exists()
+
+
+def test_the_mapping_and_init_from_exist_only_where_gpt2s_layout_fits(generated: dict[str, Path]) -> None:
+    """gpt2-baseline (GPT-2's layout) has the Hugging Face mapping, init_from and its loading; the
+    recipes whose algorithms change the layout have none of it, and their model.py's docstring
+    says which algorithms change it."""
+    mapping = ("def from_hf_gpt2", "def to_hf_gpt2", "HF_BLOCK_NAMES", "def hf_gpt2_names")
+    baseline = generated["gpt2-baseline"]
+    model, train = (baseline / "model.py").read_text(), (baseline / "train.py").read_text()
+    assert all(name in model for name in mapping)
+    assert "init_from: str" in train and "from_hf_gpt2(" in train and "hf.read_gpt2" in train
+    assert "HF_LAYOUT_CHANGES" not in model + train
+    for recipe, changed_by in (("gpt2-speedup", "alibi"), ("gpt2-modern", "logit_softcap, qk_norm, relu_squared")):
+        model = (generated[recipe] / "model.py").read_text()
+        train = (generated[recipe] / "train.py").read_text()
+        assert not any(name in model for name in mapping), recipe
+        assert "init_from" not in train and "from_hf_gpt2" not in train and "hf.read_gpt2" not in train
+        assert "from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch" in train
+        assert "HF_LAYOUT_CHANGES" not in model + train
+        docstring = " ".join(model.split('"""')[1].split())
+        assert f"GPT-2's layout cannot hold it (changed by {changed_by}" in docstring, docstring

@@ -102,7 +102,7 @@ def test_qk_norm_gives_unit_rms_queries_and_keys_per_head(modern) -> None:
     seen = []
     for norm in (attention.q_norm, attention.k_norm):
         norm.register_forward_hook(lambda module, args, out: seen.append(out))
-    attention(torch.randn(2, 9, 128) * 5, None)
+    attention(torch.randn(2, 9, 128) * 5)  # no attn_bias: no algorithm fills it
     assert len(seen) == 2
     for out in seen:
         assert out.shape == (2, 4, 9, 32)  # (batch, head, seq, head_dim)
@@ -124,7 +124,7 @@ def test_qk_norm_attention_equals_a_hand_computation(modern) -> None:
         torch.ones(6, 6).triu(1).bool(), float("-inf")
     )
     manual = (scores.softmax(-1) @ v).transpose(1, 2).reshape(1, 6, 128)
-    torch.testing.assert_close(attention(x, None), attention.proj(manual), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attention(x), attention.proj(manual), rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- relu_squared and GLU
@@ -407,7 +407,8 @@ def test_value_embeddings_change_the_values_by_the_embedding_term(value_embeddin
         return attention.proj(y.transpose(1, 2).reshape(2, 6, 128))
 
     with_embed = 0.7 * v + 0.4 * embed.view(2, 6, 4, 32).transpose(1, 2)
-    torch.testing.assert_close(attention(x, None, embed), attend(with_embed), rtol=1e-5, atol=1e-5)
+    # forward(x, layer_input): no attn_bias, which no algorithm of this project fills
+    torch.testing.assert_close(attention(x, embed), attend(with_embed), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(attention(x, None), attend(0.7 * v), rtol=1e-5, atol=1e-5)
 
 
@@ -418,7 +419,7 @@ def test_value_embedding_tables_feed_the_first_and_last_layers(value_embeddings,
     assert len(gpt.value_embeds) == max(t for t in fed if t is not None) + 1
     seen = []
     for block in gpt.blocks:
-        block.attn.register_forward_pre_hook(lambda module, args: seen.append(args[2]))
+        block.attn.register_forward_pre_hook(lambda module, args: seen.append(args[1]))  # (x, layer_input)
     idx = torch.randint(0, 64, (2, 8))
     gpt(idx)
     for layer_input, table in zip(seen, fed):

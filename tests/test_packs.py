@@ -112,7 +112,13 @@ def snippet_spots(name: str) -> set[str]:
 
 def test_every_snippet_names_a_known_spot_and_every_model_point_exists() -> None:
     for name, spec in CATALOG.items():
-        assert set(spec.spots) == snippet_spots(name), name
+        # Its spots: its snippets, the model code it declares it `replaces` (with nothing), and
+        # train.checks where the template renders the checks of its declared ranges.
+        ranged = "train.config" in spec.spots and any(hp.range for hp in spec.hyperparameters.values())
+        assert set(spec.spots) == snippet_spots(name) | set(spec.replaces) | ({"train.checks"} if ranged else set())
+        for spot in spec.replaces:  # only default code a model declares replaceable
+            _, family, point = spot.split(".")
+            assert MODELS[family].extension_points[point].replaces, (name, spot)
         assert spec.tasks and set(spec.tasks) <= set(TASKS), name
         assert (TEMPLATE / "algorithms" / name / "card.md").is_file(), f"{name} has no method card"
         for family in {spot.split(".")[1] for spot in spec.spots if spot.startswith("model.")}:
@@ -197,7 +203,8 @@ def test_every_algorithm_renders_alone_and_trains(
                 and spot != "metrics"]
     assert places.count("module") == len(sections)
     model = (project / "model.py").read_text()
-    assert model.count(f"# algorithm: {name}\n") == len(spec.model_points(family))
+    written = [p for p in spec.model_points(family) if f"model.{family}.{p}" not in spec.replaces]
+    assert model.count(f"# algorithm: {name}\n") == len(written)
 
     rows = train_in_process(project, tmp_path / "work", monkeypatch, *TASK_ARGS.get(task, []))
     assert [row["step"] for row in rows if "loss" in row] == [1, 2]

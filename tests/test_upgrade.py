@@ -122,7 +122,8 @@ def run_git(project: Path, *args: str) -> str:
 
 def make_hand_edits(project: Path, delete_clipping: bool = True) -> None:
     """The edits of a user who owns the loop, committed. Deleting gradient clipping by hand
-    means deleting its three fenced blocks (Config field, the clipping, the grad_norm metric)."""
+    means deleting its four fenced blocks (Config field, its range check in setup(), the
+    clipping, the grad_norm metric)."""
     train = project / "train.py"
     # a new line inside the training loop
     replace_once(train, "            batch = batch.to(env.device, non_blocking=True)\n",
@@ -130,9 +131,9 @@ def make_hand_edits(project: Path, delete_clipping: bool = True) -> None:
                  "            batch = batch.contiguous()  # hand edit: inside the loop\n")
     # a changed hyperparameter default
     replace_once(train, "    beta2: float = 0.95\n", "    beta2: float = 0.99\n")
-    if delete_clipping:  # a deleted algorithm: its fenced blocks (field, clipping, metric)
+    if delete_clipping:  # a deleted algorithm: its fenced blocks (field, check, clipping, metric)
         text, cuts = GRAD_CLIP_FENCE.subn("", train.read_text())
-        assert cuts == 3
+        assert cuts == 4
         train.write_text(text)
     # a new file, and a deleted template file
     (project / "sweep.toml").write_text("lr = 1e-3\n")

@@ -277,13 +277,13 @@ def test_kill_9_resume_continues_the_schedule_bitwise(projects: dict[str, Path],
 
 
 @pytest.mark.parametrize(("which", "arg", "message"), [
-    ("randaugment", "--randaugment_severity=11", "error: randaugment_depth=2 must be at least 1 and "
-                                                 "randaugment_severity=11 within 0..10"),
-    ("augmix", "--augmix_alpha=0", "error: augmix_alpha=0.0 must be above 0 and augmix_jsd_weight=12.0 at least 0"),
-    ("augmix", "--augmix_depth=0", "error: augmix_depth=0 must be -1 (1 to 3) or at least 1"),
+    ("randaugment", "--randaugment_severity=11", "error: randaugment_severity=11 is outside its range [0, 10]"),
+    ("augmix", "--augmix_alpha=0", "error: augmix_alpha=0.0 is outside its range (0, inf)"),
+    ("augmix", "--augmix_depth=0", "error: augmix_depth=0: use -1 (1 to 3 operations, drawn per chain) or at "
+                                   "least 1"),
     ("randaugment", "--progressive_resizing_finetune_fraction=0.9",
-     "error: progressive_resizing_delay_fraction=0.2 and _finetune_fraction=0.9 must be within 0..1, "
-     "together at most 1"),
+     "error: progressive_resizing_delay_fraction=0.2 and _finetune_fraction=0.9 add up to more than 1 (of "
+     "training)"),
 ])
 def test_a_hyperparameter_out_of_range_is_one_line_exit_2(which: str, arg: str, message: str,
                                                           projects: dict[str, Path], tmp_path: Path) -> None:

@@ -412,9 +412,9 @@ def test_stochastic_depth_block_mode_with_ddp_is_refused(projects: dict[str, Pat
 
 
 @pytest.mark.parametrize(("arg", "message"), [
-    ("--blurpool_min_channels=-1", "error: blurpool_min_channels=-1 must be at least 0"),
-    ("--squeeze_excite_latent_channels=0", "error: squeeze_excite_latent_channels=0.0 must be above 0"),
-    ("--stochastic_depth_drop_rate=1.5", "error: stochastic_depth_drop_rate=1.5 must be in [0, 1]"),
+    ("--blurpool_min_channels=-1", "error: blurpool_min_channels=-1 is outside its range [0, inf)"),
+    ("--squeeze_excite_latent_channels=0", "error: squeeze_excite_latent_channels=0.0 is outside its range (0, inf)"),
+    ("--stochastic_depth_drop_rate=1.5", "error: stochastic_depth_drop_rate=1.5 is outside its range [0, 1]"),
     ("--stochastic_depth_drop_warmup=3ep", "error: stochastic_depth_drop_warmup: '3ep' cannot be compared"),
 ])
 def test_bad_hyperparameters_are_one_error_line(arg: str, message: str, projects: dict[str, Path], tmp_path: Path,

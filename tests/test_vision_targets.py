@@ -7,7 +7,7 @@ resume; with both mixers selected a step is mixed by exactly one, as the shared 
 CutOut and ColOut remove exactly the stated pixels, rows and columns.
 
 One project holds all five algorithms (mixup and cutmix at 0.5 each); flags switch pieces off
-for the closed-form checks (--label_smoothing=0, --mixup_prob=0, --cutmix_prob=0,
+for the closed-form checks (--label_smoothing_smoothing=0, --mixup_prob=0, --cutmix_prob=0,
 --colout_p_row=0 ...). Launches: four short single-process runs in this process, two
 subprocesses (kill -9 and its resume) and one torchrun on 2 ranks.
 """
@@ -212,7 +212,7 @@ def test_colout_drops_exactly_the_stated_rows_and_columns(modules, p_row, p_col,
 def test_label_smoothing_loss_equals_the_closed_form(project: Path, modules, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     rows = train_once(project, tmp_path / "w", monkeypatch, *TARGETS_ONLY, "--mixup_prob=0",
-                      "--cutmix_prob=0", "--label_smoothing=0.2")
+                      "--cutmix_prob=0", "--label_smoothing_smoothing=0.2")
     inputs, labels, net = first_batch(modules)
     expected = smoothed_loss(net(inputs), labels, 0.2).mean().item()
     assert abs(step_one_loss(rows) - expected) < 1e-5 * expected
@@ -241,7 +241,7 @@ def test_smoothing_then_mixup_loss_equals_the_hand_computation(project: Path, mo
 def test_cutmix_loss_equals_the_hand_computation(project: Path, modules, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     rows = train_once(project, tmp_path / "w", monkeypatch, *TARGETS_ONLY, "--mixup_prob=0",
-                      "--cutmix_prob=1", "--label_smoothing=0")
+                      "--cutmix_prob=1", "--label_smoothing_smoothing=0")
     inputs, labels, net = first_batch(modules)
     rng = modules["data"].step_rng(SEED, 0, "cutmix")
     lam = float(rng.beta(1.0, 1.0))
@@ -262,13 +262,13 @@ def test_cutmix_loss_equals_the_hand_computation(project: Path, modules, tmp_pat
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--label_smoothing=1.0"], "label_smoothing=1.0 must be in [0, 1)"),
-        (["--mixup_alpha=0"], "mixup_alpha=0.0 must be > 0"),
-        (["--cutmix_alpha=-1"], "cutmix_alpha=-1.0 must be > 0"),
+        (["--label_smoothing_smoothing=1.0"], "label_smoothing_smoothing=1.0 is outside its range [0, 1)"),
+        (["--mixup_alpha=0"], "mixup_alpha=0.0 is outside its range (0, inf)"),
+        (["--cutmix_alpha=-1"], "cutmix_alpha=-1.0 is outside its range (0, inf)"),
         (["--mixup_prob=0.6", "--cutmix_prob=0.6"], "add up to more than 1"),
-        (["--cutout_length=1.5"], "cutout_length=1.5 a fraction in (0, 1) or a whole number"),
-        (["--cutout_num_holes=0"], "cutout_num_holes=0 must be at least 1"),
-        (["--colout_p_col=1.0"], "colout_p_col=1.0 must be in [0, 1)"),
+        (["--cutout_length=1.5"], "cutout_length=1.5 must be a fraction in (0, 1) of the image or a whole number"),
+        (["--cutout_num_holes=0"], "cutout_num_holes=0 is outside its range [1, inf)"),
+        (["--colout_p_col=1.0"], "colout_p_col=1.0 is outside its range [0, 1)"),
     ],
 )
 def test_bad_hyperparameters_are_one_line_exit_2(args: list[str], message: str, project: Path, tmp_path: Path,
