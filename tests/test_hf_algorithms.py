@@ -1,5 +1,7 @@
 """layer_freezing and low_precision_layernorm on the text_classification task: their effects,
-and layer freezing's bitwise resume after the process dies (Composer's cannot resume)."""
+and layer freezing's bitwise resume after the process dies (Composer's cannot resume).
+low_precision_layernorm lives in model.py (issue 25): load_model turns transformers' LayerNorm
+layers into it, and the GPT (causal_lm) builds its LayerNorms as such."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from safetensors.torch import load_file  # noqa: E402
 from conftest import scaffold_cli  # noqa: E402
 from projects import checkout_env, project_modules, read_metrics  # noqa: E402
 from runtime.checkpoint import export_safetensors  # noqa: E402
+from scaffold.render import new_project  # noqa: E402
 
 SMALL = ["--device=cpu", "--max_seq_len=16", "--global_batch_size=4", "--device_microbatch_size=2",
          "--eval_batches=1", "--eval_interval=2ba", "--lr=1e-3"]
@@ -91,8 +94,17 @@ def test_layer_freezing_freezes_earliest_layers_and_resumes_bitwise(project: Pat
 
 
 def test_low_precision_layernorm_normalizes_in_bf16_under_autocast_only(project: Path) -> None:
+    assert "# algorithm: low_precision_layernorm" not in (project / "train.py").read_text()
     with project_modules(project) as modules:
-        train_module = modules["train"]
+        model_module = modules["model"]
+        # load_model hands back the model with every LayerNorm transformers built made
+        # low-precision in place (the embeddings' and each layer's two): same keys.
+        texts = ["a tiny text", "another one"]
+        tokenizer = model_module.load_tokenizer("tiny", texts)
+        loaded = model_module.load_model("tiny", 2, tokenizer, 16)
+        norms = [m for m in loaded.modules() if isinstance(m, torch.nn.LayerNorm)]
+        assert len(norms) == 5 and all(type(m) is model_module.LowPrecisionLayerNorm for m in norms)
+
         torch.manual_seed(0)
         # fp32 input, as the residual stream is: autocast leaves LayerNorm in fp32 (on CUDA it
         # even upcasts bf16 input); the low-precision one normalizes in bf16.
@@ -105,7 +117,7 @@ def test_low_precision_layernorm_normalizes_in_bf16_under_autocast_only(project:
         with torch.autocast("cpu", torch.bfloat16):
             before = model(x)
         eager_before = model(x)
-        assert train_module.use_low_precision_layernorm(model) == 2
+        assert model_module.use_low_precision_layernorm(model) == 2
         assert model.state_dict().keys() == plain.keys()  # checkpoints unchanged
         with torch.autocast("cpu", torch.bfloat16):
             after = model(x)
@@ -116,3 +128,29 @@ def test_low_precision_layernorm_normalizes_in_bf16_under_autocast_only(project:
         assert torch.equal(after, expected)
         assert torch.allclose(after.float(), before, atol=5e-2) and not torch.equal(after.float(), before)
         assert torch.equal(model(x), eager_before)  # without autocast: the plain LayerNorm
+
+
+def test_low_precision_layernorm_is_how_the_gpt_builds_its_layernorms(tmp_path: Path, isolated_home: Path) -> None:
+    """causal_lm: model.py's layer_norm builds every LayerNorm of the GPT as the low-precision
+    kind; keys and the GPT-2 layout (HF export) are unchanged, and train.py holds none of it."""
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[answers]\ntask = "causal_lm"\n[algorithms.low_precision_layernorm]\n')
+    new_project(str(recipe), tmp_path / "gpt", [], "gpt")
+    assert "# algorithm: low_precision_layernorm" not in (tmp_path / "gpt" / "train.py").read_text()
+    with project_modules(tmp_path / "gpt") as modules:
+        model_module = modules["model"]
+        config = model_module.GPTConfig(vocab_size=64, max_seq_len=16, n_layer=2, n_head=2, n_embd=32)
+        gpt = model_module.GPT(config)
+        norms = [m for m in gpt.modules() if isinstance(m, torch.nn.LayerNorm)]
+        assert len(norms) == 5 and all(type(m) is model_module.LowPrecisionLayerNorm for m in norms)
+        assert model_module.HF_LAYOUT_CHANGES == {}
+        names = set(model_module.hf_gpt2_names(config.n_layer)) | {"lm_head.weight"}
+        assert set(gpt.state_dict()) == names
+        idx = torch.randint(0, 64, (2, 16))
+        with torch.autocast("cpu", torch.bfloat16):
+            low = gpt(idx)
+        for norm in norms:
+            norm.__class__ = torch.nn.LayerNorm
+        with torch.autocast("cpu", torch.bfloat16):
+            plain = gpt(idx)
+        assert torch.allclose(low.float(), plain.float(), atol=0.1) and not torch.equal(low, plain)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from projects import checkout_env, project_modules, read_metrics, run_train
+from scaffold.render import new_project
 from test_image import assert_close, ok, small, torchrun, trajectory
 
 RECIPE = "cifar-resnet56-baseline"
@@ -74,7 +75,23 @@ class Flat(nn.Module):  # BatchNorm1d: cannot be made ghost BatchNorm
         return self.fc(self.body(x))
 
 
-BUILDERS = {"tinynet": TinyNet, "bn1dnet": Flat}
+class StrideNet(nn.Module):  # a strided convolution and a max pool: what BlurPool blurs
+    def __init__(self, num_classes):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        self.layer1 = nn.Sequential(Block(16))
+        self.down = nn.Conv2d(16, 32, 3, 2, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(32)
+        self.fc = nn.Linear(32, num_classes)
+
+    def forward(self, x):
+        x = self.layer1(self.maxpool(self.bn1(self.conv1(x)).relu()))
+        return self.fc(self.bn2(self.down(x)).relu().mean((2, 3)))
+
+
+BUILDERS = {"tinynet": TinyNet, "bn1dnet": Flat, "stridenet": StrideNet}
 
 
 def list_models(module=None):
@@ -224,3 +241,45 @@ def test_trains_resumes_and_shards_a_torchvision_model(project: Path, stand_in: 
     ok(torchrun(2, project / "train.py", *common, "--parallelism=fsdp", "--run_name=fsdp", cwd=tmp_path,
                 env=stand_in_env(stand_in)))
     assert_close(trajectory(tmp_path, "fsdp"), reference)
+
+
+def test_blurpool_and_squeeze_excite_change_a_torchvision_model_in_model_py(
+    stand_in: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, isolated_home: Path
+) -> None:
+    """torchvision builds the layers, so TorchvisionNet (model.py) makes them blurring and gives
+    the wide convolutions their gates in place: torchvision's keys and initial values, the gates
+    under <conv>.se. Stochastic depth needs model.py's residual blocks: one error line."""
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[answers]\ntask = "image_classification"\n[algorithms.blurpool]\n'
+                      "[algorithms.squeeze_excite]\nlatent_channels = 0.25\nmin_channels = 16\n"
+                      "[algorithms.stochastic_depth]\n")
+    project = tmp_path / "p"
+    new_project(str(recipe), project, [], "p")
+    assert "# algorithm: blurpool" not in (project / "train.py").read_text()
+    monkeypatch.syspath_prepend(str(stand_in))
+    sys.modules.pop("torchvision", None)
+    sys.modules.pop("torchvision.models", None)
+    try:
+        import torchvision.models
+
+        with project_modules(project) as found:
+            model_module = found["model"]
+            torch.manual_seed(0)
+            reference = torchvision.models.get_model("stridenet", weights=None, num_classes=10)
+            torch.manual_seed(0)
+            model = model_module.TorchvisionNet("stridenet", 10, bn_group_size=2)
+            kinds = {name: type(m).__name__ for name, m in model.named_modules()}
+            assert kinds["net.maxpool"] == "BlurMaxPool2d" and kinds["net.down"] == "BlurConv2d"
+            assert kinds["net.conv1"] == "Conv2d"  # not strided
+            # min(in, out) >= 16: the block's 16->16 convolution and the 16->32 one
+            gated = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Conv2d) and hasattr(m, "se")}
+            assert gated == {"net.layer1.0.conv", "net.down"}
+            ours, theirs = model.state_dict(), {f"net.{k}": v for k, v in reference.state_dict().items()}
+            assert all(torch.equal(ours[k], v) for k, v in theirs.items())
+            assert set(ours) - set(theirs) and all(".se." in k for k in set(ours) - set(theirs))
+            assert model(torch.randn(4, 1, 8, 8)).shape == (4, 10)
+    finally:
+        sys.modules.pop("torchvision", None)
+        sys.modules.pop("torchvision.models", None)
+    line = one_error_line(train(project, tmp_path, stand_in, *small("--model=torchvision:stridenet")), tmp_path)
+    assert line.startswith("error: stochastic_depth drops the branches of model.py's residual blocks")

@@ -211,29 +211,50 @@ def test_every_algorithm_renders_alone_and_trains(
     assert all(math.isfinite(row["loss"]) for row in rows if "loss" in row)
 
 
-@pytest.mark.parametrize("algorithm", [name for name, spec in CATALOG.items()
-                                       if not any(spot.startswith("model.") for spot in spec.spots)
-                                       # replaced host code has no default left once cut out
-                                       # (`scaffold remove` restores it)
-                                       and not any(spot.split(".")[1] in TRAIN_POINTS
-                                                   for spot in spec.spots)])
+def first_pairing(name: str) -> tuple[str, str]:
+    """The algorithm's first task and a model family of it that the algorithm declares."""
+    spec = CATALOG[name]
+    task = spec.tasks[0]
+    return task, next(f for f in TASKS[task].models if not spec.models or f in spec.models)
+
+
+def cuttable_files(name: str) -> list[str]:
+    """The generated files from which cutting the algorithm's fences by hand leaves a working
+    project: train.py, and model.py where the algorithm replaces no default code there
+    (replaced host code has no default left once cut out; `scaffold remove` restores it).
+    Empty where train.py's fences replace host code too."""
+    spec = CATALOG[name]
+    if any(spot.split(".")[1] in TRAIN_POINTS for spot in spec.spots if spot.startswith("train.")):
+        return []
+    family = first_pairing(name)[1]
+    points = spec.model_points(family)
+    files = ["train.py"] if any(spot.startswith("train.") for spot in spec.spots) else []
+    if points and not any(MODELS[family].extension_points[point].replaces for point in points):
+        files.append("model.py")
+    return files
+
+
+@pytest.mark.parametrize("algorithm", [name for name in CATALOG if cuttable_files(name)])
 def test_deleting_an_algorithms_fences_by_hand_leaves_no_dangling_name(
     algorithm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An algorithm owns its Config fields, checks, helpers and metrics: cut every one of its
-    fenced blocks out of train.py and the project still trains."""
+    """An algorithm owns its Config fields, checks, helpers and metrics, and its code in
+    model.py: cut every one of its fenced blocks out of train.py (and model.py, unless it
+    replaces default code there) and the project still trains."""
     # The algorithm alone, on its first task and family (in a recipe, other algorithms'
     # blocks may read what this one sets: cutting it there is `scaffold remove`'s job).
     spec = CATALOG[algorithm]
-    task = spec.tasks[0]
-    family = next(f for f in TASKS[task].models if not spec.models or f in spec.models)
+    task, family = first_pairing(algorithm)
     project = tmp_path / "alone"
     new_project(str(recipe_for(tmp_path, task, family, [algorithm])), project, [], "p")
-    train = project / "train.py"
     fence = re.compile(rf"\n[ ]*# algorithm: {algorithm}\n.*?# end algorithm: {algorithm}\n", re.S)
-    text, cuts = fence.subn("\n", train.read_text())
-    assert cuts >= 2
-    train.write_text(text)
+    for name in cuttable_files(algorithm):
+        path = project / name
+        text, cuts = fence.subn("\n", path.read_text())
+        snippets = spec.model_points(family) if name == "model.py" else [
+            spot for spot in spec.spots if spot.startswith("train.")]
+        assert cuts == len(snippets), name  # one fence per snippet of that file
+        path.write_text(text)
     rows = train_in_process(project, tmp_path / "work", monkeypatch, *TASK_ARGS.get(task, []))
     assert [row["step"] for row in rows if "loss" in row] == [1, 2]
 

@@ -1,8 +1,11 @@
 """Vision catalog, model algorithms (image_classification, resnet): blurpool, channels_last,
 squeeze_excite, stochastic_depth. Each test checks the effect: a checkerboard's aliasing energy,
-the layers a flag replaces, memory formats inside the generated loop and losses equal to the
-contiguous model's, the exact SE parameter formula, stochastic depth's drop probabilities,
-evaluation, and draws that survive a resume, another microbatch size and another world size.
+the layers model.py builds blurring for each setting (with the plain model's initial weights),
+memory formats inside the generated loop and losses equal to the contiguous model's, the exact
+SE parameter formula, stochastic depth's drop probabilities, evaluation, and draws that survive a
+resume, another microbatch size and another world size. The architecture lives in model.py
+(issue 25): blurpool's and squeeze_excite's settings are its constants, set at generation and
+refused there when out of range; train.py holds only stochastic depth's per-run rates and draws.
 
 Projects use the `tiny` ResNet on the embedded digits; runs are a few steps, in this process
 where possible (one torchrun launch for 2 ranks).
@@ -60,15 +63,29 @@ def projects(tmp_path_factory: pytest.TempPathFactory, isolated_home: Path) -> d
     return {
         "base": render(root, "base", {}),
         "all": render(root, "all", ALL),
+        "blurpool": render(root, "blurpool", {"blurpool": ALL["blurpool"]}),
+        "squeeze_excite": render(root, "squeeze_excite", {"squeeze_excite": ALL["squeeze_excite"]}),
         "channels_last": render(root, "channels_last", {"channels_last": {}}),
         "stochastic_depth": render(root, "stochastic_depth", {"stochastic_depth": {}}),
     }
 
 
-@pytest.fixture(scope="module")
-def modules(projects: dict[str, Path]):
-    with project_modules(projects["all"]) as loaded:
-        yield loaded
+@pytest.fixture
+def models(projects: dict[str, Path]):
+    """model.py of a project, by name (its module stays usable after the import is undone)."""
+
+    def load(name: str):
+        with project_modules(projects[name]) as loaded:
+            return loaded["model"]
+
+    return load
+
+
+def same_weights(model: torch.nn.Module, plain: torch.nn.Module) -> bool:
+    """`model` holds every parameter and buffer of `plain`, under the same key and with the
+    same value (an algorithm built into model.py left the plain model's init alone)."""
+    ours = model.state_dict()
+    return all(key in ours and torch.equal(ours[key], value) for key, value in plain.state_dict().items())
 
 
 def train(project: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch, *args: str,
@@ -88,9 +105,8 @@ def train(project: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch, *args: 
     return [row["loss"] for row in map(json.loads, lines) if "loss" in row]
 
 
-def imagenet_like(modules, min_width: int = 8):
+def imagenet_like(model, min_width: int = 8):
     """A small ImageNet-style ResNet (7x7 stride-2 stem, max pool, 1x1 strided shortcuts)."""
-    model = modules["model"]
     config = model.ResNetConfig(num_classes=10, in_channels=3, block="basic", layers=(1, 1, 1, 1),
                                 widths=(min_width, 2 * min_width, 4 * min_width, 8 * min_width),
                                 stem="imagenet", bn_group_size=2)
@@ -108,13 +124,15 @@ def checkerboard(channels: int, size: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("blur_first", [True, False])
-def test_blurpool_removes_a_checkerboards_aliasing_and_keeps_shapes(modules, blur_first: bool) -> None:
-    train = modules["train"]
+def test_blurpool_removes_a_checkerboards_aliasing_and_keeps_shapes(models, blur_first: bool,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    model = models("blurpool")  # BLURPOOL_MIN_CHANNELS = 8
+    monkeypatch.setattr(model, "BLURPOOL_BLUR_FIRST", blur_first)
     torch.manual_seed(0)
     plain = torch.nn.Conv2d(16, 8, 3, 2, 1, bias=False)
-    blurred = torch.nn.Sequential(torch.nn.Conv2d(16, 8, 3, 2, 1, bias=False))
-    blurred[0].load_state_dict(plain.state_dict())
-    assert train.use_blurpool(blurred, True, True, blur_first, 16) == 1
+    blurred = model.conv(16, 8, 3, 2, 1)  # strided, 16 input channels: built blurring
+    assert type(blurred) is model.BlurConv2d and type(model.conv(16, 8, 3, 1, 1)) is torch.nn.Conv2d
+    blurred.load_state_dict(plain.state_dict())
     x = checkerboard(16, 16)
     # Subsampled by 2, the checkerboard aliases to a constant; the binomial blur has a
     # zero at the Nyquist frequency, so away from the zero-padded border nothing is left.
@@ -124,44 +142,52 @@ def test_blurpool_removes_a_checkerboards_aliasing_and_keeps_shapes(modules, blu
     # A constant image passes the blur unchanged (the kernel sums to 1).
     flat = torch.ones(2, 16, 16, 16)
     torch.testing.assert_close(blurred(flat)[:, :, 1:-1, 1:-1], plain(flat)[:, :, 1:-1, 1:-1])
-    # Same output shapes as the plain layers, odd and even sizes, convs and max pools.
+    # Same output shapes as the plain layers, odd and even sizes, convs and max pools, also
+    # when turned blurring in place (torchvision's layers: use_blurpool).
     for layer in (lambda: torch.nn.Conv2d(16, 4, 3, 2, 1), lambda: torch.nn.Conv2d(16, 4, 1, 2),
                   lambda: torch.nn.Conv2d(16, 4, 7, 2, 3), lambda: torch.nn.MaxPool2d(3, 2, 1)):
         for size in (7, 8, 15):
             x = torch.randn(2, 16, size, size)
             reference, swapped = layer(), torch.nn.Sequential(layer())
-            assert train.use_blurpool(swapped, True, True, blur_first, 16) == 1
+            assert model.use_blurpool(swapped) == 1
             assert swapped(x).shape == reference(x).shape
+    for size in (7, 8, 15):
+        x = torch.randn(2, 16, size, size)
+        assert model.max_pool(3, 2, 1)(x).shape == torch.nn.MaxPool2d(3, 2, 1)(x).shape
 
 
 def replaced(model) -> set[str]:
     return {name for name, m in model.named_modules() if type(m).__name__.startswith("Blur")}
 
 
-def test_blurpool_replaces_what_its_flags_and_min_channels_say(modules) -> None:
-    train = modules["train"]
-    # widths 8/16/32/64: strided convs are the stem (1 input channel... here 3), the first
-    # conv and the 1x1 shortcut of stages 2-4 (inputs 8, 16, 32); one max pool in the stem.
-    model = imagenet_like(modules)
-    keys = set(model.state_dict())
-    reference = {k: v.clone() for k, v in model.state_dict().items()}
-    assert train.use_blurpool(model, True, True, True, 16) == 5
-    assert replaced(model) == {"stem.3", "blocks.2.conv1", "blocks.2.shortcut.0", "blocks.3.conv1",
-                               "blocks.3.shortcut.0"}
-    # Checkpoint keys and values unchanged: a plain model's checkpoint loads strictly.
-    assert set(model.state_dict()) == keys
-    model.load_state_dict(reference, strict=True)
-    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+def test_blurpool_builds_what_its_flags_and_min_channels_say(models, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, base = models("blurpool"), models("base")
+    # widths 8/16/32/64: strided convs are the stem (3 input channels), the first conv and
+    # the 1x1 shortcut of stages 2-4 (inputs 8, 16, 32); one max pool in the stem.
+    monkeypatch.setattr(model, "BLURPOOL_MIN_CHANNELS", 16)
+    blurred, plain = imagenet_like(model), imagenet_like(base)
+    assert replaced(blurred) == {"stem.3", "blocks.2.conv1", "blocks.2.shortcut.0", "blocks.3.conv1",
+                                 "blocks.3.shortcut.0"}
+    # The plain model's keys and initial values (the same RNG draws, in the same order): a
+    # plain model's checkpoint loads strictly, and the blur filters are not saved.
+    assert set(blurred.state_dict()) == set(plain.state_dict()) and same_weights(blurred, plain)
+    blurred.load_state_dict(plain.state_dict(), strict=True)
+    assert blurred(torch.randn(2, 3, 32, 32)).shape == (2, 10)
 
-    model = imagenet_like(modules)
-    assert train.use_blurpool(model, True, False, True, 3) == 7  # the stem conv (3 in) too
-    assert "stem.3" not in replaced(model) and "stem.0" in replaced(model)
-    model = imagenet_like(modules)
-    assert train.use_blurpool(model, False, True, True, 0) == 1 and replaced(model) == {"stem.3"}
+    monkeypatch.setattr(model, "BLURPOOL_MIN_CHANNELS", 3)
+    monkeypatch.setattr(model, "BLURPOOL_REPLACE_MAXPOOLS", False)
+    blurred = imagenet_like(model)
+    assert len(replaced(blurred)) == 7 and "stem.0" in replaced(blurred)  # the stem conv (3 in) too
+    assert "stem.3" not in replaced(blurred) and same_weights(blurred, plain)
+    monkeypatch.setattr(model, "BLURPOOL_MIN_CHANNELS", 0)
+    monkeypatch.setattr(model, "BLURPOOL_REPLACE_MAXPOOLS", True)
+    monkeypatch.setattr(model, "BLURPOOL_REPLACE_CONVS", False)
+    assert replaced(imagenet_like(model)) == {"stem.3"}
     # CIFAR ResNets: parameter-free shortcuts, so only the stage-opening 3x3 convs.
-    tiny = modules["model"].ResNet(modules["model"].ResNetConfig(
-        num_classes=10, in_channels=1, bn_group_size=2, **modules["model"].PRESETS["tiny"]))
-    assert train.use_blurpool(tiny, True, True, True, 16) == 1 and replaced(tiny) == {"blocks.2.conv1"}
+    monkeypatch.setattr(model, "BLURPOOL_MIN_CHANNELS", 16)
+    monkeypatch.setattr(model, "BLURPOOL_REPLACE_CONVS", True)
+    tiny = model.ResNet(model.ResNetConfig(num_classes=10, in_channels=1, bn_group_size=2, **model.PRESETS["tiny"]))
+    assert replaced(tiny) == {"blocks.2.conv1"}
 
 
 # ---------------------------------------------------------------- channels_last
@@ -212,28 +238,31 @@ def test_channels_last_in_the_loop_and_losses_equal_the_contiguous_model(
 # ---------------------------------------------------------------- squeeze_excite
 
 
-def test_squeeze_excite_adds_exactly_the_se_parameters_and_gates_in_0_1(modules) -> None:
-    train, model = modules["train"], modules["model"]
+def test_squeeze_excite_adds_exactly_the_se_parameters_and_gates_in_0_1(
+    models, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, base = models("squeeze_excite"), models("base")  # latent_channels 0.25
 
-    def tiny():
+    def tiny(module):
         torch.manual_seed(0)
-        return model.ResNet(model.ResNetConfig(num_classes=10, in_channels=1, bn_group_size=2,
-                                               **model.PRESETS["tiny"]))
+        return module.ResNet(module.ResNetConfig(num_classes=10, in_channels=1, bn_group_size=2,
+                                                 **module.PRESETS["tiny"]))
 
     # tiny (widths 8/16/32): convs with min(in, out) >= 16 are blocks.1.conv2 (16->16),
     # blocks.2.conv1 (16->32) and blocks.2.conv2 (32->32); each gate adds 2 * C * L.
-    plain = tiny()
-    base = plain.num_params()
-    gated = tiny()
-    assert train.use_squeeze_excite(gated, 0.25, 16) == 3  # L = C / 4: 4, 8, 8
-    assert gated.num_params() - base == 2 * 16 * 4 + 2 * 32 * 8 + 2 * 32 * 8
-    counted = tiny()
-    assert train.use_squeeze_excite(counted, 6, 16) == 3  # L = 6 each
-    assert counted.num_params() - base == 2 * 6 * (16 + 32 + 32)
-    assert train.use_squeeze_excite(tiny(), 64, 33) == 0
-    # The convolutions' own keys are unchanged; the new ones live under <conv>.se.
+    plain = tiny(base)
+    monkeypatch.setattr(model, "SQUEEZE_EXCITE_MIN_CHANNELS", 16)
+    gated = tiny(model)  # L = C / 4: 4, 8, 8
+    assert gated.num_params() - plain.num_params() == 2 * 16 * 4 + 2 * 32 * 8 + 2 * 32 * 8
+    monkeypatch.setattr(model, "SQUEEZE_EXCITE_LATENT_CHANNELS", 6)
+    counted = tiny(model)  # L = 6 each
+    assert counted.num_params() - plain.num_params() == 2 * 6 * (16 + 32 + 32)
+    monkeypatch.setattr(model, "SQUEEZE_EXCITE_MIN_CHANNELS", 33)
+    assert tiny(model).num_params() == plain.num_params()
+    # The convolutions' own keys and initial values are the plain model's (the gates draw
+    # their weights after the model's); the new keys live under <conv>.se.
     new_keys = set(gated.state_dict()) - set(plain.state_dict())
-    assert set(plain.state_dict()) <= set(gated.state_dict())
+    assert same_weights(gated, plain)
     assert new_keys and all(".se." in key for key in new_keys)
 
     conv = gated.blocks[2].conv2
@@ -244,13 +273,14 @@ def test_squeeze_excite_adds_exactly_the_se_parameters_and_gates_in_0_1(modules)
     y = torch.randn(4, 32, 5, 5)
     plain_out = torch.nn.functional.conv2d(y, conv.weight, padding=1)
     torch.testing.assert_close(conv(y), plain_out * conv.se.gates(plain_out)[:, :, None, None])
+    # A model built elsewhere (torchvision's layers) gets its gates in place.
+    assert model.use_squeeze_excite(torch.nn.Sequential(torch.nn.Conv2d(8, 40, 1), torch.nn.Conv2d(40, 40, 1))) == 1
 
 
 # ---------------------------------------------------------------- stochastic_depth
 
 
-def tiny_model(modules, block: str = "basic"):
-    model = modules["model"]
+def tiny_model(model, block: str = "basic"):
     torch.manual_seed(0)
     preset = dict(model.PRESETS["tiny"], block=block)
     net = model.ResNet(model.ResNetConfig(num_classes=10, in_channels=1, bn_group_size=2, **preset))
@@ -261,10 +291,11 @@ def tiny_model(modules, block: str = "basic"):
 
 
 @pytest.mark.parametrize("block", ["basic", "bottleneck"])
-def test_stochastic_depth_at_rate_1_skips_the_deepest_block_in_training_only(modules, block: str) -> None:
-    train = modules["train"]
-    net = tiny_model(modules, block)
-    depth = train.StochasticDepth(net.blocks, 1.0, "linear", "block")
+def test_stochastic_depth_at_rate_1_skips_the_deepest_block_in_training_only(models, block: str) -> None:
+    net = tiny_model(models("stochastic_depth"), block)
+    depth = net.stochastic_depth  # model.py's, applied by every block's forward
+    assert all(b.stochastic_depth is depth for b in net.blocks)
+    depth.schedule(1.0, "linear", "block")
     deepest = net.blocks[-1]
     calls = []
     original = deepest.residual
@@ -280,18 +311,21 @@ def test_stochastic_depth_at_rate_1_skips_the_deepest_block_in_training_only(mod
     net.eval()
     out = net(x)
     assert len(calls) == 1  # evaluation runs it
-    # ...as the plain block: evaluation with stochastic depth equals the model without it.
-    for b in net.blocks:
-        b.branch = None
-    torch.testing.assert_close(out, net(x))
+    # ...as the plain block: evaluation with stochastic depth equals the model without it
+    # (the base project's model.py), whose weights and keys it has.
+    plain = tiny_model(models("base"), block).eval()
+    assert same_weights(net, plain) and set(net.state_dict()) == set(plain.state_dict())
+    torch.testing.assert_close(out, plain(x))
 
 
-def test_stochastic_depth_probabilities_follow_the_distribution(modules) -> None:
-    train = modules["train"]
-    net = tiny_model(modules)  # 3 blocks
-    linear = train.StochasticDepth(net.blocks, 0.3, "linear", "block")
+def test_stochastic_depth_probabilities_follow_the_distribution(models) -> None:
+    model = models("stochastic_depth")
+    linear = tiny_model(model).stochastic_depth  # 3 blocks
+    assert linear.max_rates == [0.0, 0.0, 0.0]  # until train.py sets them: the plain blocks
+    linear.schedule(0.3, "linear", "block")
     assert linear.max_rates == pytest.approx([0.1, 0.2, 0.3])
-    uniform = train.StochasticDepth(net.blocks, 0.3, "uniform", "block")
+    uniform = tiny_model(model).stochastic_depth
+    uniform.schedule(0.3, "uniform", "block")
     assert uniform.max_rates == pytest.approx([0.3, 0.3, 0.3])
     # Measured over many steps: each block drops at its rate (3 sigma of 4000 draws < 0.022).
     steps = 4000
@@ -308,20 +342,25 @@ def test_stochastic_depth_probabilities_follow_the_distribution(modules) -> None
         assert float(linear.scales[index, 0]) == pytest.approx(expected)
 
 
-def test_stochastic_depth_draws_are_a_function_of_seed_step_block_and_global_sample(modules) -> None:
-    train = modules["train"]
-    net = tiny_model(modules)
+def test_stochastic_depth_draws_are_a_function_of_seed_step_block_and_global_sample(models) -> None:
+    model = models("stochastic_depth")
     cpu = torch.device("cpu")
-    one = train.StochasticDepth(net.blocks, 0.5, "uniform", "sample")
+
+    def sample_mode():
+        depth = model.StochasticDepth(3)
+        depth.schedule(0.5, "uniform", "sample")
+        return depth
+
+    one = sample_mode()
     one.start_step(3, 11, 1.0, 8, 0, 8, cpu)
-    again = train.StochasticDepth(net.blocks, 0.5, "uniform", "sample")
+    again = sample_mode()
     again.start_step(3, 11, 1.0, 8, 0, 8, cpu)
     assert torch.equal(one.scales, again.scales)  # a fresh process: the same draws
     # Rank 1 of 2 holds samples 4..7 of the global batch: the same decisions for them.
-    rank1 = train.StochasticDepth(net.blocks, 0.5, "uniform", "sample")
+    rank1 = sample_mode()
     rank1.start_step(3, 11, 1.0, 8, 4, 4, cpu)
     assert torch.equal(rank1.scales, one.scales[:, 4:])
-    other = train.StochasticDepth(net.blocks, 0.5, "uniform", "sample")
+    other = sample_mode()
     other.start_step(3, 12, 1.0, 8, 0, 8, cpu)
     assert not torch.equal(other.scales, one.scales)  # another step, other draws
     assert set(one.scales.flatten().tolist()) == {0.0, 2.0}
@@ -412,8 +451,6 @@ def test_stochastic_depth_block_mode_with_ddp_is_refused(projects: dict[str, Pat
 
 
 @pytest.mark.parametrize(("arg", "message"), [
-    ("--blurpool_min_channels=-1", "error: blurpool_min_channels=-1 is outside its range [0, inf)"),
-    ("--squeeze_excite_latent_channels=0", "error: squeeze_excite_latent_channels=0.0 is outside its range (0, inf)"),
     ("--stochastic_depth_drop_rate=1.5", "error: stochastic_depth_drop_rate=1.5 is outside its range [0, 1]"),
     ("--stochastic_depth_drop_warmup=3ep", "error: stochastic_depth_drop_warmup: '3ep' cannot be compared"),
 ])
@@ -424,6 +461,19 @@ def test_bad_hyperparameters_are_one_error_line(arg: str, message: str, projects
     assert stopped.value.code == 2
     assert capsys.readouterr().err.strip().startswith(message)
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ("blurpool.min_channels=-1", "error: blurpool.min_channels = -1 is outside its range [0, inf)"),
+    ("squeeze_excite.latent_channels=0", "error: squeeze_excite.latent_channels = 0.0 is outside its range (0, inf)"),
+])
+def test_bad_architecture_settings_are_refused_when_generating(setting: str, message: str, tmp_path: Path) -> None:
+    """blurpool's and squeeze_excite's settings are model.py constants: checked by `scaffold new`."""
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[answers]\ntask = "image_classification"\n[algorithms.blurpool]\n[algorithms.squeeze_excite]\n')
+    made = scaffold_cli("new", "--recipe", str(recipe), str(tmp_path / "p"), "--set", setting)
+    assert made.returncode == 2 and made.stderr.strip().startswith(message), made.stderr
+    assert not (tmp_path / "p").exists()
 
 
 def test_all_four_together_train(projects: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -439,10 +489,15 @@ def test_all_four_together_train(projects: dict[str, Path], tmp_path: Path, monk
     rows = (tmp_path / "runs" / "fsdp" / "metrics.jsonl").read_text().splitlines()
     sharded = [json.loads(row)["loss"] for row in rows if "loss" in json.loads(row)]
     assert max(abs(a - b) for a, b in zip(sharded, losses, strict=True)) <= 1e-5
+    # The architecture is model.py's: train.py sets stochastic depth's rates, then converts the
+    # finished model to channels last; blurpool and squeeze_excite are not in it at all.
     train_py = (projects["all"] / "train.py").read_text()
     at_model = train_py[train_py.index("# event: MODEL") :]
-    order = [at_model.index(f"# algorithm: {name}\n") for name in ALL]
-    assert order == sorted(order)  # channels_last converts the finished model: after the others
+    assert at_model.index("# algorithm: stochastic_depth\n") < at_model.index("# algorithm: channels_last\n")
+    assert "# algorithm: blurpool" not in train_py and "# algorithm: squeeze_excite" not in train_py
+    model_py = (projects["all"] / "model.py").read_text()
+    fences = {name: model_py.count(f"# algorithm: {name}\n") for name in ALL}
+    assert fences == {"blurpool": 4, "squeeze_excite": 3, "stochastic_depth": 3, "channels_last": 0}
 
 
 def test_add_and_remove_stochastic_depth_on_a_hand_edited_project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -461,16 +516,19 @@ def test_add_and_remove_stochastic_depth_on_a_hand_edited_project(tmp_path: Path
     train_py.write_text(text)
     commit_all(project, "hand edits")
     edited = train_py.read_text()
+    plain_model = (project / "model.py").read_text()
 
     added = scaffold_cli("add", "stochastic_depth", str(project), "--set", "mode=sample")
     assert added.returncode == 0, added.stderr
     with_depth = train_py.read_text()
     assert "inputs = inputs.contiguous()  # hand edit" in with_depth and "beta2: float = 0.99 " in with_depth
-    assert with_depth.count("# algorithm: stochastic_depth\n") == 7
+    # config, checks, MODEL, BATCH_START, MICROBATCH_START, metrics; the rest in model.py
+    assert with_depth.count("# algorithm: stochastic_depth\n") == 6
+    assert (project / "model.py").read_text().count("# algorithm: stochastic_depth\n") == 3
     assert 'stochastic_depth_mode: Literal["block", "sample"] = "sample"' in with_depth
     losses = train(project, tmp_path / "work", monkeypatch, "--max_duration=2ba", "--device_microbatch_size=4")
     assert len(losses) == 2
     commit_all(project, "stochastic depth")
     removed = scaffold_cli("remove", "stochastic_depth", str(project))
     assert removed.returncode == 0, removed.stderr
-    assert train_py.read_text() == edited
+    assert train_py.read_text() == edited and (project / "model.py").read_text() == plain_model
