@@ -230,21 +230,21 @@ def test_distinct_sizes_are_bounded_by_the_increment(ra) -> None:
 
 
 def test_resize_and_crop_keep_channels_last_and_views(ra) -> None:
-    train = ra["train"]
+    data = ra["data"]  # progressive_resize is an image op: it lives in data.py
     images = torch.arange(2 * 3 * 8 * 8, dtype=torch.float32).view(2, 3, 8, 8)
     last = images.contiguous(memory_format=torch.channels_last)
-    resized = train.progressive_resize(last, (4, 4), "resize", [0, 1])
+    resized = data.progressive_resize(last, (4, 4), "resize", [0, 1])
     assert resized.is_contiguous(memory_format=torch.channels_last) and not resized.is_contiguous()
     assert torch.equal(resized, images[:, :, ::2, ::2])  # nearest neighbour, factor 2
-    cropped = train.progressive_resize(images, (4, 4), "crop", [0, 1])
+    cropped = data.progressive_resize(images, (4, 4), "crop", [0, 1])
     offsets = [(t, l) for t in range(5) for l in range(5)
                if torch.equal(cropped, images[:, :, t:t + 4, l:l + 4])]
     assert len(offsets) == 1 and cropped.is_contiguous()
-    assert torch.equal(train.progressive_resize(images, (4, 4), "crop", [0, 1]), cropped)  # (seed, step)
-    assert train.progressive_resize(last, (4, 4), "crop", [0, 1]).is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(data.progressive_resize(images, (4, 4), "crop", [0, 1]), cropped)  # (seed, step)
+    assert data.progressive_resize(last, (4, 4), "crop", [0, 1]).is_contiguous(memory_format=torch.channels_last)
     views = images.view(2, 1, 3, 8, 8).expand(2, 3, 3, 8, 8)  # AugMix's (N, views, C, H, W)
-    assert torch.equal(train.progressive_resize(views, (4, 4), "resize", [0, 1])[:, 2], resized)
-    assert train.progressive_resize(images, (8, 8), "resize", [0, 1]) is images
+    assert torch.equal(data.progressive_resize(views, (4, 4), "resize", [0, 1])[:, 2], resized)
+    assert data.progressive_resize(images, (8, 8), "resize", [0, 1]) is images
 
 
 def test_kill_9_resume_continues_the_schedule_bitwise(projects: dict[str, Path], tmp_path: Path) -> None:

@@ -73,7 +73,7 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_all_five_together_render_black_clean_in_the_declared_order(project: Path) -> None:
     train = (project / "train.py").read_text()
     assert black.format_str(train, mode=BLACK_MODE) == train
-    batch_start = train[train.index("# event: BATCH_START") : train.index("# event: MICROBATCH_START")]
+    batch_start = train[train.index("# event: BATCH_START") : train.index("# event: AFTER_BACKWARD")]
     fences = [line.strip().removeprefix("# algorithm: ") for line in batch_start.splitlines()
               if line.strip().startswith("# algorithm: ")]
     # The catalog's order: label_smoothing declares before = [mixup, cutmix], and that holds.
@@ -191,19 +191,19 @@ def test_cutout_blanks_exactly_the_stated_squares(modules) -> None:
 
 @pytest.mark.parametrize(("p_row", "p_col", "rows", "cols"), [(0.25, 0.5, 6, 4), (0.0, 0.125, 8, 7)])
 def test_colout_drops_exactly_the_stated_rows_and_columns(modules, p_row, p_col, rows, cols) -> None:
-    train = modules["train"]
+    data = modules["data"]  # an image op: it lives in data.py
     # Pixel values encode their place: value = 8 * row + column.
     x = torch.arange(64.0).view(1, 1, 8, 8).expand(3, 2, 8, 8)
-    out = train.colout_batch(x, p_row, p_col, seed=SEED, step=5)
+    out = data.colout_batch(x, p_row, p_col, seed=SEED, step=5)
     assert out.shape == (3, 2, rows, cols)
     kept_rows, kept_cols = out[0, 0, :, 0] // 8, out[0, 0, 0, :] % 8
     assert kept_rows.tolist() == sorted(set(kept_rows.tolist()))  # distinct, in order
     assert kept_cols.tolist() == sorted(set(kept_cols.tolist()))
     assert torch.equal(out, x[..., kept_rows.long(), :][..., kept_cols.long()])  # same for all
-    again = train.colout_batch(x, p_row, p_col, seed=SEED, step=5)
+    again = data.colout_batch(x, p_row, p_col, seed=SEED, step=5)
     assert torch.equal(out, again)  # a pure function of (seed, step)
-    others = [train.colout_batch(x, 0.25, 0.5, seed=SEED, step=s) for s in range(6, 10)]
-    assert any(not torch.equal(o, train.colout_batch(x, 0.25, 0.5, SEED, 5)) for o in others)
+    others = [data.colout_batch(x, 0.25, 0.5, seed=SEED, step=s) for s in range(6, 10)]
+    assert any(not torch.equal(o, data.colout_batch(x, 0.25, 0.5, SEED, 5)) for o in others)
 
 
 # ---------------------------------------------------------------- a real first step
