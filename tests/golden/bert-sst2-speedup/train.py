@@ -5,13 +5,14 @@
     python train.py --config run.toml   # keys as in Config below; flags override it
     python train.py --help              # every key, its default and meaning
 
-Algorithms: layer_freezing, low_precision_layernorm.
+Algorithms: low_precision_layernorm, layer_freezing.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
 hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end algorithm:
 NAME`. `scaffold upgrade` merges newer template versions in and keeps your edits.
 """
 
 from __future__ import annotations
+
 
 from dataclasses import dataclass
 from datetime import timedelta
@@ -50,9 +51,8 @@ class Config:
     # optimization; Time strings: 3ep, 2000ba (steps), 4096sp, 1e6tok, 0.25dur
     max_duration: Time = Time.parse("3ep")  # training length
     global_batch_size: int = 32  # samples per step, summed over ranks
-    # samples per forward/backward, accumulated; auto: the largest that fits in memory
+    # samples per forward/backward (gradient accumulation over the rank's batch)
     device_microbatch_size: int | Literal["auto"] = 16
-    max_device_microbatch_size: int = 0  # where auto starts; 0: the per-rank batch
     # peak learning rate (AdamW); auto: 2e-05 (the recipe's, for fine-tuning a
     # pretrained model), or demo_lr for model=tiny
     lr: float | Literal["auto"] = "auto"
@@ -104,14 +104,10 @@ class Config:
 
 
 def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
-    """Check the config against this launch, then join the process group (if any).
-
-    Each problem is one `error:` line and exit status 2, before data or model exist.
-    """
-    try:
+    """Check the config against this launch, then join the process group (if any);
+    each problem is one `error:` line and exit status 2, before anything is read."""
+    with config.failing(ValueError):
         env = dist.environment(cfg.device)  # rank, world size, device, from torchrun
-    except ValueError as error:
-        config.fail(str(error))
     parallel = fsdp.ParallelConfig(
         parallelism=fsdp.resolve_parallelism(cfg.parallelism, env.world_size),
         sharding_strategy=cfg.sharding_strategy,
@@ -125,7 +121,8 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     cfg.precision, cfg.compile = parallel.precision, parallel.compile
     if cfg.lr == "auto":  # the recipe's rate; the offline demo's for model=tiny
         cfg.lr = cfg.demo_lr if cfg.model == "tiny" else 2e-05
-    problem = fsdp.check(parallel, env) or microbatch.check(cfg.device_microbatch_size)
+    problem = fsdp.check(parallel, env)
+    problem = problem or microbatch.check(cfg.device_microbatch_size, auto=False)
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
     problem = problem or early_stop.check(
         cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_min_delta
@@ -142,27 +139,18 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
             f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
             f"size {env.world_size}; pick a multiple of {env.world_size}"
         )
-    try:
+    with config.failing(ValueError, prefix="lr_warmup: "):
         as_fraction(cfg.lr_warmup, cfg.max_duration)
-    except ValueError as error:
-        config.fail(f"lr_warmup: {error}")
 
     # algorithm: layer_freezing
-    if (
-        not 0.0 <= cfg.layer_freezing_start < 1.0
-        or not 0.0 <= cfg.layer_freezing_level <= 1.0
-    ):
-        config.fail(
-            f"layer_freezing_start={cfg.layer_freezing_start} must be in [0, 1) and "
-            f"layer_freezing_level={cfg.layer_freezing_level} in [0, 1]"
-        )
+    config.check_ranges(
+        cfg, layer_freezing_start="[0, 1)", layer_freezing_level="[0, 1]"
+    )
     # end algorithm: layer_freezing
 
     # FSDP and DDP need a process group, on one process too (a group of one rank).
-    needs_group = parallel.parallelism != "none"
-    dist.init_process_group(
-        env, timedelta(seconds=cfg.dist_timeout), required=needs_group
-    )
+    timeout = timedelta(seconds=cfg.dist_timeout)
+    dist.init_process_group(env, timeout, required=parallel.parallelism != "none")
     if env.device.type == "cuda":
         # TF32 tensor cores for fp32 matmuls (10-bit mantissa products, fp32 sums).
         torch.backends.cuda.matmul.fp32_precision = "tf32"
@@ -177,124 +165,14 @@ def lr_at(fraction: float, cfg: Config) -> float:
     return cfg.lr * max(0.0, 1.0 - fraction) / max(1.0 - warmup, 1e-9)
 
 
-# algorithm: layer_freezing
-def frozen_layer_count(
-    fraction: float, num_layers: int, start: float, level: float
-) -> int:
-    """How many of the earliest layers are frozen after `fraction` of training: none
-    until `start`, then linearly more, up to level * num_layers at the end."""
-    ramp = min(max((fraction - start) / (1.0 - start), 0.0), 1.0)
-    return int(num_layers * level * ramp)
-
-
-# end algorithm: layer_freezing
-
-
-# algorithm: low_precision_layernorm
-class LowPrecisionLayerNorm(torch.nn.LayerNorm):
-    """LayerNorm in the autocast dtype (bf16) instead of autocast's fp32."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        device = x.device.type
-        if not torch.is_autocast_enabled(device):
-            return super().forward(x)
-        dtype = torch.get_autocast_dtype(device)
-        weight = None if self.weight is None else self.weight.to(dtype)
-        bias = None if self.bias is None else self.bias.to(dtype)
-        with torch.autocast(device, enabled=False):
-            return F.layer_norm(
-                x.to(dtype), self.normalized_shape, weight, bias, self.eps
-            )
-
-
-def use_low_precision_layernorm(model: torch.nn.Module) -> int:
-    """Make every nn.LayerNorm a LowPrecisionLayerNorm, in place; returns how many."""
-    norms = [m for m in model.modules() if type(m) is torch.nn.LayerNorm]
-    for norm in norms:
-        norm.__class__ = LowPrecisionLayerNorm  # same parameters, same state-dict keys
-    return len(norms)
-
-
-# end algorithm: low_precision_layernorm
-
-
-def microbatches(
-    batch: dict[str, torch.Tensor], size: int
+def split_rows(
+    inputs: dict[str, torch.Tensor], size: int
 ) -> list[dict[str, torch.Tensor]]:
     """Split a batch's tensors (rows) into microbatches of `size` rows."""
-    rows = len(batch["labels"])
+    rows = len(inputs["input_ids"])
     return [
-        {k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)
+        {k: v[i : i + size] for k, v in inputs.items()} for i in range(0, rows, size)
     ]
-
-
-def forward(
-    model: torch.nn.Module, micro: dict[str, torch.Tensor], cfg: Config
-) -> torch.Tensor:
-    """Class logits (rows, num_labels) of a microbatch, under autocast for amp_bf16."""
-    with torch.autocast(
-        micro["input_ids"].device.type, torch.bfloat16, enabled=is_amp(cfg)
-    ):
-        return model(
-            input_ids=micro["input_ids"], attention_mask=micro["attention_mask"]
-        ).logits
-
-
-@torch.no_grad()
-def evaluate(
-    model: torch.nn.Module,
-    batches: list[dict[str, torch.Tensor]],
-    num_labels: int,
-    cfg: Config,
-    env: dist.DistEnv,
-    microbatching: microbatch.Search,
-) -> dict[str, float]:
-    """Loss, accuracy and F1 over the whole validation set (F1: of label 1 for two
-    labels, else the mean over labels).
-
-    Each rank scores its share of every batch and counts a confusion matrix; the counts
-    are added over ranks. Every rank runs the same number of forwards (under FSDP each
-    one all-gathers the weights): a short share is padded, and the padding not counted.
-    """
-    model.eval()
-    for attempt in microbatching.eval_attempts(seq_len=cfg.max_seq_len):
-        with attempt:
-            loss_sum = torch.zeros((), device=env.device, dtype=torch.float64)
-            confusion = torch.zeros(
-                num_labels, num_labels, device=env.device
-            )  # true, predicted
-            for batch in batches:
-                shares = {k: dist.padded_share(v, env) for k, v in batch.items()}
-                real = shares["labels"][1]
-                share = {k: v.to(env.device) for k, (v, _) in shares.items()}
-                for start in range(0, len(share["labels"]), attempt.size):
-                    micro = {
-                        k: v[start : start + attempt.size] for k, v in share.items()
-                    }
-                    logits = forward(model, micro, cfg).float()
-                    keep = max(real - start, 0)  # padding rows come last: not counted
-                    labels = micro["labels"][:keep]
-                    loss_sum += F.cross_entropy(logits[:keep], labels, reduction="sum")
-                    flat = labels * num_labels + logits[:keep].argmax(-1)
-                    confusion += torch.bincount(
-                        flat, minlength=num_labels**2
-                    ).view_as(confusion)
-    model.train()
-    confusion = dist.reduce_sum(confusion)
-    true_positive = confusion.diag()
-    precision = true_positive / confusion.sum(0).clamp(min=1)
-    recall = true_positive / confusion.sum(1).clamp(min=1)
-    f1 = 2 * precision * recall / (precision + recall).clamp(min=1e-12)
-    return {
-        "val_loss": dist.reduce_sum(loss_sum).item() / confusion.sum().item(),
-        "accuracy": (true_positive.sum() / confusion.sum()).item(),
-        "f1": (f1[1] if num_labels == 2 else f1.mean()).item(),
-    }
-
-
-def is_amp(cfg: Config) -> bool:
-    """Autocast: bf16 matmuls on fp32 weights (precision=amp_bf16)."""
-    return cfg.precision == "amp_bf16"
 
 
 def save_pretrained(
@@ -312,6 +190,109 @@ def save_pretrained(
     dist.barrier()
 
 
+# algorithm: layer_freezing
+def frozen_layer_count(
+    fraction: float, num_layers: int, start: float, level: float
+) -> int:
+    """How many of the earliest layers are frozen after `fraction` of training: none
+    until `start`, then linearly more, up to level * num_layers at the end."""
+    ramp = min(max((fraction - start) / (1.0 - start), 0.0), 1.0)
+    return int(num_layers * level * ramp)
+
+
+# end algorithm: layer_freezing
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    batches: list[dict[str, torch.Tensor]],
+    num_labels: int,
+    cfg: Config,
+    env: dist.DistEnv,
+) -> dict[str, float]:
+    """Loss, accuracy and F1 over the whole validation set (F1: of label 1 for two
+    labels, else the mean over labels).
+
+    Each rank scores its share of every batch and counts a confusion matrix; the counts
+    are added over ranks. Every rank runs the same number of forwards (under FSDP each
+    one all-gathers the weights): a short share is padded, and the padding not counted.
+    """
+    model.eval()
+    loss_sum = torch.zeros((), device=env.device, dtype=torch.float64)
+    # (true, predicted) label counts
+    confusion = torch.zeros(num_labels, num_labels, device=env.device)
+    for batch in batches:
+        shares = {k: dist.padded_share(v, env) for k, v in batch.items()}
+        real = shares["labels"][1]
+        share = {k: v.to(env.device) for k, (v, _) in shares.items()}
+        for start in range(0, len(share["labels"]), cfg.device_microbatch_size):
+            micro = {
+                k: v[start : start + cfg.device_microbatch_size]
+                for k, v in share.items()
+            }
+            with torch.autocast(env.device.type, torch.bfloat16, enabled=is_amp(cfg)):
+                logits = model(
+                    input_ids=micro["input_ids"], attention_mask=micro["attention_mask"]
+                ).logits.float()
+            keep = max(real - start, 0)  # padding rows come last: not counted
+            labels = micro["labels"][:keep]
+            loss_sum += F.cross_entropy(logits[:keep], labels, reduction="sum")
+            flat = labels * num_labels + logits[:keep].argmax(-1)
+            confusion += torch.bincount(flat, minlength=num_labels**2).view_as(
+                confusion
+            )
+    model.train()
+    confusion = dist.reduce_sum(confusion)
+    true_positive = confusion.diag()
+    precision = true_positive / confusion.sum(0).clamp(min=1)
+    recall = true_positive / confusion.sum(1).clamp(min=1)
+    f1 = 2 * precision * recall / (precision + recall).clamp(min=1e-12)
+    return {
+        "val_loss": dist.reduce_sum(loss_sum).item() / confusion.sum().item(),
+        "accuracy": (true_positive.sum() / confusion.sum()).item(),
+        "f1": (f1[1] if num_labels == 2 else f1.mean()).item(),
+    }
+
+
+def is_amp(cfg: Config) -> bool:
+    """Autocast: bf16 compute on fp32 weights (precision=amp_bf16)."""
+    return cfg.precision == "amp_bf16"
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    targets: torch.Tensor,
+    microbatch_size: int,
+    loss_scale: float,
+    cfg: Config,
+) -> torch.Tensor:
+    """Forward and backward over this rank's batch in microbatches of `microbatch_size`
+    rows, gradients adding up in .grad (reduced over ranks in the last backward)."""
+    loss_sum = torch.zeros((), device=targets.device)
+    microbatches = list(
+        zip(split_rows(inputs, microbatch_size), targets.split(microbatch_size))
+    )
+    for i, (micro_inputs, micro_targets) in enumerate(microbatches):
+        # event: MICROBATCH_START
+
+        # Reduce gradients over ranks once, in the last backward.
+        fsdp.sync_gradients(model, i == len(microbatches) - 1)
+        with torch.autocast(targets.device.type, torch.bfloat16, enabled=is_amp(cfg)):
+            logits = model(**micro_inputs).logits
+
+        # event: AFTER_FORWARD
+
+        loss = F.cross_entropy(logits.float(), micro_targets, reduction="sum")
+
+        # event: LOSS
+
+        (loss * loss_scale).backward()
+        loss_sum += loss.detach()
+    return loss_sum
+
+
 def main() -> None:
     # event: INIT
 
@@ -319,7 +300,8 @@ def main() -> None:
     env, parallel = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
-    try:
+    # A missing path, a bad column, no such model (model.ModelError is a ValueError).
+    with config.failing(OSError, ValueError):
         texts = load_texts(
             cfg.data,
             cfg.val_data,
@@ -346,30 +328,18 @@ def main() -> None:
         val = val_batches(val_tokens, cfg.global_batch_size, pad_id)[
             : cfg.eval_batches or None
         ]
-    except (OSError, ValueError) as error:
-        # a missing path, a bad column, no such model (model.ModelError is a ValueError)
-        config.fail(str(error))
-
-    # One live start per run: a second (a requeue racing a dying job) is refused. The
-    # OS lock is held until this process ends; the kernel drops it even after kill -9.
-    # Taken after the data is read: a data error leaves no run folder behind.
-    try:
-        run_lock = runlock.acquire(run_dir)
-    except runlock.RunInUse as error:
-        config.fail(str(error))
-
     model.config.id2label = dict(enumerate(texts.label_names))
     model.config.label2id = {name: i for i, name in enumerate(texts.label_names)}
     model = model.to(env.device)
     num_params = sum(p.numel() for p in model.parameters())
 
-    # event: MODEL
+    # One live start per run (a requeue racing a dying job is refused): an OS lock the
+    # kernel drops even after kill -9. Taken after all input is read: a bad one leaves
+    # no run folder behind.
+    with config.failing(runlock.RunInUse):
+        run_lock = runlock.acquire(run_dir)
 
-    # algorithm: low_precision_layernorm
-    # Under bf16 autocast, LayerNorm runs in bf16 rather than autocast's fp32: half the
-    # memory traffic of a memory-bound op. Parameters and checkpoints are unchanged.
-    use_low_precision_layernorm(model)
-    # end algorithm: low_precision_layernorm
+    # event: MODEL
 
     # Training FLOPs per token, for MFU (GPUs only): the forward of one max_seq_len
     # sequence, counted by torch, x3 for the backward, over its tokens. Shorter texts
@@ -397,38 +367,45 @@ def main() -> None:
         # CUDA: one fused kernel for the whole update instead of several per tensor.
         fused=env.device.type == "cuda" and not cfg.cpu_offload,
     )
-    # What a checkpoint holds; an algorithm with state of its own (EMA weights, say)
-    # adds an entry at OPTIMIZER, before the resume below restores all of it.
-    state = {"model": model, "optimizer": optimizer}
-
-    # event: OPTIMIZER
-
-    # Resume: load_path, else this run's newest complete checkpoint, restores model,
-    # optimizer, progress and RNG, saved on any number of ranks. The batch order is a
-    # function of progress (the global sample cursor): nothing is replayed.
+    # The log, metrics.jsonl, progress bar and trackers (rank 0 writes them).
+    monitor = Monitor(run_dir, cfg.max_duration, cfg.global_batch_size, env.is_main)
     progress = Progress(batches_per_epoch=train_batches.batches_per_epoch)
+    stopper = early_stop.EarlyStopper(
+        cfg.early_stop_metric,
+        cfg.early_stop_patience,
+        cfg.early_stop_min_delta,
+        cfg.early_stop_mode,
+        log=monitor.info,
+    )
+    # What a checkpoint holds: every entry has state_dict() and load_state_dict(). An
+    # algorithm with state of its own (EMA weights, say) adds an entry at OPTIMIZER.
+    state = dict(model=model, optimizer=optimizer, progress=progress, stopper=stopper)
+    # Checkpoints of this run; the `state` entry whose weights `scaffold export` writes
+    # out for inference is "model" unless an algorithm says otherwise at OPTIMIZER.
     checkpointer = checkpoint.Checkpointer(
         cfg.save_folder or run_dir / "checkpoints",
         keep=cfg.save_num_checkpoints_to_keep,
         async_save=cfg.save_async,
     )
-    try:
+
+    # event: OPTIMIZER
+
+    # Resume: load_path, else this run's newest complete checkpoint, restores all of
+    # `state` and the RNG, saved on any number of ranks. The batch order is a function
+    # of progress (the global sample cursor): nothing is replayed.
+    with config.failing(checkpoint.CheckpointError):  # names the file or the keys
         resumed = checkpointer.resume(
             state,
-            progress,
             load_path=cfg.load_path,
             weights_only=cfg.load_weights_only,
             autoresume=cfg.autoresume,
             seed=cfg.seed,
         )
-    except checkpoint.CheckpointError as error:  # names the file or the mismatched keys
-        config.fail(str(error))
-    monitor = Monitor(
-        run_dir, progress, cfg.max_duration, cfg.global_batch_size, env.is_main
-    )
+    monitor.start(progress)  # metrics.jsonl and the progress bar from where training is
     monitor.record_run(config.to_toml(cfg), Path(__file__), env.device, env.world_size)
-    # MFU, memory, ETA
-    monitor.measure(env.device, env.world_size, cfg.precision, flops_per_token)
+    monitor.measure(
+        env.device, env.world_size, cfg.precision, flops_per_token=flops_per_token
+    )
     monitor.open_trackers(cfg.trackers, config.to_toml(cfg))  # rank 0 writes them
     monitor.info(f"data: {texts.source}")
     monitor.info(
@@ -441,29 +418,8 @@ def main() -> None:
     monitor.info(f"parallelism: {parallel.parallelism}, {env.world_size} process(es)")
     for line in resumed.describe() if resumed else []:
         monitor.info(line)
-    # The microbatch size: fixed, or auto (the largest that fits, found by halving on
-    # out-of-memory; a resumed run reuses the size it found before).
-    microbatching = microbatch.Search(
-        model,
-        blocks,
-        env,
-        cfg.device_microbatch_size,
-        per_rank_batch=cfg.global_batch_size // env.world_size,
-        max_size=cfg.max_device_microbatch_size,
-        resumed=resumed.extra if resumed else None,
-        log=monitor.info,
-        timeout=timedelta(seconds=cfg.dist_timeout),
-    )
 
     train_loss = RunningSum(env.device)  # summed on the device, read at logged steps
-    stopper = early_stop.EarlyStopper(
-        cfg.early_stop_metric,
-        cfg.early_stop_patience,
-        cfg.early_stop_min_delta,
-        cfg.early_stop_mode,
-        resumed=resumed.extra if resumed else None,  # a stopped run stays stopped
-        log=monitor.info,
-    )
     profiler = profile.Profiler(
         cfg.profile, run_dir, env.rank, env.device, cfg.max_duration, monitor.info
     )
@@ -482,42 +438,22 @@ def main() -> None:
             # padded to the longest text in the global batch.
             batch = train_batches.get(epoch, index, env.rank, env.world_size)
             batch = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
+            inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+            targets = batch["labels"]
 
             # event: BATCH_START
 
             lr = lr_at(progress.fraction(cfg.max_duration), cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-
             # Gradient accumulation: each microbatch's summed loss is divided by the
             # global batch size, so gradients are the global-batch mean whatever the
             # microbatch size and world size. DDP and FSDP average gradients over
             # ranks: hence the factor world_size.
             loss_scale = env.world_size / cfg.global_batch_size
-            # Out of memory on any rank (while the size is still being searched): every
-            # rank drops this attempt's gradients and retries the same batch at half the
-            # microbatch size. Fixed or already found: a single attempt, nothing added.
-            for attempt in microbatching.attempts(seq_len=batch["input_ids"].shape[1]):
-                with attempt:
-                    loss_sum = torch.zeros((), device=env.device)
-                    micros = microbatches(batch, attempt.size)
-                    for i, micro in enumerate(micros):
-                        # event: MICROBATCH_START
-
-                        # Reduce gradients over ranks once, in the last backward.
-                        fsdp.sync_gradients(model, i == len(micros) - 1)
-                        logits = forward(model, micro, cfg)
-
-                        # event: AFTER_FORWARD
-
-                        loss = F.cross_entropy(
-                            logits.float(), micro["labels"], reduction="sum"
-                        )
-
-                        # event: LOSS
-
-                        (loss * loss_scale).backward()
-                        loss_sum += loss.detach()
+            loss_sum = forward_backward(
+                model, inputs, targets, cfg.device_microbatch_size, loss_scale, cfg
+            )
 
             # event: AFTER_BACKWARD
 
@@ -554,13 +490,10 @@ def main() -> None:
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
-                    metrics.update(
-                        evaluate(model, val, texts.num_labels, cfg, env, microbatching)
-                    )
+                    metrics.update(evaluate(model, val, texts.num_labels, cfg, env))
             if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
                 metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks
                 metrics["lr"] = lr
-                metrics["microbatch_size"] = attempt.size
 
                 # algorithm: layer_freezing
                 metrics["frozen_layers"] = frozen_layers
@@ -568,17 +501,10 @@ def main() -> None:
 
                 monitor.log(progress, **metrics)
             finished = stopper.update(progress, metrics, cfg.max_duration) or finished
-            if (
-                progress.at_interval(cfg.save_interval, cfg.max_duration)
-                or finished
-                or stopping
-            ):
+            save_due = progress.at_interval(cfg.save_interval, cfg.max_duration)
+            if save_due or finished or stopping:
                 with monitor.paused():
-                    checkpointer.save(
-                        state,
-                        progress,
-                        extra=microbatching.state_dict() | stopper.state_dict(),
-                    )
+                    checkpointer.save(state)
             if finished or stopping:
                 break
 

@@ -96,7 +96,17 @@ def load_model(name: str, num_labels: int, tokenizer, max_seq_len: int) -> nn.Mo
             pad_token_id=tokenizer.pad_token_id,
             **TINY_BERT,
         )
-        return transformers.AutoModelForSequenceClassification.from_config(config)
+        model = transformers.AutoModelForSequenceClassification.from_config(config)
+    else:
+        model = load_pretrained(name, num_labels, tokenizer, max_seq_len)
+
+    return model
+
+
+def load_pretrained(
+    name: str, num_labels: int, tokenizer, max_seq_len: int
+) -> nn.Module:
+    """A hub id's or a saved folder's model, checked against its tokenizer and length."""
     try:
         model = transformers.AutoModelForSequenceClassification.from_pretrained(
             name, num_labels=num_labels, ignore_mismatched_sizes=True

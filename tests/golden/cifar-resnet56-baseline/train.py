@@ -53,12 +53,9 @@ class Config:
     eval_resize: int = 0  # short side resized first; 0: crop / 0.875
     num_workers: int = 8  # processes decoding images from disk (in-memory data: none)
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
-    # model
-    # architecture: a preset (PRESETS in model.py); torchvision:NAME, any torchvision
-    # classification model (needs torchvision; random weights; its BatchNorm2d layers
-    # become ghost BatchNorm as below: TorchvisionNet in model.py); or auto: the
-    # recipe's cifar-resnet56 with --data, `tiny` on the embedded digits (1,437 8x8
-    # images: a CPU demo of minutes, where cifar-resnet56 would take much longer)
+    # model: a preset (PRESETS in model.py); torchvision:NAME, any torchvision classifier
+    # (random weights, its BatchNorm made ghost as below: TorchvisionNet in model.py);
+    # auto: cifar-resnet56 with --data, `tiny` on the embedded digits (a CPU demo of minutes)
     model: Preset | Literal["auto"] | str = "auto"  # auto, a preset, torchvision:NAME
     # BatchNorm statistics are taken over groups of this many samples ("ghost"
     # BatchNorm), so a step does not depend on the microbatch size or the number of
@@ -67,9 +64,8 @@ class Config:
     # optimization; Time strings: 10ep, 2000ba (steps), 4096sp, 0.25dur
     max_duration: Time = Time.parse("160ep")  # training length
     global_batch_size: int = 1024  # samples per step, summed over ranks
-    # samples per forward/backward, accumulated; auto: the largest that fits in memory
+    # samples per forward/backward (gradient accumulation over the rank's batch)
     device_microbatch_size: int | Literal["auto"] = 256
-    max_device_microbatch_size: int = 0  # where auto starts; 0: the per-rank batch
     optimizer: Literal["sgd", "adamw"] = "sgd"
     lr: float = 1.2  # peak learning rate
     lr_warmup: Time = Time.parse("5ep")  # linear from 0, then cosine decay
@@ -116,14 +112,10 @@ class Config:
 
 
 def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
-    """Check the config against this launch, then join the process group (if any).
-
-    Each problem is one `error:` line and exit status 2, before data or model exist.
-    """
-    try:
+    """Check the config against this launch, then join the process group (if any);
+    each problem is one `error:` line and exit status 2, before anything is read."""
+    with config.failing(ValueError):
         env = dist.environment(cfg.device)  # rank, world size, device, from torchrun
-    except ValueError as error:
-        config.fail(str(error))
     parallel = fsdp.ParallelConfig(
         parallelism=fsdp.resolve_parallelism(cfg.parallelism, env.world_size),
         sharding_strategy=cfg.sharding_strategy,
@@ -137,7 +129,8 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     cfg.compile = parallel.compile
     if cfg.model == "auto":
         cfg.model = "cifar-resnet56" if cfg.data else "tiny"
-    problem = fsdp.check(parallel, env) or microbatch.check(cfg.device_microbatch_size)
+    problem = fsdp.check(parallel, env)
+    problem = problem or microbatch.check(cfg.device_microbatch_size, auto=False)
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
     problem = problem or check_model(cfg.model)  # a preset, or torchvision importable
     problem = problem or early_stop.check(
@@ -167,26 +160,20 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     for name, size in (
         ("the per-rank batch (global_batch_size / world size)", per_rank),
         ("device_microbatch_size", cfg.device_microbatch_size),
-        ("max_device_microbatch_size", cfg.max_device_microbatch_size),
     ):
         if isinstance(size, int) and size % cfg.bn_group_size:
             config.fail(
                 f"{name}={size} is not a multiple of bn_group_size="
                 f"{cfg.bn_group_size}; BatchNorm groups must not be split: change one"
             )
-    try:
+    with config.failing(ValueError, prefix="lr_warmup: "):
         as_fraction(cfg.lr_warmup, cfg.max_duration)
-    except ValueError as error:
-        config.fail(f"lr_warmup: {error}")
 
     # FSDP and DDP need a process group, on one process too (a group of one rank).
-    needs_group = parallel.parallelism != "none"
-    dist.init_process_group(
-        env, timedelta(seconds=cfg.dist_timeout), required=needs_group
-    )
+    timeout = timedelta(seconds=cfg.dist_timeout)
+    dist.init_process_group(env, timeout, required=parallel.parallelism != "none")
     if env.device.type == "cuda":
-        # TF32 tensor cores for fp32 matmuls and convolutions (10-bit mantissa
-        # products, fp32 sums).
+        # TF32 tensor cores for fp32 matmuls and convolutions (fp32 sums).
         torch.backends.cuda.matmul.fp32_precision = "tf32"
         torch.backends.cudnn.conv.fp32_precision = "tf32"
     return env, parallel
@@ -218,7 +205,6 @@ def evaluate(
     images: data.ImageData,
     cfg: Config,
     env: dist.DistEnv,
-    microbatching: microbatch.Search,
 ) -> dict[str, float]:
     """Cross-entropy, top-1 and top-5 accuracy on the validation split (BatchNorm in
     evaluation mode: running statistics). Every rank scores its share of each batch,
@@ -227,30 +213,25 @@ def evaluate(
     model.eval()
     k = min(5, len(images.classes))
     num_batches = min(cfg.eval_batches or len(val), len(val))
-    # auto: out of memory on any rank halves evaluation's size on every rank.
-    for attempt in microbatching.eval_attempts(seq_len=cfg.eval_image_size):
-        with attempt:
-            sums = torch.zeros(4, device=env.device)  # loss, top-1, top-5 hits, samples
-            for batch in range(num_batches):
-                pixels, labels, weight = (t.to(env.device) for t in val[batch])
-                for x, y, w in zip(
-                    pixels.split(attempt.size),
-                    labels.split(attempt.size),
-                    weight.split(attempt.size),
-                ):
-                    with torch.autocast(
-                        env.device.type, torch.bfloat16, enabled=is_amp(cfg)
-                    ):
-                        logits = model(data.normalize(x, images)).float()
-                    top = logits.topk(k, dim=1).indices == y[:, None]
-                    sums += torch.stack(
-                        [
-                            (F.cross_entropy(logits, y, reduction="none") * w).sum(),
-                            (top[:, 0] * w).sum(),
-                            (top.any(dim=1) * w).sum(),
-                            w.sum(),
-                        ]
-                    )
+    sums = torch.zeros(4, device=env.device)  # loss, top-1, top-5 hits, samples
+    for batch in range(num_batches):
+        pixels, labels, weight = (t.to(env.device) for t in val[batch])
+        for x, y, w in zip(
+            pixels.split(cfg.device_microbatch_size),
+            labels.split(cfg.device_microbatch_size),
+            weight.split(cfg.device_microbatch_size),
+        ):
+            with torch.autocast(env.device.type, torch.bfloat16, enabled=is_amp(cfg)):
+                logits = model(data.normalize(x, images)).float()
+            top = logits.topk(k, dim=1).indices == y[:, None]
+            sums += torch.stack(
+                [
+                    (F.cross_entropy(logits, y, reduction="none") * w).sum(),
+                    (top[:, 0] * w).sum(),
+                    (top.any(dim=1) * w).sum(),
+                    w.sum(),
+                ]
+            )
     model.train()
     loss, top1, top5, count = dist.reduce_sum(sums).tolist()
     return {
@@ -261,8 +242,42 @@ def evaluate(
 
 
 def is_amp(cfg: Config) -> bool:
-    """Autocast: bf16 convolutions and matmuls on fp32 weights (precision=amp_bf16)."""
+    """Autocast: bf16 compute on fp32 weights (precision=amp_bf16)."""
     return cfg.precision == "amp_bf16"
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    microbatch_size: int,
+    loss_scale: float,
+    cfg: Config,
+) -> torch.Tensor:
+    """Forward and backward over this rank's batch in microbatches of `microbatch_size`
+    rows, gradients adding up in .grad (reduced over ranks in the last backward)."""
+    clear_step_stats(model)  # ghost BatchNorm: this step's statistics start empty
+    loss_sum = torch.zeros((), device=targets.device)
+    microbatches = list(
+        zip(inputs.split(microbatch_size), targets.split(microbatch_size))
+    )
+    for i, (micro_inputs, micro_targets) in enumerate(microbatches):
+        # event: MICROBATCH_START
+
+        # Reduce gradients over ranks once, in the last backward.
+        fsdp.sync_gradients(model, i == len(microbatches) - 1)
+        with torch.autocast(targets.device.type, torch.bfloat16, enabled=is_amp(cfg)):
+            logits = model(micro_inputs)
+
+        # event: AFTER_FORWARD
+
+        loss = F.cross_entropy(logits.float(), micro_targets, reduction="sum")
+
+        # event: LOSS
+
+        (loss * loss_scale).backward()
+        loss_sum += loss.detach()
+    return loss_sum
 
 
 def main() -> None:
@@ -272,7 +287,8 @@ def main() -> None:
     env, parallel = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
-    try:
+    # A missing path, a bad file, too few images: one line, exit status 2.
+    with config.failing(OSError, ValueError):
         images = data.load_images(cfg.data)
         batches = dict(
             batch_size=cfg.global_batch_size,
@@ -285,15 +301,14 @@ def main() -> None:
         train_batches = data.Batches(images, "train", **batches)
         val_sizes = dict(image_size=cfg.eval_image_size, resize=cfg.eval_resize)
         val = data.Batches(images, "val", **(batches | val_sizes))
-    except (OSError, ValueError) as error:  # a missing path, a bad file, too few images
-        config.fail(str(error))
-
+    # Decoding images from disk happens in worker processes while the model trains.
+    num_workers = cfg.num_workers if images.on_disk else 0
     if cfg.model.startswith(TORCHVISION):
-        try:  # a torchvision model, fitted to this loop (see TorchvisionNet)
-            name = cfg.model.removeprefix(TORCHVISION)
+        # A torchvision model, fitted to this loop (see TorchvisionNet); BatchNorm
+        # layers that cannot be made ghost are refused.
+        name = cfg.model.removeprefix(TORCHVISION)
+        with config.failing(ValueError):
             model = TorchvisionNet(name, len(images.classes), cfg.bn_group_size)
-        except ValueError as error:  # BatchNorm layers that cannot be made ghost
-            config.fail(str(error))
     else:
         model_config = ResNetConfig(
             num_classes=len(images.classes),
@@ -305,16 +320,11 @@ def main() -> None:
     model = model.to(env.device)
     num_params = model.num_params()
 
-    # One live start per run: a second (a requeue racing a dying job) is refused. The
-    # OS lock is held until this process ends; the kernel drops it even after kill -9.
-    # Taken after the data is read and the model built: a bad input leaves no run
-    # folder behind.
-    try:
+    # One live start per run (a requeue racing a dying job is refused): an OS lock the
+    # kernel drops even after kill -9. Taken after all input is read: a bad one leaves
+    # no run folder behind.
+    with config.failing(runlock.RunInUse):
         run_lock = runlock.acquire(run_dir)
-    except runlock.RunInUse as error:
-        config.fail(str(error))
-    # Decoding images from disk happens in worker processes while the model trains.
-    num_workers = cfg.num_workers if images.on_disk else 0
 
     # event: MODEL
 
@@ -349,46 +359,46 @@ def main() -> None:
             # CUDA: one fused kernel for the whole update instead of several per tensor.
             fused=env.device.type == "cuda" and not cfg.cpu_offload,
         )
-    # What a checkpoint holds; an algorithm with state of its own (EMA weights, say)
-    # adds an entry at OPTIMIZER, before the resume below restores all of it.
-    state = {"model": model, "optimizer": optimizer}
-    # The state entry whose weights `scaffold export` writes out for inference.
-    export_entry = "model"
-
-    # event: OPTIMIZER
-
-    # Resume: load_path, else this run's newest complete checkpoint, restores model
-    # (with BatchNorm running statistics), optimizer, progress and RNG, saved on any
-    # number of ranks. The batch order is a function of progress: nothing is replayed.
+    # The log, metrics.jsonl, progress bar and trackers (rank 0 writes them).
+    monitor = Monitor(run_dir, cfg.max_duration, cfg.global_batch_size, env.is_main)
     progress = Progress(batches_per_epoch=train_batches.batches_per_epoch)
+    stopper = early_stop.EarlyStopper(
+        cfg.early_stop_metric,
+        cfg.early_stop_patience,
+        cfg.early_stop_min_delta,
+        cfg.early_stop_mode,
+        log=monitor.info,
+    )
+    # What a checkpoint holds: every entry has state_dict() and load_state_dict(). An
+    # algorithm with state of its own (EMA weights, say) adds an entry at OPTIMIZER.
+    state = dict(model=model, optimizer=optimizer, progress=progress, stopper=stopper)
+    # Checkpoints of this run; the `state` entry whose weights `scaffold export` writes
+    # out for inference is "model" unless an algorithm says otherwise at OPTIMIZER.
     checkpointer = checkpoint.Checkpointer(
         cfg.save_folder or run_dir / "checkpoints",
         keep=cfg.save_num_checkpoints_to_keep,
         async_save=cfg.save_async,
-        export=export_entry,
     )
-    try:
+
+    # event: OPTIMIZER
+
+    # Resume: load_path, else this run's newest complete checkpoint, restores all of
+    # `state` and the RNG, saved on any number of ranks. The batch order is a function
+    # of progress (the global sample cursor): nothing is replayed.
+    with config.failing(checkpoint.CheckpointError):  # names the file or the keys
         resumed = checkpointer.resume(
             state,
-            progress,
             load_path=cfg.load_path,
             weights_only=cfg.load_weights_only,
             autoresume=cfg.autoresume,
             seed=cfg.seed,
         )
-    except checkpoint.CheckpointError as error:  # names the file or the mismatched keys
-        config.fail(str(error))
-    monitor = Monitor(
-        run_dir, progress, cfg.max_duration, cfg.global_batch_size, env.is_main
-    )
+    monitor.start(progress)  # metrics.jsonl and the progress bar from where training is
     monitor.record_run(config.to_toml(cfg), Path(__file__), env.device, env.world_size)
-    # MFU, memory, ETA
     monitor.measure(
         env.device, env.world_size, cfg.precision, flops_per_sample=flops_per_sample
     )
-    monitor.open_trackers(
-        cfg.trackers, config.to_toml(cfg)
-    )  # rank 0; resumes their runs
+    monitor.open_trackers(cfg.trackers, config.to_toml(cfg))  # rank 0 writes them
     monitor.info(f"data: {images.source}")
     monitor.info(
         f"images: {len(images.train):,} train, {len(images.val):,} validation, "
@@ -398,30 +408,8 @@ def main() -> None:
     monitor.info(f"parallelism: {parallel.parallelism}, {env.world_size} process(es)")
     for line in resumed.describe() if resumed else []:
         monitor.info(line)
-    # The microbatch size: fixed, or auto (the largest multiple of bn_group_size that
-    # fits, found by halving on out-of-memory; a resumed run reuses the size it found).
-    microbatching = microbatch.Search(
-        model,
-        fsdp.unwrap(model).blocks,
-        env,
-        cfg.device_microbatch_size,
-        per_rank_batch=cfg.global_batch_size // env.world_size,
-        max_size=cfg.max_device_microbatch_size,
-        resumed=resumed.extra if resumed else None,
-        log=monitor.info,
-        timeout=timedelta(seconds=cfg.dist_timeout),
-        multiple_of=cfg.bn_group_size,
-    )
 
     train_loss = RunningSum(env.device)  # summed on the device, read at logged steps
-    stopper = early_stop.EarlyStopper(
-        cfg.early_stop_metric,
-        cfg.early_stop_patience,
-        cfg.early_stop_min_delta,
-        cfg.early_stop_mode,
-        resumed=resumed.extra if resumed else None,  # a stopped run stays stopped
-        log=monitor.info,
-    )
     profiler = profile.Profiler(
         cfg.profile, run_dir, env.rank, env.device, cfg.max_duration, monitor.info
     )
@@ -456,49 +444,15 @@ def main() -> None:
             lr = lr_at(progress.fraction(cfg.max_duration), cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-
             # Gradient accumulation: each microbatch's summed loss is divided by the
             # samples trained on in this step over all ranks (the global batch size,
             # unless an algorithm cut the batch), so gradients are their mean whatever
             # the microbatch size and world size. DDP and FSDP average gradients over
             # ranks: hence the factor world_size.
             loss_scale = env.world_size / samples
-
-            def forward_backward(size: int) -> torch.Tensor:
-                """Forward and backward over this rank's batch in microbatches of `size`
-                samples; gradients add up in .grad. Returns the summed loss."""
-                loss_sum = torch.zeros((), device=env.device)
-                microbatches = list(zip(inputs.split(size), targets.split(size)))
-                for i, (micro_inputs, micro_targets) in enumerate(microbatches):
-                    # event: MICROBATCH_START
-
-                    # Reduce gradients over ranks once, in the last backward.
-                    fsdp.sync_gradients(model, i == len(microbatches) - 1)
-                    with torch.autocast(
-                        env.device.type, torch.bfloat16, enabled=is_amp(cfg)
-                    ):
-                        logits = model(micro_inputs)
-
-                    # event: AFTER_FORWARD
-
-                    loss = F.cross_entropy(
-                        logits.float(), micro_targets, reduction="sum"
-                    )
-
-                    # event: LOSS
-
-                    (loss * loss_scale).backward()
-                    loss_sum += loss.detach()
-                return loss_sum
-
-            # Out of memory on any rank (while the size is still being searched): every
-            # rank drops this attempt's gradients (and BatchNorm statistics) and retries
-            # the same batch at half the microbatch size.
-            rows = inputs.shape[0]  # a cut batch does not prove a size fits a full one
-            for attempt in microbatching.attempts(seq_len=inputs.shape[-1], rows=rows):
-                with attempt:
-                    clear_step_stats(model)
-                    loss_sum = forward_backward(attempt.size)
+            loss_sum = forward_backward(
+                model, inputs, targets, cfg.device_microbatch_size, loss_scale, cfg
+            )
 
             # event: AFTER_BACKWARD
 
@@ -527,27 +481,17 @@ def main() -> None:
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
-                    metrics.update(
-                        evaluate(model, val, images, cfg, env, microbatching)
-                    )
+                    metrics.update(evaluate(model, val, images, cfg, env))
             if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
                 metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks
                 metrics["lr"] = lr
-                metrics["microbatch_size"] = attempt.size
 
                 monitor.log(progress, **metrics)
             finished = stopper.update(progress, metrics, cfg.max_duration) or finished
-            if (
-                progress.at_interval(cfg.save_interval, cfg.max_duration)
-                or finished
-                or stopping
-            ):
+            save_due = progress.at_interval(cfg.save_interval, cfg.max_duration)
+            if save_due or finished or stopping:
                 with monitor.paused():
-                    checkpointer.save(
-                        state,
-                        progress,
-                        extra=microbatching.state_dict() | stopper.state_dict(),
-                    )
+                    checkpointer.save(state)
             if finished or stopping:
                 break
 
@@ -570,5 +514,7 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
+    except checkpoint.StorageError as error:  # a full disk, a refusing store: one line
+        config.fail(str(error), status=1)
     finally:
         dist.shutdown()  # leave the process group, also after an error

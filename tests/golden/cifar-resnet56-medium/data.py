@@ -374,6 +374,37 @@ def center_crop(image: Image.Image, size: int, resize: int) -> np.ndarray:
     )
 
 
+# algorithm: progressive_resizing
+def progressive_resize(
+    images: torch.Tensor, size: tuple[int, int], mode: str, seed: list[int]
+) -> torch.Tensor:
+    """Images (..., C, H, W) at `size`: nearest-neighbour resized, or cropped at one
+    offset for the batch drawn from `seed` (the same on every rank). channels_last
+    memory stays channels_last."""
+    if tuple(images.shape[-2:]) == size:
+        return images
+    channels_last = images.dim() == 4 and not images.is_contiguous()
+    channels_last = channels_last and images.is_contiguous(
+        memory_format=torch.channels_last
+    )
+    if mode == "crop":
+        top, left = (
+            np.random.default_rng(seed).integers(full - new + 1)
+            for full, new in zip(images.shape[-2:], size)
+        )
+        images = images[..., top : top + size[0], left : left + size[1]]
+    else:  # leading dimensions (AugMix's views) folded into the batch
+        flat = torch.nn.functional.interpolate(
+            images.flatten(0, -4), size=size, mode="nearest"
+        )
+        images = flat.reshape(*images.shape[:-2], *size)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    return images.contiguous(memory_format=layout)
+
+
+# end algorithm: progressive_resizing
+
+
 # ---------------------------------------------------------------- batches
 
 

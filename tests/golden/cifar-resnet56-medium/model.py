@@ -68,6 +68,124 @@ PRESETS: dict[Preset, dict] = {
 TORCHVISION = "torchvision:"
 
 
+# algorithm: blurpool
+# BlurPool (Zhang 2019): strided convolutions and max pools blur before they
+# subsample, so high frequencies do not alias. Parameters and checkpoint keys stay
+# nn.Conv2d's and nn.MaxPool2d's (the filter is a fixed, unsaved buffer).
+BLURPOOL_REPLACE_CONVS = True  # strided convolutions blur
+BLURPOOL_REPLACE_MAXPOOLS = True  # max pools blur
+BLURPOOL_BLUR_FIRST = True  # blur, then the strided convolution
+BLURPOOL_MIN_CHANNELS = 16  # fewer input channels: a plain convolution
+
+
+def blur_2d(
+    x: torch.Tensor, kernel: torch.Tensor, stride: int | tuple = 1
+) -> torch.Tensor:
+    """Zhang 2019's anti-aliasing low-pass: each channel convolved with the 3x3
+    binomial kernel [1 2 1]^T [1 2 1] / 16 (depthwise, zero-padded), then `stride`."""
+    channels = x.shape[1]
+    weight = kernel.to(x.dtype).expand(channels, 1, 3, 3)
+    return F.conv2d(x, weight, stride=stride, padding=1, groups=channels)
+
+
+def add_blur_kernel(layer: nn.Module) -> None:
+    """The binomial kernel as `layer.blur_kernel`: a buffer (it moves with the model),
+    not persistent (checkpoints hold the same keys with or without BlurPool)."""
+    row = torch.tensor([1.0, 2.0, 1.0])
+    kernel = (torch.outer(row, row) / 16).view(1, 1, 3, 3)
+    layer.register_buffer("blur_kernel", kernel, persistent=False)
+
+
+def blurs(in_channels: int, stride: int) -> bool:
+    """Whether BlurPool blurs a convolution: strided, with enough input channels."""
+    wide = in_channels >= BLURPOOL_MIN_CHANNELS
+    return BLURPOOL_REPLACE_CONVS and stride > 1 and wide
+
+
+class BlurConv2d(nn.Conv2d):
+    """A strided convolution that blurs before subsampling. BLURPOOL_BLUR_FIRST: blur,
+    then the strided convolution; else: the convolution at stride 1, then blur with
+    the stride. nn.Conv2d's parameters and checkpoint keys; the same output shape."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        add_blur_kernel(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if BLURPOOL_BLUR_FIRST:
+            return super().forward(blur_2d(x, self.blur_kernel))
+        y = F.conv2d(
+            x, self.weight, self.bias, 1, self.padding, self.dilation, self.groups
+        )
+        return blur_2d(y, self.blur_kernel, self.stride)
+
+
+class BlurMaxPool2d(nn.MaxPool2d):
+    """Max pool at stride 1, then blur with the pool's stride (Zhang's MaxBlurPool)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        add_blur_kernel(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.max_pool2d(
+            x,
+            self.kernel_size,
+            1,
+            self.padding,
+            self.dilation,
+            ceil_mode=self.ceil_mode,
+        )
+        return blur_2d(y, self.blur_kernel, self.stride)
+
+
+def use_blurpool(model: nn.Module) -> int:
+    """A model built elsewhere (torchvision): its strided convolutions that `blurs`
+    (zero padding) become BlurConv2d and its max pools BlurMaxPool2d, in place; returns
+    how many. The presets build theirs as such (conv, max_pool)."""
+    found = 0
+    for module in list(model.modules()):
+        if type(module) is nn.Conv2d:
+            blur = blurs(module.in_channels, max(module.stride))
+            blur, new_class = blur and module.padding_mode == "zeros", BlurConv2d
+        elif type(module) is nn.MaxPool2d:
+            blur, new_class = BLURPOOL_REPLACE_MAXPOOLS, BlurMaxPool2d
+        else:
+            continue
+        if blur:
+            module.__class__ = new_class  # same parameters, same state-dict keys
+            add_blur_kernel(module)
+            found += 1
+    return found
+
+
+# end algorithm: blurpool
+
+
+def conv(
+    c_in: int, c_out: int, kernel_size: int, stride: int = 1, padding: int = 0
+) -> nn.Conv2d:
+    """Every convolution of these ResNets: bias-free (a BatchNorm follows each one)."""
+    # algorithm: blurpool
+    # BlurPool: a strided convolution with enough input channels blurs first.
+    if blurs(c_in, stride):
+        return BlurConv2d(c_in, c_out, kernel_size, stride, padding, bias=False)
+    # end algorithm: blurpool
+
+    return nn.Conv2d(c_in, c_out, kernel_size, stride, padding, bias=False)
+
+
+def max_pool(kernel_size: int, stride: int, padding: int) -> nn.MaxPool2d:
+    """The ImageNet stem's max pool."""
+    # algorithm: blurpool
+    # BlurPool: the max at stride 1, then a blur that subsamples.
+    if BLURPOOL_REPLACE_MAXPOOLS:
+        return BlurMaxPool2d(kernel_size, stride, padding)
+    # end algorithm: blurpool
+
+    return nn.MaxPool2d(kernel_size, stride, padding)
+
+
 class BatchNorm2d(nn.BatchNorm2d):
     """BatchNorm whose results depend on the global batch, not on how it is split.
 
@@ -176,22 +294,16 @@ def update_running_stats(
 
 
 class ResidualBlock(nn.Module):
-    """relu(residual(x) + shortcut(x)); BasicBlock and Bottleneck define the branch.
+    """relu(residual(x) + shortcut(x)); BasicBlock and Bottleneck define the branch."""
 
-    `branch` is a generic extension point, None by default: an algorithm may set it (at
-    MODEL) to a callable (block, x) -> the branch's output, run instead of
-    `block.residual(x)`, to skip or scale the branch (e.g. stochastic depth). Not a
-    module: parameters and checkpoint keys do not change.
-    """
-
-    branch: Callable[[ResidualBlock, torch.Tensor], torch.Tensor | float] | None = None
     shortcut: nn.Module
 
     def residual(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.residual(x) if self.branch is None else self.branch(self, x)
+        # y: the residual branch's output (an algorithm may skip or scale it)
+        y = self.residual(x)
         return F.relu(y + self.shortcut(x))
 
 
@@ -205,9 +317,9 @@ class BasicBlock(ResidualBlock):
     ) -> None:
         super().__init__()
         g = config.bn_group_size
-        self.conv1 = nn.Conv2d(c_in, width, 3, stride, 1, bias=False)
+        self.conv1 = conv(c_in, width, 3, stride, 1)
         self.bn1 = BatchNorm2d(width, g)
-        self.conv2 = nn.Conv2d(width, width, 3, 1, 1, bias=False)
+        self.conv2 = conv(width, width, 3, 1, 1)
         self.bn2 = BatchNorm2d(width, g)
         self.bn2.last_in_block = True  # gamma starts at 0 (ResNet.init_weights)
         self.shortcut = shortcut(c_in, width, stride, config)
@@ -227,11 +339,11 @@ class Bottleneck(ResidualBlock):
     ) -> None:
         super().__init__()
         g, c_out = config.bn_group_size, width * self.expansion
-        self.conv1 = nn.Conv2d(c_in, width, 1, bias=False)
+        self.conv1 = conv(c_in, width, 1)
         self.bn1 = BatchNorm2d(width, g)
-        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+        self.conv2 = conv(width, width, 3, stride, 1)
         self.bn2 = BatchNorm2d(width, g)
-        self.conv3 = nn.Conv2d(width, c_out, 1, bias=False)
+        self.conv3 = conv(width, c_out, 1)
         self.bn3 = BatchNorm2d(c_out, g)
         self.bn3.last_in_block = True
         self.shortcut = shortcut(c_in, c_out, stride, config)
@@ -262,8 +374,7 @@ def shortcut(c_in: int, c_out: int, stride: int, config: ResNetConfig) -> nn.Mod
     if config.stem == "cifar":
         return PadShortcut(c_in, c_out, stride)
     return nn.Sequential(
-        nn.Conv2d(c_in, c_out, 1, stride, bias=False),
-        BatchNorm2d(c_out, config.bn_group_size),
+        conv(c_in, c_out, 1, stride), BatchNorm2d(c_out, config.bn_group_size)
     )
 
 
@@ -275,14 +386,14 @@ class ResNet(nn.Module):
         c = config.widths[0]
         if config.stem == "imagenet":
             self.stem = nn.Sequential(
-                nn.Conv2d(config.in_channels, c, 7, 2, 3, bias=False),
+                conv(config.in_channels, c, 7, 2, 3),
                 BatchNorm2d(c, config.bn_group_size),
                 nn.ReLU(),
-                nn.MaxPool2d(3, 2, 1),
+                max_pool(3, 2, 1),
             )
         else:
             self.stem = nn.Sequential(
-                nn.Conv2d(config.in_channels, c, 3, 1, 1, bias=False),
+                conv(config.in_channels, c, 3, 1, 1),
                 BatchNorm2d(c, config.bn_group_size),
                 nn.ReLU(),
             )
@@ -403,6 +514,11 @@ class TorchvisionNet(nn.Module):
                 "statistics would depend on the microbatch size and the number of "
                 "ranks; pick another model or edit TorchvisionNet in model.py"
             )
+
+        # algorithm: blurpool
+        # BlurPool: torchvision built the layers; they become their blurring kind.
+        use_blurpool(self.net)
+        # end algorithm: blurpool
 
     @property
     def blocks(self) -> list[nn.Module]:

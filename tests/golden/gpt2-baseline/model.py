@@ -1,7 +1,10 @@
-"""GPT-2 language model: pre-LayerNorm blocks, GELU MLP, tied input/output embeddings.
+"""GPT-2 language model: pre-LayerNorm blocks, learned position embeddings, GELU MLP,
+output head tied to the token embedding.
 
 Sizes follow the GPT-2 paper; `tiny` trains at several steps per second on 2 CPU cores.
-Positions are learned embeddings, as in GPT-2, unless an algorithm below replaces them.
+This is GPT-2's layout: Hugging Face GPT2LMHeadModel weights load into it (train.py
+--init_from, through from_hf_gpt2 below) and export from it (`scaffold export --format
+hf`, through to_hf_gpt2).
 Algorithms that change the architecture are written in where they act, each fenced
 `# algorithm: NAME` ... `# end algorithm: NAME`.
 """
@@ -39,6 +42,11 @@ PRESETS: dict[Preset, dict[str, int]] = {
 }
 
 
+def layer_norm(width: int) -> nn.LayerNorm:
+    """The model's LayerNorm layers: each block's ln_1 and ln_2, and ln_f."""
+    return nn.LayerNorm(width)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -48,16 +56,8 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        attn_bias: torch.Tensor | None,
-        layer_input: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Causal self-attention; `attn_bias`, if set, is added to the scores.
-
-        `layer_input` (batch, seq, width): an extra input an algorithm gives this layer.
-        """
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Causal self-attention."""
         batch, seq, width = x.shape
         # (batch, seq, 3*width) -> three (batch, head, seq, head_dim) tensors
         q, k, v = (
@@ -88,18 +88,13 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.ln_1 = layer_norm(config.n_embd)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.ln_2 = layer_norm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        attn_bias: torch.Tensor | None,
-        layer_input: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), attn_bias, layer_input)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
 
@@ -110,7 +105,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.max_seq_len, config.n_embd)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.ln_f = layer_norm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # Tied embeddings: the output projection reuses the token embedding matrix.
         self.lm_head.weight = self.wte.weight
@@ -136,12 +131,8 @@ class GPT(nn.Module):
         assert seq <= self.config.max_seq_len, f"sequence of {seq} > max_seq_len"
         position = torch.arange(seq, device=idx.device)
         x = self.wte(idx) + self.wpe(position)
-        # attn_bias: added to every layer's attention scores; None: plain causal.
-        attn_bias = None
-        # layer_inputs[i]: an extra input of layer i's attention (None: nothing).
-        layer_inputs: list[torch.Tensor | None] = [None] * len(self.blocks)
-        for block, layer_input in zip(self.blocks, layer_inputs):
-            x = block(x, attn_bias, layer_input)
+        for block in self.blocks:
+            x = block(x)
         logits = self.lm_head(self.ln_f(x))
         return logits
 
@@ -153,22 +144,25 @@ class GPT(nn.Module):
         """Training FLOPs per token (forward + backward), for MFU: 6N + attention.
 
         6N: each weight is one multiply-add (2 FLOPs) forward and two backward; N
-        counts the tied embedding once (it is the output projection's matmul) but
-        not a position table, which is a lookup. Attention: QK^T and the weighted
-        sum of V, 2 * 2 * seq_len * width per layer forward, times 3 with backward
-        (PaLM, appendix B; the causal mask's skipped half is counted, as usual).
+        counts the weights that multiply, not embedding tables, which are looked up
+        (the tied token embedding counts once: it is the output projection's matmul).
+        Attention: QK^T and the weighted sum of V, 2 * 2 * seq_len * width per layer
+        forward, times 3 with backward (PaLM, appendix B; the causal mask's skipped half
+        is counted, as usual).
         """
-        table = getattr(self, "wpe", None)
-        n = self.num_params() - (table.weight.numel() if table is not None else 0)
+        lookups = sum(
+            module.weight.numel()
+            for module in self.modules()
+            if isinstance(module, nn.Embedding)
+            and module.weight is not self.lm_head.weight
+        )
+        n = self.num_params() - lookups
         return 6 * n + 12 * self.config.n_layer * seq_len * self.config.n_embd
 
 
 # Hugging Face GPT-2 (`GPT2LMHeadModel`) weights in (train.py --init_from) and out
 # (`scaffold export --format hf`). Same architecture, other names, and GPT-2's Conv1D
 # layers store their weight as (in, out): the transpose of nn.Linear's (out, in).
-# The algorithms of this model that change its architecture, which GPT-2's layout cannot
-# hold (algorithm: why):
-HF_LAYOUT_CHANGES: dict[str, str] = {}
 # ours -> GPT-2's, inside each block; True: a Conv1D (its weight transposed)
 HF_BLOCK_NAMES = {
     "ln_1": ("ln_1", False),

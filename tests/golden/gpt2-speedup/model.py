@@ -1,7 +1,10 @@
-"""GPT-2 language model: pre-LayerNorm blocks, GELU MLP, tied input/output embeddings.
+"""GPT language model: pre-LayerNorm blocks, ALiBi (a per-head linear distance penalty
+on the attention scores) instead of position embeddings, GELU MLP, output head tied to
+the token embedding.
 
 Sizes follow the GPT-2 paper; `tiny` trains at several steps per second on 2 CPU cores.
-Positions are learned embeddings, as in GPT-2, unless an algorithm below replaces them.
+GPT-2's layout cannot hold it (changed by alibi): no Hugging Face GPT-2 mapping is
+generated; `scaffold export` writes its weights as safetensors.
 Algorithms that change the architecture are written in where they act, each fenced
 `# algorithm: NAME` ... `# end algorithm: NAME`.
 """
@@ -121,6 +124,11 @@ def alibi_flex_attention(
 # end algorithm: alibi
 
 
+def layer_norm(width: int) -> nn.LayerNorm:
+    """The model's LayerNorm layers: each block's ln_1 and ln_2, and ln_f."""
+    return nn.LayerNorm(width)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -130,16 +138,8 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        attn_bias: torch.Tensor | None,
-        layer_input: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Causal self-attention; `attn_bias`, if set, is added to the scores.
-
-        `layer_input` (batch, seq, width): an extra input an algorithm gives this layer.
-        """
+    def forward(self, x: torch.Tensor, attn_bias: object) -> torch.Tensor:
+        """Causal self-attention, `attn_bias` (from GPT.forward) added to its scores."""
         batch, seq, width = x.shape
         # (batch, seq, 3*width) -> three (batch, head, seq, head_dim) tensors
         q, k, v = (
@@ -181,18 +181,13 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.ln_1 = layer_norm(config.n_embd)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.ln_2 = layer_norm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        attn_bias: torch.Tensor | None,
-        layer_input: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), attn_bias, layer_input)
+    def forward(self, x: torch.Tensor, attn_bias: object) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attn_bias)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -201,13 +196,8 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-
-        # algorithm: alibi
-        # No position embedding: the distance penalty on the scores encodes order.
-        # end algorithm: alibi
-
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.ln_f = layer_norm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # Tied embeddings: the output projection reuses the token embedding matrix.
         self.lm_head.weight = self.wte.weight
@@ -236,8 +226,7 @@ class GPT(nn.Module):
         x = self.wte(idx)
         # end algorithm: alibi
 
-        # attn_bias: added to every layer's attention scores; None: plain causal.
-
+        # attn_bias: added to every layer's attention scores.
         # algorithm: alibi
         if alibi_uses_flex(idx.device, self.config.dropout if self.training else 0.0):
             # CUDA: FlexAttention adds the penalty in its kernel; it takes a block mask.
@@ -247,10 +236,8 @@ class GPT(nn.Module):
             attn_bias = alibi_bias(self.config.n_head, seq, device=idx.device)
         # end algorithm: alibi
 
-        # layer_inputs[i]: an extra input of layer i's attention (None: nothing).
-        layer_inputs: list[torch.Tensor | None] = [None] * len(self.blocks)
-        for block, layer_input in zip(self.blocks, layer_inputs):
-            x = block(x, attn_bias, layer_input)
+        for block in self.blocks:
+            x = block(x, attn_bias)
         logits = self.lm_head(self.ln_f(x))
         return logits
 
@@ -262,142 +249,17 @@ class GPT(nn.Module):
         """Training FLOPs per token (forward + backward), for MFU: 6N + attention.
 
         6N: each weight is one multiply-add (2 FLOPs) forward and two backward; N
-        counts the tied embedding once (it is the output projection's matmul) but
-        not a position table, which is a lookup. Attention: QK^T and the weighted
-        sum of V, 2 * 2 * seq_len * width per layer forward, times 3 with backward
-        (PaLM, appendix B; the causal mask's skipped half is counted, as usual).
+        counts the weights that multiply, not embedding tables, which are looked up
+        (the tied token embedding counts once: it is the output projection's matmul).
+        Attention: QK^T and the weighted sum of V, 2 * 2 * seq_len * width per layer
+        forward, times 3 with backward (PaLM, appendix B; the causal mask's skipped half
+        is counted, as usual).
         """
-        table = getattr(self, "wpe", None)
-        n = self.num_params() - (table.weight.numel() if table is not None else 0)
+        lookups = sum(
+            module.weight.numel()
+            for module in self.modules()
+            if isinstance(module, nn.Embedding)
+            and module.weight is not self.lm_head.weight
+        )
+        n = self.num_params() - lookups
         return 6 * n + 12 * self.config.n_layer * seq_len * self.config.n_embd
-
-
-# Hugging Face GPT-2 (`GPT2LMHeadModel`) weights in (train.py --init_from) and out
-# (`scaffold export --format hf`). Same architecture, other names, and GPT-2's Conv1D
-# layers store their weight as (in, out): the transpose of nn.Linear's (out, in).
-# The algorithms of this model that change its architecture, which GPT-2's layout cannot
-# hold (algorithm: why):
-HF_LAYOUT_CHANGES: dict[str, str] = {
-    "alibi": "it replaces the learned position embeddings (wpe)",
-}
-# ours -> GPT-2's, inside each block; True: a Conv1D (its weight transposed)
-HF_BLOCK_NAMES = {
-    "ln_1": ("ln_1", False),
-    "attn.qkv": ("attn.c_attn", True),
-    "attn.proj": ("attn.c_proj", True),
-    "ln_2": ("ln_2", False),
-    "mlp.fc": ("mlp.c_fc", True),
-    "mlp.proj": ("mlp.c_proj", True),
-}
-
-
-def hf_gpt2_names(n_layer: int) -> dict[str, tuple[str, bool]]:
-    """Our parameter name -> (GPT2LMHeadModel's name, transposed) for every weight.
-
-    lm_head.weight is not listed: both models tie it to the token embedding.
-    """
-    names = {"wte.weight": ("transformer.wte.weight", False)}
-    names["wpe.weight"] = ("transformer.wpe.weight", False)
-    names["ln_f.weight"] = ("transformer.ln_f.weight", False)
-    names["ln_f.bias"] = ("transformer.ln_f.bias", False)
-    for i in range(n_layer):
-        for ours, (theirs, conv1d) in HF_BLOCK_NAMES.items():
-            for kind in ("weight", "bias"):
-                transposed = conv1d and kind == "weight"
-                names[f"blocks.{i}.{ours}.{kind}"] = (
-                    f"transformer.h.{i}.{theirs}.{kind}",
-                    transposed,
-                )
-    return names
-
-
-def matching_preset(sizes: dict[str, int]) -> str:
-    """What to pass for a checkpoint of these sizes: its preset, or how to add one."""
-    found = [name for name, preset in PRESETS.items() if preset == sizes]
-    return (
-        f"pass --model={found[0]}"
-        if found
-        else "add a preset of those sizes to PRESETS"
-    )
-
-
-def from_hf_gpt2(
-    hf_config: dict[str, object], hf_weights: dict[str, torch.Tensor], config: GPTConfig
-) -> dict[str, torch.Tensor]:
-    """GPT2LMHeadModel's config and weights -> a state dict for GPT(config).
-
-    Raises ValueError naming the first mismatch. The position table is cut to
-    config.max_seq_len rows (a model may train on shorter sequences than GPT-2's).
-    """
-    theirs = {k.removeprefix("transformer."): v for k, v in hf_weights.items()}
-    sizes = {k: int(hf_config[k]) for k in ("n_layer", "n_head", "n_embd")}
-    ours = dict(n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd)
-    if sizes != ours:
-        raise ValueError(
-            f"the checkpoint has {sizes}, the model {ours}: {matching_preset(sizes)}"
-        )
-    # Settings of GPT-2 variants that compute another function than this model does.
-    allowed = {
-        "activation_function": ("gelu_new", "gelu_pytorch_tanh"),  # both tanh GELU
-        "n_inner": (None, 4 * config.n_embd),
-        "layer_norm_epsilon": (1e-5,),
-        "scale_attn_weights": (True,),
-        "scale_attn_by_inverse_layer_idx": (False,),
-        "tie_word_embeddings": (True,),
-    }
-    for key, values in allowed.items():
-        if hf_config.get(key, values[0]) not in values:
-            raise ValueError(
-                f"{key}={hf_config[key]}: this model has {key}={values[0]}"
-            )
-    vocab, positions = int(hf_config["vocab_size"]), int(hf_config["n_positions"])
-    if vocab != config.vocab_size:
-        raise ValueError(
-            f"the checkpoint has {vocab} tokens, the model {config.vocab_size}: pass "
-            f"--vocab_size={vocab} with data in its tokenizer's ids"
-        )
-    if positions < config.max_seq_len:
-        raise ValueError(
-            f"the checkpoint has {positions} positions: pass --seq_len<={positions}"
-        )
-    state = {}
-    for name, (key, transposed) in hf_gpt2_names(config.n_layer).items():
-        tensor = theirs.get(key.removeprefix("transformer."))
-        if tensor is None:
-            raise ValueError(
-                f"the checkpoint has no {key}: not GPT2LMHeadModel's layout"
-            )
-        state[name] = (tensor.t() if transposed else tensor).float().contiguous()
-    state["wpe.weight"] = state["wpe.weight"][: config.max_seq_len].clone()
-    state["lm_head.weight"] = state["wte.weight"]  # tied
-    return state
-
-
-def to_hf_gpt2(
-    weights: dict[str, torch.Tensor], config: GPTConfig
-) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
-    """Our weights -> GPT2LMHeadModel's config.json and safetensors weights."""
-    hf_config = {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": config.vocab_size,
-        "n_positions": config.max_seq_len,
-        "n_embd": config.n_embd,
-        "n_layer": config.n_layer,
-        "n_head": config.n_head,
-        "n_inner": None,  # 4 * n_embd
-        "activation_function": "gelu_new",  # GELU, tanh approximation
-        "layer_norm_epsilon": 1e-5,  # nn.LayerNorm's
-        "resid_pdrop": config.dropout,
-        "embd_pdrop": config.dropout,
-        "attn_pdrop": config.dropout,
-        "tie_word_embeddings": True,
-    }
-    # <|endoftext|> is token 50256 in GPT-2's vocabulary (50257, or padded to 50304).
-    end_of_text = 50256 if config.vocab_size >= 50257 else None
-    hf_config.update(bos_token_id=end_of_text, eos_token_id=end_of_text)
-    hf_weights = {}
-    for name, (key, transposed) in hf_gpt2_names(config.n_layer).items():
-        tensor = weights[name]
-        hf_weights[key] = (tensor.t() if transposed else tensor).contiguous()
-    return hf_config, hf_weights

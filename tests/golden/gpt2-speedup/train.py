@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from data import Batches, load_tokens, val_batches
-from model import GPT, HF_LAYOUT_CHANGES, PRESETS, GPTConfig, Preset, from_hf_gpt2
-from runtime import checkpoint, config, dist, early_stop, fsdp, hf, microbatch, preempt
+from model import GPT, PRESETS, GPTConfig, Preset
+from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, preempt
 from runtime import profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum
 from runtime.time import Progress, Time, as_fraction
@@ -37,20 +37,15 @@ class Config:
     data: str = ""  # "": stdlib source; a text file, a folder, uint16 .bin, shards
     vocab_size: int = 0  # 0: from the data (bytes 256; .bin: meta.pkl, else GPT-2's)
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
-    # model (dropout is off as in modern pretraining; with it on, world sizes agree
-    # only in distribution)
+    # model (dropout off as in modern pretraining: on, world sizes agree in distribution)
     model: Preset = "tiny"  # size preset, see PRESETS in model.py
     seq_len: int = 128  # tokens per training sequence
     dropout: float = 0.0
-    # Hugging Face GPT-2 weights to start from: a GPT2LMHeadModel save_pretrained
-    # folder or hub id (needs transformers); "": random init; a resume ignores it.
-    init_from: str = ""
     # optimization; Time strings: 10ep, 2000ba (steps), 4096sp, 1e6tok, 0.25dur
     max_duration: Time = Time.parse("600ba")  # training length
     global_batch_size: int = 16  # samples per step, summed over ranks
-    # samples per forward/backward, accumulated; auto: the largest that fits in memory
+    # samples per forward/backward (gradient accumulation over the rank's batch)
     device_microbatch_size: int | Literal["auto"] = 8
-    max_device_microbatch_size: int = 0  # where auto starts; 0: the per-rank batch
     lr: float = 0.002  # peak learning rate (AdamW)
     lr_warmup: Time = Time.parse("0.05dur")  # linear from 0, then cosine decay
     min_lr_ratio: float = 0.1  # the cosine ends at min_lr_ratio * lr
@@ -72,8 +67,8 @@ class Config:
     eval_batches: int = 8  # validation batches per evaluation
     log_interval: Time = Time.parse("1ba")  # a metrics.jsonl line every ...
     trackers: str = ""  # also log to: tensorboard,mlflow,wandb
-    # early stopping: when early_stop_metric (e.g. val_loss; "": never) has not improved
-    # by more than early_stop_min_delta for early_stop_patience
+    # early stopping: when early_stop_metric (e.g. val_loss; "": never)
+    # has not improved by more than early_stop_min_delta for early_stop_patience
     early_stop_metric: str = ""
     early_stop_patience: Time = Time.parse("0.1dur")
     early_stop_min_delta: float = 0.0
@@ -102,14 +97,10 @@ class Config:
 
 
 def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
-    """Check the config against this launch, then join the process group (if any).
-
-    Each problem is one `error:` line and exit status 2, before data or model exist.
-    """
-    try:
+    """Check the config against this launch, then join the process group (if any);
+    each problem is one `error:` line and exit status 2, before anything is read."""
+    with config.failing(ValueError):
         env = dist.environment(cfg.device)  # rank, world size, device, from torchrun
-    except ValueError as error:
-        config.fail(str(error))
     parallel = fsdp.ParallelConfig(
         parallelism=fsdp.resolve_parallelism(cfg.parallelism, env.world_size),
         sharding_strategy=cfg.sharding_strategy,
@@ -121,7 +112,8 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     )
     # `auto` settled for this device: the run's config.toml records what ran.
     cfg.precision, cfg.compile = parallel.precision, parallel.compile
-    problem = fsdp.check(parallel, env) or microbatch.check(cfg.device_microbatch_size)
+    problem = fsdp.check(parallel, env)
+    problem = problem or microbatch.check(cfg.device_microbatch_size, auto=False)
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
     problem = problem or early_stop.check(
         cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_min_delta
@@ -138,31 +130,27 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
             f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
             f"size {env.world_size}; pick a multiple of {env.world_size}"
         )
-    try:
+    with config.failing(ValueError, prefix="lr_warmup: "):
         as_fraction(cfg.lr_warmup, cfg.max_duration)
-    except ValueError as error:
-        config.fail(f"lr_warmup: {error}")
-    if cfg.init_from and HF_LAYOUT_CHANGES:  # see model.py
-        reasons = "; ".join(f"{name}: {why}" for name, why in HF_LAYOUT_CHANGES.items())
-        config.fail(f"init_from: GPT-2's weights do not fit this model ({reasons})")
+
+    # algorithm: gradient_clipping
+    config.check_ranges(cfg, gradient_clipping_max_norm="(0, inf)")
+    # end algorithm: gradient_clipping
 
     # algorithm: seq_length_warmup
-    try:
+    config.check_ranges(cfg, seq_length_warmup_min_len="[1, inf)")
+    with config.failing(ValueError, prefix="seq_length_warmup_duration: "):
         as_fraction(cfg.seq_length_warmup_duration, cfg.max_duration)
-    except ValueError as error:
-        config.fail(f"seq_length_warmup_duration: {error}")
-    if not 1 <= cfg.seq_length_warmup_min_len <= cfg.seq_len:
+    if cfg.seq_length_warmup_min_len > cfg.seq_len:
         config.fail(
-            f"seq_length_warmup_min_len={cfg.seq_length_warmup_min_len} must be "
-            f"between 1 and seq_len={cfg.seq_len}"
+            f"seq_length_warmup_min_len={cfg.seq_length_warmup_min_len} must be at most "
+            f"seq_len={cfg.seq_len}"
         )
     # end algorithm: seq_length_warmup
 
     # FSDP and DDP need a process group, on one process too (a group of one rank).
-    needs_group = parallel.parallelism != "none"
-    dist.init_process_group(
-        env, timedelta(seconds=cfg.dist_timeout), required=needs_group
-    )
+    timeout = timedelta(seconds=cfg.dist_timeout)
+    dist.init_process_group(env, timeout, required=parallel.parallelism != "none")
     if env.device.type == "cuda":
         # TF32 tensor cores for fp32 matmuls (10-bit mantissa products, fp32 sums).
         torch.backends.cuda.matmul.fp32_precision = "tf32"
@@ -201,7 +189,6 @@ def evaluate(
     batches: list[torch.Tensor],
     cfg: Config,
     env: dist.DistEnv,
-    microbatching: microbatch.Search,
 ) -> float:
     """Mean next-token loss over the validation batches, at the full sequence length.
 
@@ -211,33 +198,62 @@ def evaluate(
     """
     model.eval()
     shares = [dist.padded_share(batch, env) for batch in batches]  # (rows, real rows)
-    # auto: training's microbatch size may have been found on shorter (warmed-up)
-    # sequences; out of memory on any rank halves evaluation's size on every rank.
-    for attempt in microbatching.eval_attempts(seq_len=cfg.seq_len):
-        with attempt:
-            loss_sum = torch.zeros((), device=env.device)
-            for share, real in shares:
-                for start in range(0, len(share), attempt.size):
-                    micro = share[start : start + attempt.size].to(env.device)
-                    with torch.autocast(
-                        env.device.type, torch.bfloat16, enabled=is_amp(cfg)
-                    ):
-                        logits = model(micro[:, :-1])
-                    # Padding rows come last: count the first real - start rows only.
-                    keep = max(real - start, 0)
-                    loss_sum += F.cross_entropy(
-                        logits[:keep].flatten(0, 1).float(),
-                        micro[:keep, 1:].flatten(),
-                        reduction="sum",
-                    )
+    loss_sum = torch.zeros((), device=env.device)
+    for share, real in shares:
+        for start in range(0, len(share), cfg.device_microbatch_size):
+            micro = share[start : start + cfg.device_microbatch_size].to(env.device)
+            with torch.autocast(env.device.type, torch.bfloat16, enabled=is_amp(cfg)):
+                logits = model(micro[:, :-1])
+            # Padding rows come last: count the first real - start rows only.
+            keep = max(real - start, 0)
+            loss_sum += F.cross_entropy(
+                logits[:keep].flatten(0, 1).float(),
+                micro[:keep, 1:].flatten(),
+                reduction="sum",
+            )
     model.train()
     num_tokens = sum(batch.shape[0] for batch in batches) * cfg.seq_len
     return dist.reduce_sum(loss_sum).item() / num_tokens
 
 
 def is_amp(cfg: Config) -> bool:
-    """Autocast: bf16 matmuls on fp32 weights (precision=amp_bf16)."""
+    """Autocast: bf16 compute on fp32 weights (precision=amp_bf16)."""
     return cfg.precision == "amp_bf16"
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    microbatch_size: int,
+    loss_scale: float,
+    cfg: Config,
+) -> torch.Tensor:
+    """Forward and backward over this rank's batch in microbatches of `microbatch_size`
+    rows, gradients adding up in .grad (reduced over ranks in the last backward)."""
+    loss_sum = torch.zeros((), device=targets.device)
+    microbatches = list(
+        zip(inputs.split(microbatch_size), targets.split(microbatch_size))
+    )
+    for i, (micro_inputs, micro_targets) in enumerate(microbatches):
+        # event: MICROBATCH_START
+
+        # Reduce gradients over ranks once, in the last backward.
+        fsdp.sync_gradients(model, i == len(microbatches) - 1)
+        with torch.autocast(targets.device.type, torch.bfloat16, enabled=is_amp(cfg)):
+            logits = model(micro_inputs)
+
+        # event: AFTER_FORWARD
+
+        loss = F.cross_entropy(
+            logits.flatten(0, 1).float(), micro_targets.flatten(), reduction="sum"
+        )
+
+        # event: LOSS
+
+        (loss * loss_scale).backward()
+        loss_sum += loss.detach()
+    return loss_sum
 
 
 def main() -> None:
@@ -247,7 +263,7 @@ def main() -> None:
     env, parallel = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
-    try:
+    with config.failing(OSError, ValueError):  # a missing path, too little data
         tokens = load_tokens(cfg.data, cfg.vocab_size, cfg.seq_len)
         # CUDA: batches in page-locked memory, so their copy to the GPU is asynchronous.
         train_batches = Batches(
@@ -260,130 +276,88 @@ def main() -> None:
         val = val_batches(
             tokens.val, cfg.seq_len, cfg.global_batch_size, cfg.eval_batches
         )
-    except (OSError, ValueError) as error:  # a missing path, too little data
-        config.fail(str(error))
-
     model_config = GPTConfig(
         vocab_size=tokens.vocab_size,
         max_seq_len=cfg.seq_len,
         dropout=cfg.dropout,
         **PRESETS[cfg.model],
     )
-    # init_from: GPT-2's weights, read and checked (sizes, vocabulary, positions) before
-    # anything is written. A run that resumes (its own checkpoint, or load_path) takes
-    # its weights from the checkpoint instead: init_from is then not read at all.
-    init_weights, init_note = None, ""
-    checkpoints = cfg.save_folder or run_dir / "checkpoints"
-    if cfg.init_from:
-        if checkpoint.will_resume(
-            checkpoints, load_path=cfg.load_path, autoresume=cfg.autoresume
-        ):
-            init_note = f"init_from={cfg.init_from}: not read, the run resumes instead"
-        else:
-            try:
-                init_weights = from_hf_gpt2(*hf.read_gpt2(cfg.init_from), model_config)
-            except ValueError as error:  # hf.HFError too
-                config.fail(f"init_from={cfg.init_from}: {error}")
-            init_note = f"init_from={cfg.init_from}: Hugging Face GPT-2 weights"
-
-    # One live start per run: a second (a requeue racing a dying job) is refused. The
-    # OS lock is held until this process ends; the kernel drops it even after kill -9.
-    # Taken after the data is read: a data error leaves no run folder behind.
-    try:
-        run_lock = runlock.acquire(run_dir)
-    except runlock.RunInUse as error:
-        config.fail(str(error))
-
     model = GPT(model_config)
-    if init_weights is not None:
-        model.load_state_dict(init_weights)  # every weight; lm_head re-tied to wte
     model = model.to(env.device)
     num_params = model.num_params()
 
+    # One live start per run (a requeue racing a dying job is refused): an OS lock the
+    # kernel drops even after kill -9. Taken after all input is read: a bad one leaves
+    # no run folder behind.
+    with config.failing(runlock.RunInUse):
+        run_lock = runlock.acquire(run_dir)
+
     # event: MODEL
 
+    # Training FLOPs per token, for MFU (GPUs only): see model.py.
+    flops_per_token = model.flops_per_token(cfg.seq_len)
     # Shard or replicate for the launch: FSDP2 per block then the root, DDP, or nothing.
     model = fsdp.parallelize(model, model.blocks, env, parallel)
 
     # Decay weight matrices and embeddings; biases and LayerNorm gains stay undecayed.
-    params = list(model.parameters())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
-        [
-            {
-                "params": [p for p in params if p.dim() >= 2],
-                "weight_decay": cfg.weight_decay,
-            },
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ],
+        [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
+        weight_decay=cfg.weight_decay,
         # CUDA: one fused kernel for the whole update instead of several per tensor.
         fused=env.device.type == "cuda" and not cfg.cpu_offload,
     )
-    # What a checkpoint holds; an algorithm with state of its own (EMA weights, say)
-    # adds an entry at OPTIMIZER, before the resume below restores all of it.
-    state = {"model": model, "optimizer": optimizer}
-
-    # event: OPTIMIZER
-
-    # Resume: load_path, else this run's newest complete checkpoint, restores model,
-    # optimizer, progress and RNG, saved on any number of ranks. The batch order is a
-    # function of progress (the global sample cursor): nothing is replayed.
+    # The log, metrics.jsonl, progress bar and trackers (rank 0 writes them).
+    monitor = Monitor(run_dir, cfg.max_duration, cfg.global_batch_size, env.is_main)
     progress = Progress(batches_per_epoch=train_batches.batches_per_epoch)
-    checkpointer = checkpoint.Checkpointer(
-        checkpoints,
-        keep=cfg.save_num_checkpoints_to_keep,
-        async_save=cfg.save_async,
-    )
-    try:
-        resumed = checkpointer.resume(
-            state,
-            progress,
-            load_path=cfg.load_path,
-            weights_only=cfg.load_weights_only,
-            autoresume=cfg.autoresume,
-            seed=cfg.seed,
-        )
-    except checkpoint.CheckpointError as error:  # names the file or the mismatched keys
-        config.fail(str(error))
-    monitor = Monitor(
-        run_dir, progress, cfg.max_duration, cfg.global_batch_size, env.is_main
-    )
-    monitor.record_run(config.to_toml(cfg), Path(__file__), env.device, env.world_size)
-    flops_per_token = fsdp.unwrap(model).flops_per_token(cfg.seq_len)  # see model.py
-    monitor.measure(env.device, env.world_size, cfg.precision, flops_per_token)
-    monitor.open_trackers(cfg.trackers, config.to_toml(cfg))  # rank 0 writes them
-    monitor.info(f"data: {tokens.source}")
-    monitor.info(tokens.sizes())
-    monitor.info(f"model: {cfg.model}, {num_params:,} parameters")
-    if init_note:
-        monitor.info(init_note)
-    monitor.info(f"parallelism: {parallel.parallelism}, {env.world_size} process(es)")
-    for line in resumed.describe() if resumed else []:
-        monitor.info(line)
-    # The microbatch size: fixed, or auto (the largest that fits, found by halving on
-    # out-of-memory; a resumed run reuses the size it found before).
-    microbatching = microbatch.Search(
-        model,
-        fsdp.unwrap(model).blocks,
-        env,
-        cfg.device_microbatch_size,
-        per_rank_batch=cfg.global_batch_size // env.world_size,
-        max_size=cfg.max_device_microbatch_size,
-        resumed=resumed.extra if resumed else None,
-        log=monitor.info,
-        timeout=timedelta(seconds=cfg.dist_timeout),
-    )
-
-    train_loss = RunningSum(env.device)  # summed on the device, read at logged steps
     stopper = early_stop.EarlyStopper(
         cfg.early_stop_metric,
         cfg.early_stop_patience,
         cfg.early_stop_min_delta,
         cfg.early_stop_mode,
-        resumed=resumed.extra if resumed else None,  # a stopped run stays stopped
         log=monitor.info,
     )
+    # What a checkpoint holds: every entry has state_dict() and load_state_dict(). An
+    # algorithm with state of its own (EMA weights, say) adds an entry at OPTIMIZER.
+    state = dict(model=model, optimizer=optimizer, progress=progress, stopper=stopper)
+    # Checkpoints of this run; the `state` entry whose weights `scaffold export` writes
+    # out for inference is "model" unless an algorithm says otherwise at OPTIMIZER.
+    checkpointer = checkpoint.Checkpointer(
+        cfg.save_folder or run_dir / "checkpoints",
+        keep=cfg.save_num_checkpoints_to_keep,
+        async_save=cfg.save_async,
+    )
+
+    # event: OPTIMIZER
+
+    # Resume: load_path, else this run's newest complete checkpoint, restores all of
+    # `state` and the RNG, saved on any number of ranks. The batch order is a function
+    # of progress (the global sample cursor): nothing is replayed.
+    with config.failing(checkpoint.CheckpointError):  # names the file or the keys
+        resumed = checkpointer.resume(
+            state,
+            load_path=cfg.load_path,
+            weights_only=cfg.load_weights_only,
+            autoresume=cfg.autoresume,
+            seed=cfg.seed,
+        )
+    monitor.start(progress)  # metrics.jsonl and the progress bar from where training is
+    monitor.record_run(config.to_toml(cfg), Path(__file__), env.device, env.world_size)
+    monitor.measure(
+        env.device, env.world_size, cfg.precision, flops_per_token=flops_per_token
+    )
+    monitor.open_trackers(cfg.trackers, config.to_toml(cfg))  # rank 0 writes them
+    monitor.info(f"data: {tokens.source}")
+    monitor.info(tokens.sizes())
+    monitor.info(f"model: {cfg.model}, {num_params:,} parameters")
+    monitor.info(f"parallelism: {parallel.parallelism}, {env.world_size} process(es)")
+    for line in resumed.describe() if resumed else []:
+        monitor.info(line)
+
+    train_loss = RunningSum(env.device)  # summed on the device, read at logged steps
     profiler = profile.Profiler(
         cfg.profile, run_dir, env.rank, env.device, cfg.max_duration, monitor.info
     )
@@ -421,44 +395,15 @@ def main() -> None:
             lr = lr_at(progress.fraction(cfg.max_duration), cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-
             # Gradient accumulation: each microbatch's summed token loss is divided by
             # the number of target tokens in the global batch (all ranks), so gradients
             # are the global-batch mean whatever the microbatch size and world size.
             # DDP and FSDP average gradients over ranks: hence the factor world_size.
             num_tokens = cfg.global_batch_size * targets.shape[1]
             loss_scale = env.world_size / num_tokens
-            # Out of memory on any rank (while the size is still being searched): every
-            # rank drops this attempt's gradients and retries the same batch at half the
-            # microbatch size. Fixed or already found: a single attempt, nothing added.
-            for attempt in microbatching.attempts(seq_len=inputs.shape[1]):
-                with attempt:
-                    loss_sum = torch.zeros((), device=env.device)
-                    microbatches = list(
-                        zip(inputs.split(attempt.size), targets.split(attempt.size))
-                    )
-                    for i, (micro_inputs, micro_targets) in enumerate(microbatches):
-                        # event: MICROBATCH_START
-
-                        # Reduce gradients over ranks once, in the last backward.
-                        fsdp.sync_gradients(model, i == len(microbatches) - 1)
-                        with torch.autocast(
-                            env.device.type, torch.bfloat16, enabled=is_amp(cfg)
-                        ):
-                            logits = model(micro_inputs)
-
-                        # event: AFTER_FORWARD
-
-                        loss = F.cross_entropy(
-                            logits.flatten(0, 1).float(),
-                            micro_targets.flatten(),
-                            reduction="sum",
-                        )
-
-                        # event: LOSS
-
-                        (loss * loss_scale).backward()
-                        loss_sum += loss.detach()
+            loss_sum = forward_backward(
+                model, inputs, targets, cfg.device_microbatch_size, loss_scale, cfg
+            )
 
             # event: AFTER_BACKWARD
 
@@ -489,11 +434,10 @@ def main() -> None:
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
-                    metrics["val_loss"] = evaluate(model, val, cfg, env, microbatching)
+                    metrics["val_loss"] = evaluate(model, val, cfg, env)
             if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
                 metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks
                 metrics["lr"] = lr
-                metrics["microbatch_size"] = attempt.size
 
                 # algorithm: gradient_clipping
                 metrics["grad_norm"] = grad_norm.item()
@@ -505,17 +449,10 @@ def main() -> None:
 
                 monitor.log(progress, **metrics)
             finished = stopper.update(progress, metrics, cfg.max_duration) or finished
-            if (
-                progress.at_interval(cfg.save_interval, cfg.max_duration)
-                or finished
-                or stopping
-            ):
+            save_due = progress.at_interval(cfg.save_interval, cfg.max_duration)
+            if save_due or finished or stopping:
                 with monitor.paused():
-                    checkpointer.save(
-                        state,
-                        progress,
-                        extra=microbatching.state_dict() | stopper.state_dict(),
-                    )
+                    checkpointer.save(state)
             if finished or stopping:
                 break
 

@@ -68,6 +68,18 @@ PRESETS: dict[Preset, dict] = {
 TORCHVISION = "torchvision:"
 
 
+def conv(
+    c_in: int, c_out: int, kernel_size: int, stride: int = 1, padding: int = 0
+) -> nn.Conv2d:
+    """Every convolution of these ResNets: bias-free (a BatchNorm follows each one)."""
+    return nn.Conv2d(c_in, c_out, kernel_size, stride, padding, bias=False)
+
+
+def max_pool(kernel_size: int, stride: int, padding: int) -> nn.MaxPool2d:
+    """The ImageNet stem's max pool."""
+    return nn.MaxPool2d(kernel_size, stride, padding)
+
+
 class BatchNorm2d(nn.BatchNorm2d):
     """BatchNorm whose results depend on the global batch, not on how it is split.
 
@@ -176,22 +188,16 @@ def update_running_stats(
 
 
 class ResidualBlock(nn.Module):
-    """relu(residual(x) + shortcut(x)); BasicBlock and Bottleneck define the branch.
+    """relu(residual(x) + shortcut(x)); BasicBlock and Bottleneck define the branch."""
 
-    `branch` is a generic extension point, None by default: an algorithm may set it (at
-    MODEL) to a callable (block, x) -> the branch's output, run instead of
-    `block.residual(x)`, to skip or scale the branch (e.g. stochastic depth). Not a
-    module: parameters and checkpoint keys do not change.
-    """
-
-    branch: Callable[[ResidualBlock, torch.Tensor], torch.Tensor | float] | None = None
     shortcut: nn.Module
 
     def residual(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.residual(x) if self.branch is None else self.branch(self, x)
+        # y: the residual branch's output (an algorithm may skip or scale it)
+        y = self.residual(x)
         return F.relu(y + self.shortcut(x))
 
 
@@ -205,9 +211,9 @@ class BasicBlock(ResidualBlock):
     ) -> None:
         super().__init__()
         g = config.bn_group_size
-        self.conv1 = nn.Conv2d(c_in, width, 3, stride, 1, bias=False)
+        self.conv1 = conv(c_in, width, 3, stride, 1)
         self.bn1 = BatchNorm2d(width, g)
-        self.conv2 = nn.Conv2d(width, width, 3, 1, 1, bias=False)
+        self.conv2 = conv(width, width, 3, 1, 1)
         self.bn2 = BatchNorm2d(width, g)
         self.bn2.last_in_block = True  # gamma starts at 0 (ResNet.init_weights)
         self.shortcut = shortcut(c_in, width, stride, config)
@@ -227,11 +233,11 @@ class Bottleneck(ResidualBlock):
     ) -> None:
         super().__init__()
         g, c_out = config.bn_group_size, width * self.expansion
-        self.conv1 = nn.Conv2d(c_in, width, 1, bias=False)
+        self.conv1 = conv(c_in, width, 1)
         self.bn1 = BatchNorm2d(width, g)
-        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+        self.conv2 = conv(width, width, 3, stride, 1)
         self.bn2 = BatchNorm2d(width, g)
-        self.conv3 = nn.Conv2d(width, c_out, 1, bias=False)
+        self.conv3 = conv(width, c_out, 1)
         self.bn3 = BatchNorm2d(c_out, g)
         self.bn3.last_in_block = True
         self.shortcut = shortcut(c_in, c_out, stride, config)
@@ -262,8 +268,7 @@ def shortcut(c_in: int, c_out: int, stride: int, config: ResNetConfig) -> nn.Mod
     if config.stem == "cifar":
         return PadShortcut(c_in, c_out, stride)
     return nn.Sequential(
-        nn.Conv2d(c_in, c_out, 1, stride, bias=False),
-        BatchNorm2d(c_out, config.bn_group_size),
+        conv(c_in, c_out, 1, stride), BatchNorm2d(c_out, config.bn_group_size)
     )
 
 
@@ -275,14 +280,14 @@ class ResNet(nn.Module):
         c = config.widths[0]
         if config.stem == "imagenet":
             self.stem = nn.Sequential(
-                nn.Conv2d(config.in_channels, c, 7, 2, 3, bias=False),
+                conv(config.in_channels, c, 7, 2, 3),
                 BatchNorm2d(c, config.bn_group_size),
                 nn.ReLU(),
-                nn.MaxPool2d(3, 2, 1),
+                max_pool(3, 2, 1),
             )
         else:
             self.stem = nn.Sequential(
-                nn.Conv2d(config.in_channels, c, 3, 1, 1, bias=False),
+                conv(config.in_channels, c, 3, 1, 1),
                 BatchNorm2d(c, config.bn_group_size),
                 nn.ReLU(),
             )

@@ -68,6 +68,208 @@ PRESETS: dict[Preset, dict] = {
 TORCHVISION = "torchvision:"
 
 
+# algorithm: blurpool
+# BlurPool (Zhang 2019): strided convolutions and max pools blur before they
+# subsample, so high frequencies do not alias. Parameters and checkpoint keys stay
+# nn.Conv2d's and nn.MaxPool2d's (the filter is a fixed, unsaved buffer).
+BLURPOOL_REPLACE_CONVS = True  # strided convolutions blur
+BLURPOOL_REPLACE_MAXPOOLS = True  # max pools blur
+BLURPOOL_BLUR_FIRST = True  # blur, then the strided convolution
+BLURPOOL_MIN_CHANNELS = 16  # fewer input channels: a plain convolution
+
+
+def blur_2d(
+    x: torch.Tensor, kernel: torch.Tensor, stride: int | tuple = 1
+) -> torch.Tensor:
+    """Zhang 2019's anti-aliasing low-pass: each channel convolved with the 3x3
+    binomial kernel [1 2 1]^T [1 2 1] / 16 (depthwise, zero-padded), then `stride`."""
+    channels = x.shape[1]
+    weight = kernel.to(x.dtype).expand(channels, 1, 3, 3)
+    return F.conv2d(x, weight, stride=stride, padding=1, groups=channels)
+
+
+def add_blur_kernel(layer: nn.Module) -> None:
+    """The binomial kernel as `layer.blur_kernel`: a buffer (it moves with the model),
+    not persistent (checkpoints hold the same keys with or without BlurPool)."""
+    row = torch.tensor([1.0, 2.0, 1.0])
+    kernel = (torch.outer(row, row) / 16).view(1, 1, 3, 3)
+    layer.register_buffer("blur_kernel", kernel, persistent=False)
+
+
+def blurs(in_channels: int, stride: int) -> bool:
+    """Whether BlurPool blurs a convolution: strided, with enough input channels."""
+    wide = in_channels >= BLURPOOL_MIN_CHANNELS
+    return BLURPOOL_REPLACE_CONVS and stride > 1 and wide
+
+
+class BlurConv2d(nn.Conv2d):
+    """A strided convolution that blurs before subsampling. BLURPOOL_BLUR_FIRST: blur,
+    then the strided convolution; else: the convolution at stride 1, then blur with
+    the stride. nn.Conv2d's parameters and checkpoint keys; the same output shape."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        add_blur_kernel(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if BLURPOOL_BLUR_FIRST:
+            return super().forward(blur_2d(x, self.blur_kernel))
+        y = F.conv2d(
+            x, self.weight, self.bias, 1, self.padding, self.dilation, self.groups
+        )
+        return blur_2d(y, self.blur_kernel, self.stride)
+
+
+class BlurMaxPool2d(nn.MaxPool2d):
+    """Max pool at stride 1, then blur with the pool's stride (Zhang's MaxBlurPool)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        add_blur_kernel(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.max_pool2d(
+            x,
+            self.kernel_size,
+            1,
+            self.padding,
+            self.dilation,
+            ceil_mode=self.ceil_mode,
+        )
+        return blur_2d(y, self.blur_kernel, self.stride)
+
+
+def use_blurpool(model: nn.Module) -> int:
+    """A model built elsewhere (torchvision): its strided convolutions that `blurs`
+    (zero padding) become BlurConv2d and its max pools BlurMaxPool2d, in place; returns
+    how many. The presets build theirs as such (conv, max_pool)."""
+    found = 0
+    for module in list(model.modules()):
+        if type(module) is nn.Conv2d:
+            blur = blurs(module.in_channels, max(module.stride))
+            blur, new_class = blur and module.padding_mode == "zeros", BlurConv2d
+        elif type(module) is nn.MaxPool2d:
+            blur, new_class = BLURPOOL_REPLACE_MAXPOOLS, BlurMaxPool2d
+        else:
+            continue
+        if blur:
+            module.__class__ = new_class  # same parameters, same state-dict keys
+            add_blur_kernel(module)
+            found += 1
+    return found
+
+
+# end algorithm: blurpool
+
+
+# algorithm: stochastic_depth
+class StochasticDepth:
+    """Stochastic depth (Huang et al. 2016): this step's drops of a ResNet's residual
+    blocks, which every block's forward applies (`branch`); train.py sets the rates
+    (`schedule`) and draws each step's drops (`start_step`).
+
+    In training, block i's residual branch is dropped with probability rates[i] (block
+    mode: skipped for the whole step; sample mode: zeroed for the samples that drew a
+    drop), and kept branches are scaled by 1 / (1 - rate), so the expected output is
+    the plain block's. Evaluation runs the plain blocks (Huang et al. scale by
+    1 - rate at test time instead: the same in expectation). Until `schedule` sets
+    them, every rate is 0: the plain blocks.
+    """
+
+    def __init__(self, count: int) -> None:
+        self.max_rates = [0.0] * count  # the drop probabilities after any warmup
+        self.mode = "block"
+        self.rates = [0.0] * count  # this step's drop probabilities
+        self.scales = torch.ones(count, 1)  # (blocks, rank's samples): 0 dropped
+        self.keep = [True] * count  # block mode: this step's decision per block
+        self.rows = slice(0, None)  # sample mode: this microbatch's rows
+
+    def schedule(self, drop_rate: float, distribution: str, mode: str) -> None:
+        """Block i of L drops with drop_rate * (i + 1) / L (linear) or drop_rate
+        (uniform); mode: block or sample."""
+        count = len(self.max_rates)
+        linear = distribution == "linear"
+        self.max_rates = [
+            drop_rate * ((i + 1) / count if linear else 1.0) for i in range(count)
+        ]
+        self.mode = mode
+
+    @staticmethod
+    def draws(seed: int, step: int, block: int, samples: int) -> torch.Tensor:
+        """`samples` uniform draws in [0, 1), sample s of the global batch draw s: a
+        pure function of (seed, step, block), never of a rank's RNG stream."""
+        key = ((seed * 1_000_003 + step) * 1_000_003 + block) % 2**63
+        return torch.rand(samples, generator=torch.Generator().manual_seed(key))
+
+    def start_step(
+        self,
+        seed: int,
+        step: int,
+        ramp: float,
+        global_batch: int,
+        first: int,
+        samples: int,
+        device: torch.device,
+    ) -> None:
+        """Draw step `step`'s drops on the CPU: one per block (block mode) or one per
+        block and sample of the global batch, of which this rank keeps `samples` from
+        global index `first` on. `ramp` (0..1) scales the rates (drop_warmup)."""
+        self.rates = [rate * ramp for rate in self.max_rates]
+        n = global_batch if self.mode == "sample" else 1
+        draws = torch.stack(
+            [self.draws(seed, step, b, n) for b in range(len(self.rates))]
+        )
+        rates = torch.tensor(self.rates)[:, None]
+        kept = draws >= rates  # a rate of 0 keeps all, of 1 drops all
+        self.keep = kept[:, 0].tolist()
+        scales = kept / (1 - rates).clamp(min=1e-12)
+        if self.mode == "sample":
+            scales = scales[:, first : first + samples]
+        self.scales = scales.to(device)
+
+    def start_microbatch(self, start: int, size: int) -> None:
+        self.rows = slice(start, start + size)
+
+    def branch(self, block: ResidualBlock, x: torch.Tensor) -> torch.Tensor | float:
+        """Block `block`'s residual branch output for this forward (see above)."""
+        index = block.stochastic_depth_index
+        if not block.training or self.rates[index] == 0.0:
+            return block.residual(x)  # evaluation (or nothing to drop): the plain block
+        if self.mode == "block":
+            if not self.keep[index]:
+                return 0.0  # skipped, not computed: the block is its shortcut
+            return block.residual(x) * self.scales[index, 0].to(x.dtype)
+        scale = self.scales[index, self.rows].to(x.dtype)
+        return block.residual(x) * scale[:, None, None, None]
+
+
+# end algorithm: stochastic_depth
+
+
+def conv(
+    c_in: int, c_out: int, kernel_size: int, stride: int = 1, padding: int = 0
+) -> nn.Conv2d:
+    """Every convolution of these ResNets: bias-free (a BatchNorm follows each one)."""
+    # algorithm: blurpool
+    # BlurPool: a strided convolution with enough input channels blurs first.
+    if blurs(c_in, stride):
+        return BlurConv2d(c_in, c_out, kernel_size, stride, padding, bias=False)
+    # end algorithm: blurpool
+
+    return nn.Conv2d(c_in, c_out, kernel_size, stride, padding, bias=False)
+
+
+def max_pool(kernel_size: int, stride: int, padding: int) -> nn.MaxPool2d:
+    """The ImageNet stem's max pool."""
+    # algorithm: blurpool
+    # BlurPool: the max at stride 1, then a blur that subsamples.
+    if BLURPOOL_REPLACE_MAXPOOLS:
+        return BlurMaxPool2d(kernel_size, stride, padding)
+    # end algorithm: blurpool
+
+    return nn.MaxPool2d(kernel_size, stride, padding)
+
+
 class BatchNorm2d(nn.BatchNorm2d):
     """BatchNorm whose results depend on the global batch, not on how it is split.
 
@@ -176,22 +378,21 @@ def update_running_stats(
 
 
 class ResidualBlock(nn.Module):
-    """relu(residual(x) + shortcut(x)); BasicBlock and Bottleneck define the branch.
+    """relu(residual(x) + shortcut(x)); BasicBlock and Bottleneck define the branch."""
 
-    `branch` is a generic extension point, None by default: an algorithm may set it (at
-    MODEL) to a callable (block, x) -> the branch's output, run instead of
-    `block.residual(x)`, to skip or scale the branch (e.g. stochastic depth). Not a
-    module: parameters and checkpoint keys do not change.
-    """
-
-    branch: Callable[[ResidualBlock, torch.Tensor], torch.Tensor | float] | None = None
     shortcut: nn.Module
 
     def residual(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.residual(x) if self.branch is None else self.branch(self, x)
+        # y: the residual branch's output (an algorithm may skip or scale it)
+
+        # algorithm: stochastic_depth
+        # Stochastic depth: in training, this step's drop skips or scales the branch.
+        y = self.stochastic_depth.branch(self, x)
+        # end algorithm: stochastic_depth
+
         return F.relu(y + self.shortcut(x))
 
 
@@ -205,9 +406,9 @@ class BasicBlock(ResidualBlock):
     ) -> None:
         super().__init__()
         g = config.bn_group_size
-        self.conv1 = nn.Conv2d(c_in, width, 3, stride, 1, bias=False)
+        self.conv1 = conv(c_in, width, 3, stride, 1)
         self.bn1 = BatchNorm2d(width, g)
-        self.conv2 = nn.Conv2d(width, width, 3, 1, 1, bias=False)
+        self.conv2 = conv(width, width, 3, 1, 1)
         self.bn2 = BatchNorm2d(width, g)
         self.bn2.last_in_block = True  # gamma starts at 0 (ResNet.init_weights)
         self.shortcut = shortcut(c_in, width, stride, config)
@@ -227,11 +428,11 @@ class Bottleneck(ResidualBlock):
     ) -> None:
         super().__init__()
         g, c_out = config.bn_group_size, width * self.expansion
-        self.conv1 = nn.Conv2d(c_in, width, 1, bias=False)
+        self.conv1 = conv(c_in, width, 1)
         self.bn1 = BatchNorm2d(width, g)
-        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+        self.conv2 = conv(width, width, 3, stride, 1)
         self.bn2 = BatchNorm2d(width, g)
-        self.conv3 = nn.Conv2d(width, c_out, 1, bias=False)
+        self.conv3 = conv(width, c_out, 1)
         self.bn3 = BatchNorm2d(c_out, g)
         self.bn3.last_in_block = True
         self.shortcut = shortcut(c_in, c_out, stride, config)
@@ -262,8 +463,7 @@ def shortcut(c_in: int, c_out: int, stride: int, config: ResNetConfig) -> nn.Mod
     if config.stem == "cifar":
         return PadShortcut(c_in, c_out, stride)
     return nn.Sequential(
-        nn.Conv2d(c_in, c_out, 1, stride, bias=False),
-        BatchNorm2d(c_out, config.bn_group_size),
+        conv(c_in, c_out, 1, stride), BatchNorm2d(c_out, config.bn_group_size)
     )
 
 
@@ -275,14 +475,14 @@ class ResNet(nn.Module):
         c = config.widths[0]
         if config.stem == "imagenet":
             self.stem = nn.Sequential(
-                nn.Conv2d(config.in_channels, c, 7, 2, 3, bias=False),
+                conv(config.in_channels, c, 7, 2, 3),
                 BatchNorm2d(c, config.bn_group_size),
                 nn.ReLU(),
-                nn.MaxPool2d(3, 2, 1),
+                max_pool(3, 2, 1),
             )
         else:
             self.stem = nn.Sequential(
-                nn.Conv2d(config.in_channels, c, 3, 1, 1, bias=False),
+                conv(config.in_channels, c, 3, 1, 1),
                 BatchNorm2d(c, config.bn_group_size),
                 nn.ReLU(),
             )
@@ -297,6 +497,15 @@ class ResNet(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.fc = nn.Linear(c, config.num_classes)
         self.init_weights()
+
+        # algorithm: stochastic_depth
+        # Stochastic depth: the drops the residual blocks apply, one object they share
+        # (not a module: no parameters or checkpoint keys); train.py sets its rates.
+        self.stochastic_depth = StochasticDepth(len(self.blocks))
+        for index, block in enumerate(self.blocks):
+            block.stochastic_depth = self.stochastic_depth
+            block.stochastic_depth_index = index
+        # end algorithm: stochastic_depth
 
     def init_weights(self) -> None:
         """He (Kaiming) normal convolutions; BatchNorm gamma 1 and beta 0, except the
@@ -403,6 +612,11 @@ class TorchvisionNet(nn.Module):
                 "statistics would depend on the microbatch size and the number of "
                 "ranks; pick another model or edit TorchvisionNet in model.py"
             )
+
+        # algorithm: blurpool
+        # BlurPool: torchvision built the layers; they become their blurring kind.
+        use_blurpool(self.net)
+        # end algorithm: blurpool
 
     @property
     def blocks(self) -> list[nn.Module]:

@@ -41,14 +41,10 @@ from runtime.monitor import Monitor, RunningSum, training_flops
 from runtime.time import Progress, Time, as_fraction
 
 # algorithm: sam
-from collections.abc import Callable
+import contextlib
+from collections.abc import Iterator
 
 # end algorithm: sam
-
-# algorithm: progressive_resizing
-import numpy as np
-
-# end algorithm: progressive_resizing
 
 # algorithm: ema
 import copy
@@ -69,12 +65,9 @@ class Config:
     eval_resize: int = 232  # short side resized first; 0: crop / 0.875
     num_workers: int = 8  # processes decoding images from disk (in-memory data: none)
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
-    # model
-    # architecture: a preset (PRESETS in model.py); torchvision:NAME, any torchvision
-    # classification model (needs torchvision; random weights; its BatchNorm2d layers
-    # become ghost BatchNorm as below: TorchvisionNet in model.py); or auto: the
-    # recipe's resnet50 with --data, `tiny` on the embedded digits (1,437 8x8
-    # images: a CPU demo of minutes, where resnet50 would take much longer)
+    # model: a preset (PRESETS in model.py); torchvision:NAME, any torchvision classifier
+    # (random weights, its BatchNorm made ghost as below: TorchvisionNet in model.py);
+    # auto: resnet50 with --data, `tiny` on the embedded digits (a CPU demo of minutes)
     model: Preset | Literal["auto"] | str = "auto"  # auto, a preset, torchvision:NAME
     # BatchNorm statistics are taken over groups of this many samples ("ghost"
     # BatchNorm), so a step does not depend on the microbatch size or the number of
@@ -83,9 +76,8 @@ class Config:
     # optimization; Time strings: 10ep, 2000ba (steps), 4096sp, 0.25dur
     max_duration: Time = Time.parse("135ep")  # training length
     global_batch_size: int = 2048  # samples per step, summed over ranks
-    # samples per forward/backward, accumulated; auto: the largest that fits in memory
+    # samples per forward/backward (gradient accumulation over the rank's batch)
     device_microbatch_size: int | Literal["auto"] = 256
-    max_device_microbatch_size: int = 0  # where auto starts; 0: the per-rank batch
     optimizer: Literal["sgd", "adamw"] = "sgd"
     lr: float = 2.048  # peak learning rate
     lr_warmup: Time = Time.parse("0.0889dur")  # linear from 0, then cosine decay
@@ -98,20 +90,13 @@ class Config:
     nesterov: bool = False  # sgd: Nesterov momentum
     beta2: float = 0.999  # adamw
 
-    # algorithm: blurpool
-    blurpool_replace_convs: bool = True  # strided convolutions
-    blurpool_replace_maxpools: bool = True  # max pools
-    blurpool_blur_first: bool = True  # blur, then strided conv
-    blurpool_min_channels: int = 16  # fewer input channels: unchanged
-    # end algorithm: blurpool
-
     # algorithm: sam
     sam_rho: float = 0.5  # SAM's ascent radius
     sam_interval: int = 10  # a SAM step every ... steps
     # end algorithm: sam
 
     # algorithm: label_smoothing
-    label_smoothing: float = 0.1  # mass spread over all classes
+    label_smoothing_smoothing: float = 0.1  # mass spread over all classes
     # end algorithm: label_smoothing
 
     # algorithm: mixup
@@ -169,14 +154,10 @@ class Config:
 
 
 def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
-    """Check the config against this launch, then join the process group (if any).
-
-    Each problem is one `error:` line and exit status 2, before data or model exist.
-    """
-    try:
+    """Check the config against this launch, then join the process group (if any);
+    each problem is one `error:` line and exit status 2, before anything is read."""
+    with config.failing(ValueError):
         env = dist.environment(cfg.device)  # rank, world size, device, from torchrun
-    except ValueError as error:
-        config.fail(str(error))
     parallel = fsdp.ParallelConfig(
         parallelism=fsdp.resolve_parallelism(cfg.parallelism, env.world_size),
         sharding_strategy=cfg.sharding_strategy,
@@ -190,7 +171,8 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     cfg.compile = parallel.compile
     if cfg.model == "auto":
         cfg.model = "resnet50" if cfg.data else "tiny"
-    problem = fsdp.check(parallel, env) or microbatch.check(cfg.device_microbatch_size)
+    problem = fsdp.check(parallel, env)
+    problem = problem or microbatch.check(cfg.device_microbatch_size, auto=False)
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
     problem = problem or check_model(cfg.model)  # a preset, or torchvision importable
     problem = problem or early_stop.check(
@@ -220,77 +202,54 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     for name, size in (
         ("the per-rank batch (global_batch_size / world size)", per_rank),
         ("device_microbatch_size", cfg.device_microbatch_size),
-        ("max_device_microbatch_size", cfg.max_device_microbatch_size),
     ):
         if isinstance(size, int) and size % cfg.bn_group_size:
             config.fail(
                 f"{name}={size} is not a multiple of bn_group_size="
                 f"{cfg.bn_group_size}; BatchNorm groups must not be split: change one"
             )
-    try:
+    with config.failing(ValueError, prefix="lr_warmup: "):
         as_fraction(cfg.lr_warmup, cfg.max_duration)
-    except ValueError as error:
-        config.fail(f"lr_warmup: {error}")
-
-    # algorithm: blurpool
-    if cfg.blurpool_min_channels < 0:
-        config.fail(
-            f"blurpool_min_channels={cfg.blurpool_min_channels} must be at least 0"
-        )
-    # end algorithm: blurpool
 
     # algorithm: sam
-    if cfg.sam_rho <= 0 or cfg.sam_interval < 1:
-        config.fail(
-            f"sam_rho={cfg.sam_rho} must be > 0 and sam_interval={cfg.sam_interval} "
-            "at least 1"
-        )
+    config.check_ranges(cfg, sam_rho="(0, inf)", sam_interval="[1, inf)")
     # end algorithm: sam
 
     # algorithm: label_smoothing
-    if not 0.0 <= cfg.label_smoothing < 1.0:
-        config.fail(
-            f"label_smoothing={cfg.label_smoothing} must be in [0, 1), e.g. 0.1"
-        )
+    config.check_ranges(cfg, label_smoothing_smoothing="[0, 1)")
     # end algorithm: label_smoothing
 
     # algorithm: mixup
-    if not cfg.mixup_alpha > 0.0 or not 0.0 <= cfg.mixup_prob <= 1.0:
-        config.fail(
-            f"mixup_alpha={cfg.mixup_alpha} must be > 0 and "
-            f"mixup_prob={cfg.mixup_prob} in [0, 1]"
-        )
+    config.check_ranges(cfg, mixup_alpha="(0, inf)", mixup_prob="[0, 1]")
     # end algorithm: mixup
 
     # algorithm: progressive_resizing
+    config.check_ranges(
+        cfg,
+        progressive_resizing_initial_scale="(0, 1]",
+        progressive_resizing_delay_fraction="[0, 1]",
+        progressive_resizing_finetune_fraction="[0, 1]",
+        progressive_resizing_size_increment="[1, inf)",
+    )
     delay = cfg.progressive_resizing_delay_fraction
     finetune = cfg.progressive_resizing_finetune_fraction
-    if not (0 <= delay <= 1 and 0 <= finetune <= 1 and delay + finetune <= 1):
+    if delay + finetune > 1:
         config.fail(
             f"progressive_resizing_delay_fraction={delay} and _finetune_fraction="
-            f"{finetune} must be within 0..1, together at most 1"
+            f"{finetune} add up to more than 1 (of training)"
         )
-    if not 0 < cfg.progressive_resizing_initial_scale <= 1:
-        config.fail("progressive_resizing_initial_scale must be above 0 and at most 1")
-    if cfg.progressive_resizing_size_increment < 1:
-        config.fail("progressive_resizing_size_increment must be at least 1")
     # end algorithm: progressive_resizing
 
     # algorithm: ema
-    try:
+    with config.failing(ValueError, prefix="ema: "):
         ema_smoothing(cfg)
-    except ValueError as error:
-        config.fail(f"ema: {error}")
     # end algorithm: ema
 
     # FSDP and DDP need a process group, on one process too (a group of one rank).
-    needs_group = parallel.parallelism != "none"
-    dist.init_process_group(
-        env, timedelta(seconds=cfg.dist_timeout), required=needs_group
-    )
+    timeout = timedelta(seconds=cfg.dist_timeout)
+    dist.init_process_group(env, timeout, required=parallel.parallelism != "none")
     if env.device.type == "cuda":
-        # TF32 tensor cores for fp32 matmuls and convolutions (10-bit mantissa
-        # products, fp32 sums).
+        # TF32 tensor cores for fp32 matmuls and convolutions (fp32 sums).
         torch.backends.cuda.matmul.fp32_precision = "tf32"
         torch.backends.cudnn.conv.fp32_precision = "tf32"
     return env, parallel
@@ -315,117 +274,30 @@ def augmentations(cfg: Config) -> list[data.Augment]:
     return augment
 
 
-# algorithm: blurpool
-def blur_2d(
-    x: torch.Tensor, kernel: torch.Tensor, stride: int | tuple = 1
-) -> torch.Tensor:
-    """Zhang 2019's anti-aliasing low-pass: each channel convolved with the 3x3
-    binomial kernel [1 2 1]^T [1 2 1] / 16 (depthwise, zero-padded), then `stride`."""
-    channels = x.shape[1]
-    weight = kernel.to(x.dtype).expand(channels, 1, 3, 3)
-    return F.conv2d(x, weight, stride=stride, padding=1, groups=channels)
-
-
-def binomial_kernel(device: torch.device) -> torch.Tensor:
-    row = torch.tensor([1.0, 2.0, 1.0], device=device)
-    return (torch.outer(row, row) / 16).view(1, 1, 3, 3)
-
-
-class BlurConv2d(torch.nn.Conv2d):
-    """A strided convolution that blurs before subsampling. blur_first: blur, then the
-    strided convolution; else: the convolution at stride 1, then blur with the stride.
-    Same parameters and checkpoint keys as the Conv2d it was; same output shape."""
-
-    blur_first: bool
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.blur_first:
-            return super().forward(blur_2d(x, self.blur_kernel))
-        y = F.conv2d(
-            x, self.weight, self.bias, 1, self.padding, self.dilation, self.groups
-        )
-        return blur_2d(y, self.blur_kernel, self.stride)
-
-
-class BlurMaxPool2d(torch.nn.MaxPool2d):
-    """Max pool at stride 1, then blur with the pool's stride (Zhang's MaxBlurPool)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.max_pool2d(
-            x,
-            self.kernel_size,
-            1,
-            self.padding,
-            self.dilation,
-            ceil_mode=self.ceil_mode,
-        )
-        return blur_2d(y, self.blur_kernel, self.stride)
-
-
-def use_blurpool(
-    model: torch.nn.Module,
-    replace_convs: bool,
-    replace_maxpools: bool,
-    blur_first: bool,
-    min_channels: int,
-) -> int:
-    """Make strided convolutions (with at least min_channels input channels, zero
-    padding) BlurConv2d and max pools BlurMaxPool2d, in place; returns how many."""
-    found = 0
-    device = next(model.parameters(), torch.zeros(())).device  # where the model lives
-    for module in list(model.modules()):
-        if type(module) is torch.nn.Conv2d:
-            blur = replace_convs and max(module.stride) > 1
-            blur = blur and module.in_channels >= min_channels
-            blur, new_class = blur and module.padding_mode == "zeros", BlurConv2d
-        elif type(module) is torch.nn.MaxPool2d:
-            blur, new_class = replace_maxpools, BlurMaxPool2d
-        else:
-            continue
-        if blur:
-            module.__class__ = new_class  # same parameters, same state-dict keys
-            module.blur_first = blur_first
-            # Not persistent: checkpoints hold the same keys with or without BlurPool.
-            kernel = binomial_kernel(device)
-            module.register_buffer("blur_kernel", kernel, persistent=False)
-            found += 1
-    return found
-
-
-# end algorithm: blurpool
-
-
 # algorithm: sam
-def sam_forward_backward(
-    forward_backward: Callable[[int], torch.Tensor],
-    attempt: microbatch.Attempt,
-    model: torch.nn.Module,
-    rho: float,
-) -> torch.Tensor:
-    """Sharpness-aware minimisation (Foret et al. 2021) for one batch: .grad ends up
-    holding the gradient at w + rho * g / |g|, where g is the gradient at the weights
-    w, which are restored bitwise. Returns the loss at w."""
-    loss_sum = forward_backward(attempt.size)
-    attempt.reduce_deferred_gradients()  # g is global (DDP defers it while searching)
+@contextlib.contextmanager
+def sam_uphill(model: torch.nn.Module, rho: float) -> Iterator[None]:
+    """Sharpness-aware minimisation (Foret et al. 2021): inside, the weights are
+    w + rho * g / |g| (g: the gradient in .grad, already global) and .grad is empty
+    for the second pass; on exit (also after an error) the weights are w again,
+    bitwise, and ghost BatchNorm keeps the first pass's statistics."""
     params = [p for p in model.parameters() if p.grad is not None]
     grads = [p.grad for p in params]
     scale = rho / (fsdp.grad_norm(params).item() + 1e-12)  # |g| over ranks and shards
     weights = [p.detach().clone() for p in params]
-    # The second pass's BatchNorm statistics are dropped: the first pass's are kept.
     stats = {m: m.step_stats for m in model.modules() if hasattr(m, "step_stats")}
+    with torch.no_grad():
+        torch._foreach_add_(params, grads, alpha=scale)
+    for p in params:
+        p.grad = None
     try:
-        with torch.no_grad():
-            torch._foreach_add_(params, grads, alpha=scale)  # w + rho * g / |g|
-        for p in params:
-            p.grad = None
-        forward_backward(attempt.size)
-    finally:  # also when out of memory: the retried step starts from w
+        yield
+    finally:
         with torch.no_grad():
             for p, w in zip(params, weights):
                 p.copy_(w)
         for module, step_stats in stats.items():
             module.step_stats = step_stats
-    return loss_sum
 
 
 # end algorithm: sam
@@ -440,13 +312,9 @@ def mixup_batch(
     partner: torch.Tensor,
     rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MixUp of this rank's share of the global batch (Zhang et al. 2018).
-
-    The sample at global position g becomes lam * x[g] + (1 - lam) * x[partner[g]], its
-    target likewise, as class probabilities: the cross-entropy against the mixed target
-    is lam * loss(own label) + (1 - lam) * loss(partner's label). Partners may sit on
-    other ranks, so inputs and targets are all-gathered (one process: nothing to do).
-    """
+    """MixUp (Zhang et al. 2018) of this rank's share of the global batch: sample g
+    becomes lam * x[g] + (1 - lam) * x[partner[g]], its target (class probabilities)
+    likewise. Partners may sit on other ranks: inputs and targets are all-gathered."""
     if targets.dim() == 1:  # class indices -> probabilities
         targets = F.one_hot(targets, num_classes).float()
     share = inputs.shape[0]
@@ -485,41 +353,12 @@ def progressive_resizing_size(
     return int(height * rounded / width), rounded
 
 
-def progressive_resize(
-    images: torch.Tensor, size: tuple[int, int], mode: str, seed: list[int]
-) -> torch.Tensor:
-    """Images (..., C, H, W) at `size`: nearest-neighbour resized, or cropped at one
-    offset for the batch drawn from `seed` (the same on every rank). channels_last
-    memory stays channels_last."""
-    if tuple(images.shape[-2:]) == size:
-        return images
-    channels_last = images.dim() == 4 and not images.is_contiguous()
-    channels_last = channels_last and images.is_contiguous(
-        memory_format=torch.channels_last
-    )
-    if mode == "crop":
-        top, left = (
-            np.random.default_rng(seed).integers(full - new + 1)
-            for full, new in zip(images.shape[-2:], size)
-        )
-        images = images[..., top : top + size[0], left : left + size[1]]
-    else:  # leading dimensions (AugMix's views) folded into the batch
-        flat = F.interpolate(images.flatten(0, -4), size=size, mode="nearest")
-        images = flat.reshape(*images.shape[:-2], *size)
-    layout = torch.channels_last if channels_last else torch.contiguous_format
-    return images.contiguous(memory_format=layout)
-
-
 def progressive_resizing_static_compile(
     side: int, num_blocks: int, cfg: Config
 ) -> None:
-    """torch.compile under progressive resizing: one static graph per image size.
-
-    On the first new size dynamo would build a size-generic graph (automatic dynamic
-    shapes), which Inductor fails to compile for these ResNets (measured: CPU, torch
-    2.13, "cannot determine truth value of Relational"). The sizes are multiples of
-    size_increment, at most side / increment + 1 of them: the recompile limits are
-    raised to hold a few graphs (training, evaluation) per block and size."""
+    """One static graph per image size under torch.compile: a size-generic graph
+    (dynamo's automatic dynamic shapes) fails in Inductor for these ResNets (CPU, torch
+    2.13); the limits hold a few graphs per block for each of the few sizes."""
     sizes = side // cfg.progressive_resizing_size_increment + 1
     limit = 4 * sizes * num_blocks
     dynamo = torch._dynamo.config
@@ -574,7 +413,6 @@ def evaluate(
     images: data.ImageData,
     cfg: Config,
     env: dist.DistEnv,
-    microbatching: microbatch.Search,
 ) -> dict[str, float]:
     """Cross-entropy, top-1 and top-5 accuracy on the validation split (BatchNorm in
     evaluation mode: running statistics). Every rank scores its share of each batch,
@@ -583,30 +421,25 @@ def evaluate(
     model.eval()
     k = min(5, len(images.classes))
     num_batches = min(cfg.eval_batches or len(val), len(val))
-    # auto: out of memory on any rank halves evaluation's size on every rank.
-    for attempt in microbatching.eval_attempts(seq_len=cfg.eval_image_size):
-        with attempt:
-            sums = torch.zeros(4, device=env.device)  # loss, top-1, top-5 hits, samples
-            for batch in range(num_batches):
-                pixels, labels, weight = (t.to(env.device) for t in val[batch])
-                for x, y, w in zip(
-                    pixels.split(attempt.size),
-                    labels.split(attempt.size),
-                    weight.split(attempt.size),
-                ):
-                    with torch.autocast(
-                        env.device.type, torch.bfloat16, enabled=is_amp(cfg)
-                    ):
-                        logits = model(data.normalize(x, images)).float()
-                    top = logits.topk(k, dim=1).indices == y[:, None]
-                    sums += torch.stack(
-                        [
-                            (F.cross_entropy(logits, y, reduction="none") * w).sum(),
-                            (top[:, 0] * w).sum(),
-                            (top.any(dim=1) * w).sum(),
-                            w.sum(),
-                        ]
-                    )
+    sums = torch.zeros(4, device=env.device)  # loss, top-1, top-5 hits, samples
+    for batch in range(num_batches):
+        pixels, labels, weight = (t.to(env.device) for t in val[batch])
+        for x, y, w in zip(
+            pixels.split(cfg.device_microbatch_size),
+            labels.split(cfg.device_microbatch_size),
+            weight.split(cfg.device_microbatch_size),
+        ):
+            with torch.autocast(env.device.type, torch.bfloat16, enabled=is_amp(cfg)):
+                logits = model(data.normalize(x, images)).float()
+            top = logits.topk(k, dim=1).indices == y[:, None]
+            sums += torch.stack(
+                [
+                    (F.cross_entropy(logits, y, reduction="none") * w).sum(),
+                    (top[:, 0] * w).sum(),
+                    (top.any(dim=1) * w).sum(),
+                    w.sum(),
+                ]
+            )
     model.train()
     loss, top1, top5, count = dist.reduce_sum(sums).tolist()
     return {
@@ -617,8 +450,42 @@ def evaluate(
 
 
 def is_amp(cfg: Config) -> bool:
-    """Autocast: bf16 convolutions and matmuls on fp32 weights (precision=amp_bf16)."""
+    """Autocast: bf16 compute on fp32 weights (precision=amp_bf16)."""
     return cfg.precision == "amp_bf16"
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    microbatch_size: int,
+    loss_scale: float,
+    cfg: Config,
+) -> torch.Tensor:
+    """Forward and backward over this rank's batch in microbatches of `microbatch_size`
+    rows, gradients adding up in .grad (reduced over ranks in the last backward)."""
+    clear_step_stats(model)  # ghost BatchNorm: this step's statistics start empty
+    loss_sum = torch.zeros((), device=targets.device)
+    microbatches = list(
+        zip(inputs.split(microbatch_size), targets.split(microbatch_size))
+    )
+    for i, (micro_inputs, micro_targets) in enumerate(microbatches):
+        # event: MICROBATCH_START
+
+        # Reduce gradients over ranks once, in the last backward.
+        fsdp.sync_gradients(model, i == len(microbatches) - 1)
+        with torch.autocast(targets.device.type, torch.bfloat16, enabled=is_amp(cfg)):
+            logits = model(micro_inputs)
+
+        # event: AFTER_FORWARD
+
+        loss = F.cross_entropy(logits.float(), micro_targets, reduction="sum")
+
+        # event: LOSS
+
+        (loss * loss_scale).backward()
+        loss_sum += loss.detach()
+    return loss_sum
 
 
 def main() -> None:
@@ -628,7 +495,8 @@ def main() -> None:
     env, parallel = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
-    try:
+    # A missing path, a bad file, too few images: one line, exit status 2.
+    with config.failing(OSError, ValueError):
         images = data.load_images(cfg.data)
         batches = dict(
             batch_size=cfg.global_batch_size,
@@ -641,15 +509,14 @@ def main() -> None:
         train_batches = data.Batches(images, "train", **batches)
         val_sizes = dict(image_size=cfg.eval_image_size, resize=cfg.eval_resize)
         val = data.Batches(images, "val", **(batches | val_sizes))
-    except (OSError, ValueError) as error:  # a missing path, a bad file, too few images
-        config.fail(str(error))
-
+    # Decoding images from disk happens in worker processes while the model trains.
+    num_workers = cfg.num_workers if images.on_disk else 0
     if cfg.model.startswith(TORCHVISION):
-        try:  # a torchvision model, fitted to this loop (see TorchvisionNet)
-            name = cfg.model.removeprefix(TORCHVISION)
+        # A torchvision model, fitted to this loop (see TorchvisionNet); BatchNorm
+        # layers that cannot be made ghost are refused.
+        name = cfg.model.removeprefix(TORCHVISION)
+        with config.failing(ValueError):
             model = TorchvisionNet(name, len(images.classes), cfg.bn_group_size)
-        except ValueError as error:  # BatchNorm layers that cannot be made ghost
-            config.fail(str(error))
     else:
         model_config = ResNetConfig(
             num_classes=len(images.classes),
@@ -661,32 +528,13 @@ def main() -> None:
     model = model.to(env.device)
     num_params = model.num_params()
 
-    # One live start per run: a second (a requeue racing a dying job) is refused. The
-    # OS lock is held until this process ends; the kernel drops it even after kill -9.
-    # Taken after the data is read and the model built: a bad input leaves no run
-    # folder behind.
-    try:
+    # One live start per run (a requeue racing a dying job is refused): an OS lock the
+    # kernel drops even after kill -9. Taken after all input is read: a bad one leaves
+    # no run folder behind.
+    with config.failing(runlock.RunInUse):
         run_lock = runlock.acquire(run_dir)
-    except runlock.RunInUse as error:
-        config.fail(str(error))
-    # Decoding images from disk happens in worker processes while the model trains.
-    num_workers = cfg.num_workers if images.on_disk else 0
 
     # event: MODEL
-
-    # algorithm: blurpool
-    # BlurPool (Zhang 2019): strided convolutions and max pools blur before they
-    # subsample, so high frequencies do not alias. Weights and checkpoint keys are
-    # unchanged (the filter is a fixed, unsaved buffer); before sharding.
-    blurred = use_blurpool(
-        model,
-        cfg.blurpool_replace_convs,
-        cfg.blurpool_replace_maxpools,
-        cfg.blurpool_blur_first,
-        cfg.blurpool_min_channels,
-    )
-    dist.print0(f"blurpool: {blurred} layer(s) blur before subsampling")
-    # end algorithm: blurpool
 
     # algorithm: channels_last
     # Channels last (NHWC): convolution weights stored channel-innermost, the layout
@@ -733,11 +581,26 @@ def main() -> None:
             # CUDA: one fused kernel for the whole update instead of several per tensor.
             fused=env.device.type == "cuda" and not cfg.cpu_offload,
         )
-    # What a checkpoint holds; an algorithm with state of its own (EMA weights, say)
-    # adds an entry at OPTIMIZER, before the resume below restores all of it.
-    state = {"model": model, "optimizer": optimizer}
-    # The state entry whose weights `scaffold export` writes out for inference.
-    export_entry = "model"
+    # The log, metrics.jsonl, progress bar and trackers (rank 0 writes them).
+    monitor = Monitor(run_dir, cfg.max_duration, cfg.global_batch_size, env.is_main)
+    progress = Progress(batches_per_epoch=train_batches.batches_per_epoch)
+    stopper = early_stop.EarlyStopper(
+        cfg.early_stop_metric,
+        cfg.early_stop_patience,
+        cfg.early_stop_min_delta,
+        cfg.early_stop_mode,
+        log=monitor.info,
+    )
+    # What a checkpoint holds: every entry has state_dict() and load_state_dict(). An
+    # algorithm with state of its own (EMA weights, say) adds an entry at OPTIMIZER.
+    state = dict(model=model, optimizer=optimizer, progress=progress, stopper=stopper)
+    # Checkpoints of this run; the `state` entry whose weights `scaffold export` writes
+    # out for inference is "model" unless an algorithm says otherwise at OPTIMIZER.
+    checkpointer = checkpoint.Checkpointer(
+        cfg.save_folder or run_dir / "checkpoints",
+        keep=cfg.save_num_checkpoints_to_keep,
+        async_save=cfg.save_async,
+    )
 
     # event: OPTIMIZER
 
@@ -747,41 +610,26 @@ def main() -> None:
     ema_model = fsdp.parallelize_copy(ema_model, ema_model.blocks, env, parallel)
     state["ema"] = ema_model
     if cfg.ema_export:
-        export_entry = "ema"  # scaffold export writes the averaged weights
+        checkpointer.export = "ema"  # scaffold export writes the averaged weights
     # end algorithm: ema
 
-    # Resume: load_path, else this run's newest complete checkpoint, restores model
-    # (with BatchNorm running statistics), optimizer, progress and RNG, saved on any
-    # number of ranks. The batch order is a function of progress: nothing is replayed.
-    progress = Progress(batches_per_epoch=train_batches.batches_per_epoch)
-    checkpointer = checkpoint.Checkpointer(
-        cfg.save_folder or run_dir / "checkpoints",
-        keep=cfg.save_num_checkpoints_to_keep,
-        async_save=cfg.save_async,
-        export=export_entry,
-    )
-    try:
+    # Resume: load_path, else this run's newest complete checkpoint, restores all of
+    # `state` and the RNG, saved on any number of ranks. The batch order is a function
+    # of progress (the global sample cursor): nothing is replayed.
+    with config.failing(checkpoint.CheckpointError):  # names the file or the keys
         resumed = checkpointer.resume(
             state,
-            progress,
             load_path=cfg.load_path,
             weights_only=cfg.load_weights_only,
             autoresume=cfg.autoresume,
             seed=cfg.seed,
         )
-    except checkpoint.CheckpointError as error:  # names the file or the mismatched keys
-        config.fail(str(error))
-    monitor = Monitor(
-        run_dir, progress, cfg.max_duration, cfg.global_batch_size, env.is_main
-    )
+    monitor.start(progress)  # metrics.jsonl and the progress bar from where training is
     monitor.record_run(config.to_toml(cfg), Path(__file__), env.device, env.world_size)
-    # MFU, memory, ETA
     monitor.measure(
         env.device, env.world_size, cfg.precision, flops_per_sample=flops_per_sample
     )
-    monitor.open_trackers(
-        cfg.trackers, config.to_toml(cfg)
-    )  # rank 0; resumes their runs
+    monitor.open_trackers(cfg.trackers, config.to_toml(cfg))  # rank 0 writes them
     monitor.info(f"data: {images.source}")
     monitor.info(
         f"images: {len(images.train):,} train, {len(images.val):,} validation, "
@@ -791,30 +639,8 @@ def main() -> None:
     monitor.info(f"parallelism: {parallel.parallelism}, {env.world_size} process(es)")
     for line in resumed.describe() if resumed else []:
         monitor.info(line)
-    # The microbatch size: fixed, or auto (the largest multiple of bn_group_size that
-    # fits, found by halving on out-of-memory; a resumed run reuses the size it found).
-    microbatching = microbatch.Search(
-        model,
-        fsdp.unwrap(model).blocks,
-        env,
-        cfg.device_microbatch_size,
-        per_rank_batch=cfg.global_batch_size // env.world_size,
-        max_size=cfg.max_device_microbatch_size,
-        resumed=resumed.extra if resumed else None,
-        log=monitor.info,
-        timeout=timedelta(seconds=cfg.dist_timeout),
-        multiple_of=cfg.bn_group_size,
-    )
 
     train_loss = RunningSum(env.device)  # summed on the device, read at logged steps
-    stopper = early_stop.EarlyStopper(
-        cfg.early_stop_metric,
-        cfg.early_stop_patience,
-        cfg.early_stop_min_delta,
-        cfg.early_stop_mode,
-        resumed=resumed.extra if resumed else None,  # a stopped run stays stopped
-        log=monitor.info,
-    )
     profiler = profile.Profiler(
         cfg.profile, run_dir, env.rank, env.device, cfg.max_duration, monitor.info
     )
@@ -822,6 +648,13 @@ def main() -> None:
     preemption = preempt.Preemption()
 
     # event: FIT_START
+
+    # algorithm: progressive_resizing
+    # Under torch.compile, progressive resizing's few sizes get a static graph each
+    # (set once, before the first compiled forward; `size`: the training side).
+    if parallel.compile:
+        progressive_resizing_static_compile(size, len(fsdp.unwrap(model).blocks), cfg)
+    # end algorithm: progressive_resizing
 
     stopping = False
     while not (progress.reached(cfg.max_duration) or stopping or stopper.stopped):
@@ -849,7 +682,7 @@ def main() -> None:
             # algorithm: label_smoothing
             # Soft targets (Szegedy et al. 2016): (1 - s) * one-hot + s / K, so the
             # classifier is never pushed to infinite confidence. Before any mixing.
-            num_classes, smoothing = len(images.classes), cfg.label_smoothing
+            num_classes, smoothing = len(images.classes), cfg.label_smoothing_smoothing
             if targets.dim() == 1:  # class indices -> probabilities
                 targets = F.one_hot(targets, num_classes).float()
             targets = (1 - smoothing) * targets + smoothing / num_classes
@@ -883,13 +716,10 @@ def main() -> None:
             # features are learned; full size for the last finetune fraction. The size
             # is a function of progress: a resumed run continues the same schedule.
             # Crop mode's offset is drawn from (seed, step): the same on every rank.
-            if parallel.compile:  # a static graph per size (the sizes are few)
-                blocks = len(fsdp.unwrap(model).blocks)
-                progressive_resizing_static_compile(inputs.shape[-1], blocks, cfg)
             progressive_size = progressive_resizing_size(
                 progress.fraction(cfg.max_duration), *inputs.shape[-2:], cfg
             )
-            inputs = progressive_resize(
+            inputs = data.progressive_resize(
                 inputs,
                 progressive_size,
                 cfg.progressive_resizing_mode,
@@ -906,62 +736,33 @@ def main() -> None:
             lr = lr_at(progress.fraction(cfg.max_duration), cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-
             # Gradient accumulation: each microbatch's summed loss is divided by the
             # samples trained on in this step over all ranks (the global batch size,
             # unless an algorithm cut the batch), so gradients are their mean whatever
             # the microbatch size and world size. DDP and FSDP average gradients over
             # ranks: hence the factor world_size.
             loss_scale = env.world_size / samples
-
-            def forward_backward(size: int) -> torch.Tensor:
-                """Forward and backward over this rank's batch in microbatches of `size`
-                samples; gradients add up in .grad. Returns the summed loss."""
-                loss_sum = torch.zeros((), device=env.device)
-                microbatches = list(zip(inputs.split(size), targets.split(size)))
-                for i, (micro_inputs, micro_targets) in enumerate(microbatches):
-                    # event: MICROBATCH_START
-
-                    # Reduce gradients over ranks once, in the last backward.
-                    fsdp.sync_gradients(model, i == len(microbatches) - 1)
-                    with torch.autocast(
-                        env.device.type, torch.bfloat16, enabled=is_amp(cfg)
-                    ):
-                        logits = model(micro_inputs)
-
-                    # event: AFTER_FORWARD
-
-                    loss = F.cross_entropy(
-                        logits.float(), micro_targets, reduction="sum"
-                    )
-
-                    # event: LOSS
-
-                    (loss * loss_scale).backward()
-                    loss_sum += loss.detach()
-                return loss_sum
-
-            # Out of memory on any rank (while the size is still being searched): every
-            # rank drops this attempt's gradients (and BatchNorm statistics) and retries
-            # the same batch at half the microbatch size.
-            rows = inputs.shape[0]  # a cut batch does not prove a size fits a full one
-            for attempt in microbatching.attempts(seq_len=inputs.shape[-1], rows=rows):
-                with attempt:
-                    clear_step_stats(model)
-
-                    # algorithm: sam
-                    # SAM every sam_interval steps: the gradient at the weights pushed
-                    # uphill by sam_rho along the normalised gradient, taken back to the
-                    # original weights. Out of memory in either pass retries the step.
-                    if progress.batch % cfg.sam_interval == 0:
-                        loss_sum = sam_forward_backward(
-                            forward_backward, attempt, model, cfg.sam_rho
-                        )
-                    else:
-                        loss_sum = forward_backward(attempt.size)
-                    # end algorithm: sam
+            loss_sum = forward_backward(
+                model, inputs, targets, cfg.device_microbatch_size, loss_scale, cfg
+            )
 
             # event: AFTER_BACKWARD
+
+            # algorithm: sam
+            # SAM every sam_interval steps: the gradient is taken again at the weights
+            # pushed uphill by sam_rho along the normalised gradient; the weights then
+            # return (bitwise) and the optimizer steps with that second gradient.
+            if progress.batch % cfg.sam_interval == 0:
+                with sam_uphill(model, cfg.sam_rho):
+                    forward_backward(
+                        model,
+                        inputs,
+                        targets,
+                        cfg.device_microbatch_size,
+                        loss_scale,
+                        cfg,
+                    )
+            # end algorithm: sam
 
             if cfg.optimizer == "sgd":
                 # Decoupled weight decay (Loshchilov & Hutter 2019), scaled by the
@@ -995,9 +796,7 @@ def main() -> None:
                 # algorithm: ema
                 # The averaged weights, same evaluation: ema_val_loss, ema_val_top1, ...
                 with monitor.paused():
-                    ema_metrics = evaluate(
-                        ema_model, val, images, cfg, env, microbatching
-                    )
+                    ema_metrics = evaluate(ema_model, val, images, cfg, env)
                 metrics.update(
                     {f"ema_{name}": value for name, value in ema_metrics.items()}
                 )
@@ -1005,13 +804,10 @@ def main() -> None:
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
-                    metrics.update(
-                        evaluate(model, val, images, cfg, env, microbatching)
-                    )
+                    metrics.update(evaluate(model, val, images, cfg, env))
             if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
                 metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks
                 metrics["lr"] = lr
-                metrics["microbatch_size"] = attempt.size
 
                 # algorithm: sam
                 # SAM steps so far, each two forward/backward passes
@@ -1023,24 +819,16 @@ def main() -> None:
                 # end algorithm: mixup
 
                 # algorithm: progressive_resizing
-                metrics["image_width"] = inputs.shape[
-                    -1
-                ]  # progressive resizing's current size
+                # progressive resizing's current size
+                metrics["image_width"] = inputs.shape[-1]
                 # end algorithm: progressive_resizing
 
                 monitor.log(progress, **metrics)
             finished = stopper.update(progress, metrics, cfg.max_duration) or finished
-            if (
-                progress.at_interval(cfg.save_interval, cfg.max_duration)
-                or finished
-                or stopping
-            ):
+            save_due = progress.at_interval(cfg.save_interval, cfg.max_duration)
+            if save_due or finished or stopping:
                 with monitor.paused():
-                    checkpointer.save(
-                        state,
-                        progress,
-                        extra=microbatching.state_dict() | stopper.state_dict(),
-                    )
+                    checkpointer.save(state)
             if finished or stopping:
                 break
 
@@ -1063,5 +851,7 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
+    except checkpoint.StorageError as error:  # a full disk, a refusing store: one line
+        config.fail(str(error), status=1)
     finally:
         dist.shutdown()  # leave the process group, also after an error
