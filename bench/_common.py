@@ -13,18 +13,33 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 # The same allocator settings for both sides of every ratio (DESIGN.md §12.8: glibc's defaults cost
 # a small loop hundreds of page faults per step). Set here so runs are comparable; printed.
-ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
+ALLOCATOR = {
+    "MALLOC_MMAP_THRESHOLD_": "33554432",
+    "MALLOC_TRIM_THRESHOLD_": "1073741824",
+}
 
 
 def bench_env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    path = os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p
+    )
     return {**os.environ, **ALLOCATOR, "PYTHONPATH": path}
 
 
 def generate(recipe: str, root: Path, *overrides: str) -> Path:
     """`scaffold new` through the CLI of this checkout."""
     dest = root / recipe
-    command = [sys.executable, "-m", "scaffold", "new", str(dest), "--recipe", recipe, "--name", "bench"]
+    command = [
+        sys.executable,
+        "-m",
+        "scaffold",
+        "new",
+        str(dest),
+        "--recipe",
+        recipe,
+        "--name",
+        "bench",
+    ]
     for override in overrides:
         command += ["--set", override]
     subprocess.run(command, check=True, env=bench_env(), cwd=REPO, capture_output=True)
@@ -34,8 +49,17 @@ def generate(recipe: str, root: Path, *overrides: str) -> Path:
 def train(project: Path, workdir: Path, run_name: str, *args: str) -> list[dict]:
     """Run the generated train.py on the CPU; return its metrics records."""
     result = subprocess.run(
-        [sys.executable, str(project / "train.py"), "--device=cpu", f"--run_name={run_name}", *args],
-        cwd=workdir, env=bench_env(), capture_output=True, text=True,
+        [
+            sys.executable,
+            str(project / "train.py"),
+            "--device=cpu",
+            f"--run_name={run_name}",
+            *args,
+        ],
+        cwd=workdir,
+        env=bench_env(),
+        capture_output=True,
+        text=True,
     )
     if result.returncode != 0:
         raise RuntimeError(f"train.py failed:\n{result.stderr[-3000:]}")
@@ -47,7 +71,9 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def speedup_line(arm: str, ratios: list[float], bounds: list[float], detail: str = "") -> str:
+def speedup_line(
+    arm: str, ratios: list[float], bounds: list[float], detail: str = ""
+) -> str:
     """`speedup: <arm> = X`, the median over seeds of the baseline's time to the target over the
     arm's. A seed whose arm never reached the target gives only a bound: its time to the target
     is longer than its whole training time, so its ratio is below the baseline's time over that.
@@ -63,8 +89,14 @@ def scratch() -> Path:
     return Path(tempfile.mkdtemp(prefix="scaffold-bench-"))
 
 
-def plot_curves(curves: dict[str, list[list[tuple[float, float]]]], path: Path, *, xlabel: str, ylabel: str,
-                title: str) -> bool:
+def plot_curves(
+    curves: dict[str, list[list[tuple[float, float]]]],
+    path: Path,
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+) -> bool:
     """One PNG: each arm's runs as (x, y) lines in the arm's colour, labelled once. False
     (and nothing written) without matplotlib, which the numbers do not need."""
     try:
@@ -77,8 +109,13 @@ def plot_curves(curves: dict[str, list[list[tuple[float, float]]]], path: Path, 
     figure, axes = plt.subplots(figsize=(8, 5))
     for (arm, runs), colour in zip(curves.items(), plt.cm.tab10.colors):
         for i, points in enumerate(runs):
-            axes.plot([x for x, _ in points], [y for _, y in points], color=colour, alpha=0.8,
-                      label=arm if i == 0 else None)
+            axes.plot(
+                [x for x, _ in points],
+                [y for _, y in points],
+                color=colour,
+                alpha=0.8,
+                label=arm if i == 0 else None,
+            )
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
     axes.set_title(title)

@@ -46,7 +46,9 @@ class Model(nn.Module):
         layers = max(1, int((params - vocab * width) // per_block))
         self.wte = nn.Embedding(vocab, width)
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            nn.Sequential(
+                nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+            )
             for _ in range(layers)
         )
 
@@ -57,13 +59,19 @@ class Model(nn.Module):
         return x
 
 
-def build(params: float, env: dist.DistEnv | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(
+    params: float, env: dist.DistEnv | None = None
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = Model(params)
     if env is not None and env.world_size > 1:
-        model = fsdp.parallelize(model, model.blocks, env, fsdp.ParallelConfig(parallelism="fsdp"))
+        model = fsdp.parallelize(
+            model, model.blocks, env, fsdp.ParallelConfig(parallelism="fsdp")
+        )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model(torch.randint(0, 50304, (1, 8))).float().pow(2).mean().backward()  # AdamW state exists
+    model(torch.randint(0, 50304, (1, 8))).float().pow(
+        2
+    ).mean().backward()  # AdamW state exists
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return model, optimizer
@@ -80,7 +88,8 @@ def best(fn, repeat: int) -> float:
 
 def alternating(a, b, repeat: int) -> tuple[float, float]:
     """Median times of `a` and `b` run A B A B ...: the disk's write-back state drifts a lot
-    here (the same torch.save took 1.0 to 3.8 s), so both sides must see the same drift."""
+    here (the same torch.save took 1.0 to 3.8 s), so both sides must see the same drift.
+    """
     times_a, times_b = [], []
     for _ in range(repeat):
         for fn, times in ((a, times_a), (b, times_b)):
@@ -106,18 +115,26 @@ def single_process(args: argparse.Namespace, root: Path) -> dict[str, float]:
         checkpointer.save(state)
 
     def torch_save() -> None:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, root / "plain.pt")
+        torch.save(
+            {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+            root / "plain.pt",
+        )
         os.sync()
 
     def sync_after(fn):
         return lambda: (fn(), os.sync())
 
     # Both include os.sync(): the time until the bytes are on disk.
-    results["dcp_save"], results["torch_save"] = alternating(sync_after(dcp_save), torch_save, args.saves)
+    results["dcp_save"], results["torch_save"] = alternating(
+        sync_after(dcp_save), torch_save, args.saves
+    )
     fresh, fresh_optimizer = build(args.params)
     path = checkpoint.latest(root / "dcp")
-    fresh_state = {"model": fresh, "optimizer": fresh_optimizer,
-                   "progress": Progress(batches_per_epoch=1000)}
+    fresh_state = {
+        "model": fresh,
+        "optimizer": fresh_optimizer,
+        "progress": Progress(batches_per_epoch=1000),
+    }
     results["dcp_load"] = best(lambda: checkpoint.load(path, fresh_state), args.repeat)
 
     def torch_load() -> None:
@@ -172,11 +189,24 @@ def worker(args: argparse.Namespace) -> None:
 
 def resharded(args: argparse.Namespace, root: Path) -> dict[str, float]:
     def launch(nproc: int, mode: str) -> dict:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={nproc}", __file__, "--worker", mode, "--dir", str(root),
-                   "--params", str(args.params)]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            __file__,
+            "--worker",
+            mode,
+            "--dir",
+            str(root),
+            "--params",
+            str(args.params),
+        ]
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+        result = subprocess.run(
+            command, capture_output=True, text=True, env=env, timeout=900
+        )
         if result.returncode:
             raise SystemExit(result.stderr[-3000:])
         lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
@@ -189,8 +219,12 @@ def resharded(args: argparse.Namespace, root: Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=float, default=100e6)
-    parser.add_argument("--repeat", type=int, default=2, help="best of N for loads and stalls")
-    parser.add_argument("--saves", type=int, default=5, help="alternating save pairs (median)")
+    parser.add_argument(
+        "--repeat", type=int, default=2, help="best of N for loads and stalls"
+    )
+    parser.add_argument(
+        "--saves", type=int, default=5, help="alternating save pairs (median)"
+    )
     parser.add_argument("--dir", default="")
     parser.add_argument("--skip-resharded", action="store_true")
     parser.add_argument("--worker", choices=("save", "load"), help=argparse.SUPPRESS)
@@ -207,29 +241,53 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
     gb = r["bytes"] / 1e9
     rows = [
-        ("save: runtime.checkpoint (DCP)", r["dcp_save"], r["dcp_save"] / r["torch_save"]),
+        (
+            "save: runtime.checkpoint (DCP)",
+            r["dcp_save"],
+            r["dcp_save"] / r["torch_save"],
+        ),
         ("save: torch.save", r["torch_save"], 1.0),
-        ("load: runtime.checkpoint (DCP)", r["dcp_load"], r["dcp_load"] / r["torch_load"]),
+        (
+            "load: runtime.checkpoint (DCP)",
+            r["dcp_load"],
+            r["dcp_load"] / r["torch_load"],
+        ),
         ("load: torch.load(weights_only)", r["torch_load"], 1.0),
     ]
     if "load_on_2" in r:
-        rows += [(f"load saved on 2 ranks, on {n}", r[f"load_on_{n}"], r[f"load_on_{n}"] / r["load_on_2"])
-                 for n in (2, 1, 3)]
+        rows += [
+            (
+                f"load saved on 2 ranks, on {n}",
+                r[f"load_on_{n}"],
+                r[f"load_on_{n}"] / r["load_on_2"],
+            )
+            for n in (2, 1, 3)
+        ]
     rows += [
         ("loop stall: sync save", r["stall_sync"], 1.0),
-        ("loop stall: async save", r["stall_async"], r["stall_async"] / r["stall_sync"]),
+        (
+            "loop stall: async save",
+            r["stall_async"],
+            r["stall_async"] / r["stall_sync"],
+        ),
     ]
-    print(f"{r['params'] / 1e6:.1f}M parameters + AdamW state, {gb:.2f} GB checkpoint, "
-          f"torch {torch.__version__}, {os.cpu_count()} CPUs; saves: median of {args.saves} "
-          f"alternating pairs; loads, stalls: best of {args.repeat}")
+    print(
+        f"{r['params'] / 1e6:.1f}M parameters + AdamW state, {gb:.2f} GB checkpoint, "
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs; saves: median of {args.saves} "
+        f"alternating pairs; loads, stalls: best of {args.repeat}"
+    )
     print(f"{'what':<34} {'seconds':>8} {'ratio':>7}")
     for name, seconds, ratio in rows:
         print(f"{name:<34} {seconds:>8.2f} {ratio:>6.2f}x")
-    summary = (f"summary: DCP save {r['dcp_save'] / r['torch_save']:.2f}x and load "
-               f"{r['dcp_load'] / r['torch_load']:.2f}x torch.save/load time")
+    summary = (
+        f"summary: DCP save {r['dcp_save'] / r['torch_save']:.2f}x and load "
+        f"{r['dcp_load'] / r['torch_load']:.2f}x torch.save/load time"
+    )
     if "load_on_2" in r:
-        summary += (f"; resharded load 2->1 {r['load_on_1'] / r['load_on_2']:.2f}x, "
-                    f"2->3 {r['load_on_3'] / r['load_on_2']:.2f}x same-size")
+        summary += (
+            f"; resharded load 2->1 {r['load_on_1'] / r['load_on_2']:.2f}x, "
+            f"2->3 {r['load_on_3'] / r['load_on_2']:.2f}x same-size"
+        )
     summary += f"; async save stalls the loop {r['stall_async']:.2f}s vs {r['stall_sync']:.2f}s sync"
     print(summary)
 

@@ -29,13 +29,17 @@ def timed(command: list[str], env: dict[str, str]) -> float:
     return time.perf_counter() - start
 
 
-def older_projects(root: Path, recipe: str, count: int, env: dict[str, str]) -> list[Path]:
+def older_projects(
+    root: Path, recipe: str, count: int, env: dict[str, str]
+) -> list[Path]:
     """`count` projects generated from release 0.0.1: today's templates with one line changed."""
     old = root / "old-templates"
     if not old.exists():
         shutil.copytree(REPO / "templates", old)
         train = old / "tasks" / "causal_lm" / "train.py.jinja"
-        train.write_text(train.read_text().replace("    seed: int = 42", "    seed: int = 7", 1))
+        train.write_text(
+            train.read_text().replace("    seed: int = 42", "    seed: int = 7", 1)
+        )
     script = (
         "import sys; from pathlib import Path\n"
         "from scaffold.history import TemplateRelease\n"
@@ -44,32 +48,57 @@ def older_projects(root: Path, recipe: str, count: int, env: dict[str, str]) -> 
         "    new_project(sys.argv[2], Path(dest), [], release=TemplateRelease(Path(sys.argv[1]), '0.0.1'))\n"
     )
     projects = [root / f"{recipe}-old-{i}" for i in range(count)]
-    subprocess.run([sys.executable, "-c", script, str(old), recipe, *map(str, projects)],
-                   check=True, env=env, cwd=REPO, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-c", script, str(old), recipe, *map(str, projects)],
+        check=True,
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+    )
     return projects
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     root = scratch()
-    env = {**bench_env(), "HOME": str(root / "home")}  # a private template-history cache
+    env = {
+        **bench_env(),
+        "HOME": str(root / "home"),
+    }  # a private template-history cache
     scaffold = [sys.executable, "-m", "scaffold"]
     timed([*scaffold, "recipes"], env)  # warm the OS file cache
-    timed([*scaffold, "new", str(root / "warm"), "--recipe", RECIPES[0]], env)  # build the cache
+    timed(
+        [*scaffold, "new", str(root / "warm"), "--recipe", RECIPES[0]], env
+    )  # build the cache
     print(f"{'recipe':14} {'command':8} {'median s':>9} {'max s':>7}")
     worst = 0.0
     for recipe in RECIPES:
-        times = [timed([*scaffold, "new", str(root / f"{recipe}-{i}"), "--recipe", recipe], env)
-                 for i in range(args.repeats)]
+        times = [
+            timed(
+                [*scaffold, "new", str(root / f"{recipe}-{i}"), "--recipe", recipe], env
+            )
+            for i in range(args.repeats)
+        ]
         worst = max(worst, median(times))
-        print(f"{recipe:14} {'new':8} {median(times):9.2f} {max(times):7.2f}", flush=True)
+        print(
+            f"{recipe:14} {'new':8} {median(times):9.2f} {max(times):7.2f}", flush=True
+        )
         projects = older_projects(root, recipe, args.repeats, env)
-        times = [timed([*scaffold, "upgrade", str(project)], env) for project in projects]
-        assert all("seed: int = 42" in (p / "train.py").read_text() for p in projects), "upgrade did nothing"
+        times = [
+            timed([*scaffold, "upgrade", str(project)], env) for project in projects
+        ]
+        assert all(
+            "seed: int = 42" in (p / "train.py").read_text() for p in projects
+        ), "upgrade did nothing"
         worst = max(worst, median(times))
-        print(f"{recipe:14} {'upgrade':8} {median(times):9.2f} {max(times):7.2f}", flush=True)
+        print(
+            f"{recipe:14} {'upgrade':8} {median(times):9.2f} {max(times):7.2f}",
+            flush=True,
+        )
     print(f"generate: slowest median = {worst:.2f} s (target < 2 s)")
 
 

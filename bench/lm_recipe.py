@@ -20,13 +20,30 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _common import ALLOCATOR, REPO, bench_env, median, plot_curves, scratch, speedup_line, train
+from _common import (
+    ALLOCATOR,
+    REPO,
+    bench_env,
+    median,
+    plot_curves,
+    scratch,
+    speedup_line,
+    train,
+)
 
 RECIPES = REPO / "templates" / "recipes"
 SHIPPED = ("gpt2-baseline", "gpt2-speedup", "gpt2-modern")
 # Each on top of gpt2-baseline, with the hyperparameters gpt2-modern uses.
-ALONE = ("rotary", "qk_norm", "relu_squared", "gated_linear_units", "zero_init", "logit_softcap", "muon",
-         "value_embeddings")
+ALONE = (
+    "rotary",
+    "qk_norm",
+    "relu_squared",
+    "gated_linear_units",
+    "zero_init",
+    "logit_softcap",
+    "muon",
+    "value_embeddings",
+)
 
 
 def generate(arm: str, root: Path) -> Path:
@@ -38,26 +55,53 @@ def generate(arm: str, root: Path) -> Path:
         table = modern.split(f"[algorithms.{arm.removeprefix('+')}]", 1)
         params = table[1].split("\n[", 1)[0] if len(table) == 2 else "\n"
         path = root / f"{arm.removeprefix('+')}.toml"
-        path.write_text((RECIPES / "gpt2-baseline.toml").read_text()
-                        + f"\n[algorithms.{arm.removeprefix('+')}]{params}\n")
+        path.write_text(
+            (RECIPES / "gpt2-baseline.toml").read_text()
+            + f"\n[algorithms.{arm.removeprefix('+')}]{params}\n"
+        )
         recipe = str(path)
     dest = root / arm.replace("+", "plus-")
-    subprocess.run([sys.executable, "-m", "scaffold", "new", str(dest), "--recipe", recipe, "--name", "bench"],
-                   check=True, env=bench_env(), cwd=REPO, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scaffold",
+            "new",
+            str(dest),
+            "--recipe",
+            recipe,
+            "--name",
+            "bench",
+        ],
+        check=True,
+        env=bench_env(),
+        cwd=REPO,
+        capture_output=True,
+    )
     return dest
 
 
 def corpus_hash(project: Path) -> str:
     """sha256 of the training and validation tokens, as the generated data.py loads them."""
-    code = ("import hashlib; from data import load_tokens; t = load_tokens(''); "
-            "print(hashlib.sha256(t.train.tobytes() + t.val.tobytes()).hexdigest()[:16], "
-            "len(t.train), len(t.val))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=project, env=bench_env(), capture_output=True,
-                         text=True, check=True)
+    code = (
+        "import hashlib; from data import load_tokens; t = load_tokens(''); "
+        "print(hashlib.sha256(t.train.tobytes() + t.val.tobytes()).hexdigest()[:16], "
+        "len(t.train), len(t.val))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=project,
+        env=bench_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out.stdout.strip()
 
 
-def curve(records: list[dict], batch: int, seq_len: int) -> list[tuple[int, int, float, float]]:
+def curve(
+    records: list[dict], batch: int, seq_len: int
+) -> list[tuple[int, int, float, float]]:
     """(step, tokens, training seconds, validation loss) at every evaluation; tokens count the
     truncated lengths of sequence-length warmup (its `seq_len` metric) where logged."""
     points, tokens = [], 0
@@ -77,7 +121,9 @@ def at_fraction(points: list[tuple[int, int, float, float]], step: float) -> flo
     return points[-1][3]
 
 
-def reach(target: float, points: list[tuple[int, int, float, float]]) -> tuple[float, float, float] | None:
+def reach(
+    target: float, points: list[tuple[int, int, float, float]]
+) -> tuple[float, float, float] | None:
     """(steps, tokens, seconds) when the curve first reaches `target`, interpolated."""
     previous = None
     for point in points:
@@ -91,55 +137,103 @@ def reach(target: float, points: list[tuple[int, int, float, float]]) -> tuple[f
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--eval-every", type=int, default=25)
-    parser.add_argument("--target-at", type=float, default=0.85, help="fraction of the baseline's budget")
-    parser.add_argument("--arms", nargs="+", default=[*SHIPPED, *(f"+{name}" for name in ALONE)])
-    parser.add_argument("--plot", type=Path, default=Path(__file__).resolve().parent / "lm_recipe.png")
+    parser.add_argument(
+        "--target-at",
+        type=float,
+        default=0.85,
+        help="fraction of the baseline's budget",
+    )
+    parser.add_argument(
+        "--arms", nargs="+", default=[*SHIPPED, *(f"+{name}" for name in ALONE)]
+    )
+    parser.add_argument(
+        "--plot", type=Path, default=Path(__file__).resolve().parent / "lm_recipe.png"
+    )
     args = parser.parse_args()
     arms = ["gpt2-baseline", *(arm for arm in args.arms if arm != "gpt2-baseline")]
     root = scratch()
     projects = {arm: generate(arm, root) for arm in arms}
     batch, seq_len = 16, 128  # the recipes' global_batch_size and seq_len
-    common = [f"--max_duration={args.steps}ba", f"--eval_interval={args.eval_every}ba",
-              f"--save_interval={args.steps}ba", "--autoresume=false"]
+    common = [
+        f"--max_duration={args.steps}ba",
+        f"--eval_interval={args.eval_every}ba",
+        f"--save_interval={args.steps}ba",
+        "--autoresume=false",
+    ]
     print(f"allocator: {' '.join(f'{k}={v}' for k, v in ALLOCATOR.items())}")
-    print(f"corpus (sha256[:16], train bytes, val bytes): {corpus_hash(projects['gpt2-baseline'])}")
-    print(f"{args.steps} steps of {batch} x {seq_len} tokens, tiny preset; target: the baseline's "
-          f"validation loss at {args.target_at:.0%} of its steps")
-    print(f"{'seed':>4} {'arm':22} {'final val':>9} {'target':>7} {'steps':>7} {'tokens':>9} {'seconds':>8}")
+    print(
+        f"corpus (sha256[:16], train bytes, val bytes): {corpus_hash(projects['gpt2-baseline'])}"
+    )
+    print(
+        f"{args.steps} steps of {batch} x {seq_len} tokens, tiny preset; target: the baseline's "
+        f"validation loss at {args.target_at:.0%} of its steps"
+    )
+    print(
+        f"{'seed':>4} {'arm':22} {'final val':>9} {'target':>7} {'steps':>7} {'tokens':>9} {'seconds':>8}"
+    )
     curves: dict[str, list] = {arm: [] for arm in arms}
-    ratios: dict[str, dict[str, list[float]]] = {arm: {"steps": [], "tokens": [], "time": []} for arm in arms}
+    ratios: dict[str, dict[str, list[float]]] = {
+        arm: {"steps": [], "tokens": [], "time": []} for arm in arms
+    }
     bounds: dict[str, list[float]] = {arm: [] for arm in arms}
     for seed in args.seeds:
         runs = {}
         for arm, project in projects.items():
-            records = train(project, root, f"{arm.replace('+', 'plus-')}-{seed}", f"--seed={seed}", *common)
+            records = train(
+                project,
+                root,
+                f"{arm.replace('+', 'plus-')}-{seed}",
+                f"--seed={seed}",
+                *common,
+            )
             runs[arm] = curve(records, batch, seq_len)
             curves[arm].append(runs[arm])
         target = at_fraction(runs["gpt2-baseline"], args.target_at * args.steps)
         base = reach(target, runs["gpt2-baseline"])
         for arm, points in runs.items():
             reached = reach(target, points)
-            shown = ("never", "", "") if reached is None else (f"{reached[0]:.0f}", f"{reached[1]:.0f}", f"{reached[2]:.1f}")
-            print(f"{seed:4d} {arm:22} {points[-1][3]:9.4f} {target:7.4f} {shown[0]:>7} {shown[1]:>9} {shown[2]:>8}",
-                  flush=True)
+            shown = (
+                ("never", "", "")
+                if reached is None
+                else (f"{reached[0]:.0f}", f"{reached[1]:.0f}", f"{reached[2]:.1f}")
+            )
+            print(
+                f"{seed:4d} {arm:22} {points[-1][3]:9.4f} {target:7.4f} {shown[0]:>7} {shown[1]:>9} {shown[2]:>8}",
+                flush=True,
+            )
             if reached is not None:
                 for key, b, a in zip(("steps", "tokens", "time"), base, reached):
                     ratios[arm][key].append(b / a)
             else:
                 bounds[arm].append(base[2] / points[-1][2])
-    seconds_and_loss = {arm: [[(p[2], p[3]) for p in points] for points in runs] for arm, runs in curves.items()}
-    if plot_curves(seconds_and_loss, args.plot, xlabel="training time (s, CPU; evaluation excluded)",
-                   ylabel="validation loss (nats/byte)",
-                   title="time to loss: gpt2 recipes and each modern algorithm alone, tiny preset"):
+    seconds_and_loss = {
+        arm: [[(p[2], p[3]) for p in points] for points in runs]
+        for arm, runs in curves.items()
+    }
+    if plot_curves(
+        seconds_and_loss,
+        args.plot,
+        xlabel="training time (s, CPU; evaluation excluded)",
+        ylabel="validation loss (nats/byte)",
+        title="time to loss: gpt2 recipes and each modern algorithm alone, tiny preset",
+    ):
         print(f"plot: {args.plot}")
-    print(f"median over {len(args.seeds)} seeds of baseline/arm to the target (steps, tokens, time):")
+    print(
+        f"median over {len(args.seeds)} seeds of baseline/arm to the target (steps, tokens, time):"
+    )
     for arm in arms[1:]:
         r = ratios[arm]
-        detail = "" if bounds[arm] else f" (time; steps {median(r['steps']):.2f}, tokens {median(r['tokens']):.2f})"
+        detail = (
+            ""
+            if bounds[arm]
+            else f" (time; steps {median(r['steps']):.2f}, tokens {median(r['tokens']):.2f})"
+        )
         print(speedup_line(arm, r["time"], bounds[arm], detail))
 
 

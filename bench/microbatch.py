@@ -28,7 +28,12 @@ class Net(nn.Module):
     def __init__(self, width: int, depth: int) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            nn.Sequential(
+                nn.LayerNorm(width),
+                nn.Linear(width, 4 * width),
+                nn.GELU(),
+                nn.Linear(4 * width, width),
+            )
             for _ in range(depth)
         )
         self.head = nn.Linear(width, 1)
@@ -41,12 +46,18 @@ class Net(nn.Module):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--parallelism", default="none", choices=["none", "ddp", "fsdp"])
+    parser.add_argument(
+        "--parallelism", default="none", choices=["none", "ddp", "fsdp"]
+    )
     parser.add_argument("--batch", type=int, default=16, help="per-rank batch")
-    parser.add_argument("--found", type=int, default=4, help="auto is forced to settle here")
+    parser.add_argument(
+        "--found", type=int, default=4, help="auto is forced to settle here"
+    )
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10, help="steps per round and variant")
+    parser.add_argument(
+        "--steps", type=int, default=10, help="steps per round and variant"
+    )
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
     env = dist.environment("auto")
@@ -55,8 +66,12 @@ def main() -> None:
 
     def build(size: int | str) -> tuple[nn.Module, microbatch.Search]:
         model = Net(args.width, args.depth).to(env.device)
-        model = fsdp.parallelize(model, model.blocks, env, fsdp.ParallelConfig(parallelism=args.parallelism))
-        search = microbatch.Search(model, fsdp.unwrap(model).blocks, env, size, args.batch, log=dist.print0)
+        model = fsdp.parallelize(
+            model, model.blocks, env, fsdp.ParallelConfig(parallelism=args.parallelism)
+        )
+        search = microbatch.Search(
+            model, fsdp.unwrap(model).blocks, env, size, args.batch, log=dist.print0
+        )
         return model, search
 
     x = torch.randn(args.batch, 32, args.width, device=env.device)
@@ -67,7 +82,9 @@ def main() -> None:
                 chunks = x.split(attempt.size)
                 for i, chunk in enumerate(chunks):
                     if attempt.searching and attempt.size > args.found:
-                        raise torch.OutOfMemoryError("bench: pretend this size does not fit")
+                        raise torch.OutOfMemoryError(
+                            "bench: pretend this size does not fit"
+                        )
                     fsdp.sync_gradients(model, i == len(chunks) - 1)
                     (model(chunk).square().mean() / len(chunks)).backward()
         for p in model.parameters():
@@ -86,11 +103,19 @@ def main() -> None:
         return vote(self, failed, running)
 
     microbatch._Vote._all_reduce = counted  # type: ignore[method-assign]
-    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in variants["auto"][0].modules())
-    hooks -= sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in variants["fixed"][0].modules())
+    hooks = sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks)
+        for m in variants["auto"][0].modules()
+    )
+    hooks -= sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks)
+        for m in variants["fixed"][0].modules()
+    )
     times: dict[str, list[float]] = {name: [] for name in variants}
     for round_ in range(args.rounds):
-        order = ["auto", "fixed"] if round_ % 2 == 0 else ["fixed", "auto"]  # no order bias
+        order = (
+            ["auto", "fixed"] if round_ % 2 == 0 else ["fixed", "auto"]
+        )  # no order bias
         for name in order:
             model, search = variants[name]
             if env.device.type == "cuda":
@@ -102,12 +127,20 @@ def main() -> None:
                 torch.cuda.synchronize()
             times[name].append((time.perf_counter() - start) / args.steps)
     auto, fixed = statistics.median(times["auto"]), statistics.median(times["fixed"])
-    malloc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")} or "glibc defaults"
-    dist.print0(f"parallelism={args.parallelism} world={env.world_size} device={env.device} "
-                f"batch={args.batch} microbatch={args.found} allocator={malloc}")
-    dist.print0(f"settled auto vs fixed: {hooks} extra module hooks, {votes[0]} votes in timed steps")
-    dist.print0(f"step ms (median of {args.rounds} rounds x {args.steps} steps): "
-                f"auto {1000 * auto:.2f}, fixed {1000 * fixed:.2f}, ratio auto/fixed {auto / fixed:.3f}")
+    malloc = {
+        k: v for k, v in os.environ.items() if k.startswith("MALLOC_")
+    } or "glibc defaults"
+    dist.print0(
+        f"parallelism={args.parallelism} world={env.world_size} device={env.device} "
+        f"batch={args.batch} microbatch={args.found} allocator={malloc}"
+    )
+    dist.print0(
+        f"settled auto vs fixed: {hooks} extra module hooks, {votes[0]} votes in timed steps"
+    )
+    dist.print0(
+        f"step ms (median of {args.rounds} rounds x {args.steps} steps): "
+        f"auto {1000 * auto:.2f}, fixed {1000 * fixed:.2f}, ratio auto/fixed {auto / fixed:.3f}"
+    )
     dist.shutdown()
 
 

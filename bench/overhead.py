@@ -30,7 +30,7 @@ from _common import ALLOCATOR, bench_env, generate, median, scratch, train
 WARMUP_STEPS = 5
 
 # The hand-written reference: nanoGPT-style, nothing but the work.
-RAW_LOOP = r'''
+RAW_LOOP = r"""
 import json, math, sys, time
 import torch, torch.nn.functional as F
 sys.path.insert(0, sys.argv[1])
@@ -69,7 +69,7 @@ for step in range(steps):
     loss_sum.item()
     times.append(time.perf_counter() - start)
 print(json.dumps(times))
-'''
+"""
 
 
 # nanoGPT's train.py step (karpathy/nanoGPT, model.py + train.py), re-implemented for this bench:
@@ -211,7 +211,7 @@ print(json.dumps(sum(p.numel() for p in model.parameters())))
 
 # The same work under Lightning's Trainer (when installed): a dataloader of microbatches,
 # accumulate_grad_batches for accumulation, gradient_clip_val for clipping, the same schedule.
-LIGHTNING_LOOP = r'''
+LIGHTNING_LOOP = r"""
 import json, math, sys, time
 import torch, torch.nn.functional as F
 import lightning as L
@@ -258,31 +258,77 @@ trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, accumulate_gr
                     gradient_clip_val=1.0, enable_checkpointing=False, logger=False, enable_model_summary=False)
 trainer.fit(module, torch.utils.data.DataLoader(Microbatches(), batch_size=None))
 print(json.dumps([b - a for a, b in zip(module.times, module.times[1:])]))
-'''
+"""
 
 
-def lightning_step_ms(project: Path, preset: str, seq_len: int, batch: int, micro: int, steps: int) -> float:
+def lightning_step_ms(
+    project: Path, preset: str, seq_len: int, batch: int, micro: int, steps: int
+) -> float:
     result = subprocess.run(
-        [sys.executable, "-c", LIGHTNING_LOOP, str(project), preset, str(seq_len), str(batch), str(micro), str(steps)],
-        env=bench_env(), capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-c",
+            LIGHTNING_LOOP,
+            str(project),
+            preset,
+            str(seq_len),
+            str(batch),
+            str(micro),
+            str(steps),
+        ],
+        env=bench_env(),
+        capture_output=True,
+        text=True,
+        check=True,
     )
-    return 1000 * median(json.loads(result.stdout.strip().splitlines()[-1])[WARMUP_STEPS:])
+    return 1000 * median(
+        json.loads(result.stdout.strip().splitlines()[-1])[WARMUP_STEPS:]
+    )
 
 
-def raw_step_ms(project: Path, preset: str, seq_len: int, batch: int, micro: int, steps: int) -> float:
+def raw_step_ms(
+    project: Path, preset: str, seq_len: int, batch: int, micro: int, steps: int
+) -> float:
     result = subprocess.run(
-        [sys.executable, "-c", RAW_LOOP, str(project), preset, str(seq_len), str(batch), str(micro), str(steps)],
-        env=bench_env(), capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-c",
+            RAW_LOOP,
+            str(project),
+            preset,
+            str(seq_len),
+            str(batch),
+            str(micro),
+            str(steps),
+        ],
+        env=bench_env(),
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return 1000 * median(json.loads(result.stdout)[WARMUP_STEPS:])
 
 
-def nanogpt_step_ms(data_path: Path, preset: str, seq_len: int, batch: int, micro: int, steps: int) -> float:
+def nanogpt_step_ms(
+    data_path: Path, preset: str, seq_len: int, batch: int, micro: int, steps: int
+) -> float:
     sizes = {"tiny": "4,4,128", "small": "6,6,384"}[preset]  # as model.py's PRESETS
     result = subprocess.run(
-        [sys.executable, "-c", NANOGPT_LOOP, str(data_path), sizes, str(seq_len), str(batch), str(micro),
-         str(steps)],
-        env=bench_env(), capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-c",
+            NANOGPT_LOOP,
+            str(data_path),
+            sizes,
+            str(seq_len),
+            str(batch),
+            str(micro),
+            str(steps),
+        ],
+        env=bench_env(),
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return 1000 * median(json.loads(result.stdout.splitlines()[0])[WARMUP_STEPS:])
 
@@ -297,19 +343,44 @@ def write_train_bin(project: Path, root: Path) -> Path:
     return path
 
 
-def generated_step_ms(project: Path, workdir: Path, run: str, preset: str, seq_len: int, batch: int,
-                      micro: int, steps: int) -> float:
-    records = train(project, workdir, run, f"--model={preset}", f"--seq_len={seq_len}",
-                    f"--global_batch_size={batch}", f"--device_microbatch_size={micro}",
-                    f"--max_duration={steps}ba", f"--eval_interval={steps}ba", f"--save_interval={steps}ba",
-                    "--eval_batches=1", "--autoresume=false")
+def generated_step_ms(
+    project: Path,
+    workdir: Path,
+    run: str,
+    preset: str,
+    seq_len: int,
+    batch: int,
+    micro: int,
+    steps: int,
+) -> float:
+    records = train(
+        project,
+        workdir,
+        run,
+        f"--model={preset}",
+        f"--seq_len={seq_len}",
+        f"--global_batch_size={batch}",
+        f"--device_microbatch_size={micro}",
+        f"--max_duration={steps}ba",
+        f"--eval_interval={steps}ba",
+        f"--save_interval={steps}ba",
+        "--eval_batches=1",
+        "--autoresume=false",
+    )
     return median([r["step_ms"] for r in records][WARMUP_STEPS:])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=3, help="A/B pairs per size")
-    parser.add_argument("--steps", type=int, default=60, help="steps per run (tiny); the larger size runs a third")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=60,
+        help="steps per run (tiny); the larger size runs a third",
+    )
     args = parser.parse_args()
     root = scratch()
     project = generate("gpt2-baseline", root)
@@ -319,31 +390,59 @@ def main() -> None:
         # ... and compute dominates.
         "larger": ("small", 256, 8, 4, max(WARMUP_STEPS + 5, args.steps // 3)),
     }
-    print(f"allocator: {' '.join(f'{k}={v}' for k, v in ALLOCATOR.items())}; torch threads: default")
-    with_lightning = importlib.util.find_spec("lightning") is not None  # optional, never required
+    print(
+        f"allocator: {' '.join(f'{k}={v}' for k, v in ALLOCATOR.items())}; torch threads: default"
+    )
+    with_lightning = (
+        importlib.util.find_spec("lightning") is not None
+    )  # optional, never required
     train_bin = write_train_bin(project, root)
-    print(f"{'size':8} {'round':>5} {'raw ms/step':>12} {'generated ms/step':>18} {'nanoGPT ms/step':>16}"
-          + (f" {'lightning ms/step':>18}" if with_lightning else ""))
+    print(
+        f"{'size':8} {'round':>5} {'raw ms/step':>12} {'generated ms/step':>18} {'nanoGPT ms/step':>16}"
+        + (f" {'lightning ms/step':>18}" if with_lightning else "")
+    )
     ratios, nano_ratios = {}, {}
     for size, (preset, seq_len, batch, micro, steps) in sizes.items():
         raw, gen, nano, lit = [], [], [], []
         for round_ in range(args.rounds):
             raw.append(raw_step_ms(project, preset, seq_len, batch, micro, steps))
-            gen.append(generated_step_ms(project, root, f"{size}-{round_}", preset, seq_len, batch, micro, steps))
-            nano.append(nanogpt_step_ms(train_bin, preset, seq_len, batch, micro, steps))
+            gen.append(
+                generated_step_ms(
+                    project,
+                    root,
+                    f"{size}-{round_}",
+                    preset,
+                    seq_len,
+                    batch,
+                    micro,
+                    steps,
+                )
+            )
+            nano.append(
+                nanogpt_step_ms(train_bin, preset, seq_len, batch, micro, steps)
+            )
             if with_lightning:
-                lit.append(lightning_step_ms(project, preset, seq_len, batch, micro, steps))
-            print(f"{size:8} {round_:5d} {raw[-1]:12.2f} {gen[-1]:18.2f} {nano[-1]:16.2f}"
-                  + (f" {lit[-1]:18.2f}" if lit else ""), flush=True)
+                lit.append(
+                    lightning_step_ms(project, preset, seq_len, batch, micro, steps)
+                )
+            print(
+                f"{size:8} {round_:5d} {raw[-1]:12.2f} {gen[-1]:18.2f} {nano[-1]:16.2f}"
+                + (f" {lit[-1]:18.2f}" if lit else ""),
+                flush=True,
+            )
         # steps/s ratio = reference time / generated time
         ratios[size] = median(raw) / median(gen)
         nano_ratios[size] = median(nano) / median(gen)
-        print(f"{size:8} {'median':>5} {median(raw):12.2f} {median(gen):18.2f} {median(nano):16.2f}"
-              + (f" {median(lit):18.2f}" if lit else "")
-              + f"   generated/raw steps_per_s = {ratios[size]:.3f}, generated/nanoGPT = {nano_ratios[size]:.3f}"
-              + (f", lightning/raw = {median(raw) / median(lit):.3f}" if lit else ""))
-    print(f"overhead: generated/raw steps_per_s = {ratios['tiny']:.2f} (tiny), {ratios['larger']:.2f} (larger); "
-          f"generated/nanoGPT = {nano_ratios['tiny']:.2f} (tiny), {nano_ratios['larger']:.2f} (larger)")
+        print(
+            f"{size:8} {'median':>5} {median(raw):12.2f} {median(gen):18.2f} {median(nano):16.2f}"
+            + (f" {median(lit):18.2f}" if lit else "")
+            + f"   generated/raw steps_per_s = {ratios[size]:.3f}, generated/nanoGPT = {nano_ratios[size]:.3f}"
+            + (f", lightning/raw = {median(raw) / median(lit):.3f}" if lit else "")
+        )
+    print(
+        f"overhead: generated/raw steps_per_s = {ratios['tiny']:.2f} (tiny), {ratios['larger']:.2f} (larger); "
+        f"generated/nanoGPT = {nano_ratios['tiny']:.2f} (tiny), {nano_ratios['larger']:.2f} (larger)"
+    )
 
 
 if __name__ == "__main__":

@@ -36,9 +36,19 @@ def worker(project: str, model_name: str, rounds: int, steps: int) -> None:
     dist.init_process_group(env, timeout=timedelta(seconds=120))
     torch.manual_seed(0)
     seq_len, per_rank, micro = 64, 4, 2
-    model = GPT(GPTConfig(vocab_size=256, max_seq_len=seq_len, dropout=0.0, **PRESETS[model_name]))
-    parallel = fsdp.ParallelConfig(parallelism="fsdp", sharding_strategy="FULL_SHARD", precision="fp32",
-                                   activation_checkpointing=False, cpu_offload=False, hybrid_shard_size=0)
+    model = GPT(
+        GPTConfig(
+            vocab_size=256, max_seq_len=seq_len, dropout=0.0, **PRESETS[model_name]
+        )
+    )
+    parallel = fsdp.ParallelConfig(
+        parallelism="fsdp",
+        sharding_strategy="FULL_SHARD",
+        precision="fp32",
+        activation_checkpointing=False,
+        cpu_offload=False,
+        hybrid_shard_size=0,
+    )
     model = fsdp.parallelize(model, model.blocks, env, parallel)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     preemption = Preemption()
@@ -77,10 +87,14 @@ def worker(project: str, model_name: str, rounds: int, steps: int) -> None:
         print(f"{'':28} {'median step':>12}")
         print(f"{'A: no agreement':28} {a * 1e3:>9.2f} ms")
         print(f"{'B: agreed() every step':28} {b * 1e3:>9.2f} ms")
-        print(f"agreed() alone: median {call * 1e6:.0f} us over 2000 calls "
-              f"({call / a * 100:.2f}% of a step)")
-        print(f"summary: B/A = {b / a:.3f}x step time ({env.world_size} ranks, gloo, {model_name}, "
-              f"{rounds} rounds x {steps} steps each side)")
+        print(
+            f"agreed() alone: median {call * 1e6:.0f} us over 2000 calls "
+            f"({call / a * 100:.2f}% of a step)"
+        )
+        print(
+            f"summary: B/A = {b / a:.3f}x step time ({env.world_size} ranks, gloo, {model_name}, "
+            f"{rounds} rounds x {steps} steps each side)"
+        )
     preemption.close()
     dist.shutdown()
 
@@ -91,7 +105,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)  # the generated project, inside torchrun
+    parser.add_argument(
+        "--worker", help=argparse.SUPPRESS
+    )  # the generated project, inside torchrun
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.model, args.rounds, args.steps)
@@ -102,10 +118,20 @@ def main() -> None:
     project = generate("gpt2-baseline", scratch())
     print("allocator:", " ".join(f"{k}={v}" for k, v in ALLOCATOR.items()), flush=True)
     subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-         __file__, f"--worker={project}", f"--model={args.model}", f"--rounds={args.rounds}",
-         f"--steps={args.steps}"],
-        check=True, env={**bench_env(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={args.nproc}",
+            __file__,
+            f"--worker={project}",
+            f"--model={args.model}",
+            f"--rounds={args.rounds}",
+            f"--steps={args.steps}",
+        ],
+        check=True,
+        env={**bench_env(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
     )
 
 

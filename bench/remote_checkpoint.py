@@ -55,7 +55,9 @@ def timed(run) -> float:  # noqa: ANN001
     return time.perf_counter() - start
 
 
-def measure(folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, repeats: int) -> dict[str, float]:
+def measure(
+    folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, repeats: int
+) -> dict[str, float]:
     saves, loads = [], []
     for repeat in range(repeats):
         progress = Progress(batches_per_epoch=1000)
@@ -64,14 +66,19 @@ def measure(folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, rep
         checkpointer = checkpoint.Checkpointer(folder, keep=1)
         state = {"model": model, "optimizer": optimizer, "progress": progress}
         saves.append(timed(lambda: checkpointer.save(state)))
-        fresh = {"model": model, "optimizer": optimizer,
-                 "progress": Progress(batches_per_epoch=1000)}
+        fresh = {
+            "model": model,
+            "optimizer": optimizer,
+            "progress": Progress(batches_per_epoch=1000),
+        }
         reader = checkpoint.Checkpointer(folder, keep=1)
         loads.append(timed(lambda: reader.resume(fresh)))
     return {"save": statistics.median(saves), "load": statistics.median(loads)}
 
 
-def measure_direct(url: str, model: nn.Module, optimizer: torch.optim.Optimizer, repeats: int) -> float:
+def measure_direct(
+    url: str, model: nn.Module, optimizer: torch.optim.Optimizer, repeats: int
+) -> float:
     """The alternative not taken: DCP's FsspecWriter writing straight to the store (save only)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
@@ -81,8 +88,15 @@ def measure_direct(url: str, model: nn.Module, optimizer: torch.optim.Optimizer,
     saves = []
     for repeat in range(repeats):
         writer = FsspecWriter(f"{url}/step-{repeat}", thread_count=2)
-        saves.append(timed(lambda: dcp.save({"model": model_state, "optimizer": optimizer_state},
-                                             storage_writer=writer, no_dist=True)))
+        saves.append(
+            timed(
+                lambda: dcp.save(
+                    {"model": model_state, "optimizer": optimizer_state},
+                    storage_writer=writer,
+                    no_dist=True,
+                )
+            )
+        )
     return statistics.median(saves)
 
 
@@ -92,16 +106,27 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     model, optimizer = build(args.params)
-    nbytes = sum(p.numel() * p.element_size() * 3 for p in model.parameters())  # weights + 2 moments
+    nbytes = sum(
+        p.numel() * p.element_size() * 3 for p in model.parameters()
+    )  # weights + 2 moments
 
     port = free_port()
     scratch = Path(tempfile.mkdtemp(prefix="scaffold-bench-"))
-    env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_CONFIG_FILE": str(scratch / "none"),
-           "AWS_SHARED_CREDENTIALS_FILE": str(scratch / "none"), "SCAFFOLD_STAGING": str(scratch / "staging")}
+    env = {
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_CONFIG_FILE": str(scratch / "none"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(scratch / "none"),
+        "SCAFFOLD_STAGING": str(scratch / "staging"),
+    }
     os.environ.update(env)
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         for _ in range(300):
             try:
@@ -119,14 +144,20 @@ def main() -> None:
         server.terminate()
         server.wait(30)
     mb = nbytes / 1e6
-    print(f"{mb:,.0f} MB of model + AdamW state, median of {args.repeats}, torch {torch.__version__}")
+    print(
+        f"{mb:,.0f} MB of model + AdamW state, median of {args.repeats}, torch {torch.__version__}"
+    )
     print("| | local disk | s3 (moto, 127.0.0.1) | remote / local time |")
     print("| --- | --- | --- | --- |")
     for key in ("save", "load"):
-        print(f"| {key} | {local[key]:.2f} s ({mb / local[key]:,.0f} MB/s) | {remote[key]:.2f} s "
-              f"({mb / remote[key]:,.0f} MB/s) | {remote[key] / local[key]:.2f}x |")
-    print(f"DCP's FsspecWriter straight to s3 (the alternative to staging): save {direct:.2f} s "
-          f"({mb / direct:,.0f} MB/s), {direct / remote['save']:.2f}x the staged save's time")
+        print(
+            f"| {key} | {local[key]:.2f} s ({mb / local[key]:,.0f} MB/s) | {remote[key]:.2f} s "
+            f"({mb / remote[key]:,.0f} MB/s) | {remote[key] / local[key]:.2f}x |"
+        )
+    print(
+        f"DCP's FsspecWriter straight to s3 (the alternative to staging): save {direct:.2f} s "
+        f"({mb / direct:,.0f} MB/s), {direct / remote['save']:.2f}x the staged save's time"
+    )
 
 
 if __name__ == "__main__":

@@ -53,8 +53,21 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-streaming-"))
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(work)}
     project = work / "p"
-    subprocess.run([sys.executable, "-m", "scaffold", "new", "--recipe", "gpt2-baseline", str(project)],
-                   cwd=REPO, env=env, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scaffold",
+            "new",
+            "--recipe",
+            "gpt2-baseline",
+            str(project),
+        ],
+        cwd=REPO,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     root = Path(sysconfig.get_paths()["stdlib"])
     text, size = [], 0
     for path in sorted(root.glob("*.py")):
@@ -65,15 +78,35 @@ def main() -> None:
     corpus = work / "corpus.txt"
     corpus.write_bytes(b"\n".join(text)[: int(args.megabytes * 1e6)])
     start = time.perf_counter()
-    subprocess.run([sys.executable, "data.py", "convert", str(work / "shards"), f"--data={corpus}",
-                    f"--chunk_bytes={args.chunk_bytes}"], cwd=project, env=env, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "data.py",
+            "convert",
+            str(work / "shards"),
+            f"--data={corpus}",
+            f"--chunk_bytes={args.chunk_bytes}",
+        ],
+        cwd=project,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     convert_s = time.perf_counter() - start
 
     port = free_port()
-    aws = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_EC2_METADATA_DISABLED": "true"}
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    aws = {
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         os.environ.update(aws)
         for _ in range(300):
@@ -92,11 +125,20 @@ def main() -> None:
         data = importlib.import_module("data")
         rows = []
         tokens = data.load_tokens(str(corpus))
-        baseline = per_batch_ms(data.Batches(tokens.train, args.seq_len, args.batch_size, 0), args.batches)
+        baseline = per_batch_ms(
+            data.Batches(tokens.train, args.seq_len, args.batch_size, 0), args.batches
+        )
         rows.append(("in-memory tokens (baseline)", baseline))
         local = data.load_tokens(str(work / "shards"), seq_len=args.seq_len)
-        rows.append(("local shard folder", per_batch_ms(
-            data.Batches(local.train, args.seq_len, args.batch_size, 0), args.batches)))
+        rows.append(
+            (
+                "local shard folder",
+                per_batch_ms(
+                    data.Batches(local.train, args.seq_len, args.batch_size, 0),
+                    args.batches,
+                ),
+            )
+        )
         os.environ["SCAFFOLD_SHARD_CACHE"] = str(work / "cache")
         remote = data.load_tokens("s3://bench/shards", seq_len=args.seq_len)
         batches = data.Batches(remote.train, args.seq_len, args.batch_size, 0)
@@ -106,8 +148,10 @@ def main() -> None:
         server.terminate()
         server.wait(30)
     chunks = len(local.train.chunk_sizes)
-    print(f"{args.megabytes:g} MB of text -> {chunks} train chunks of ~{args.chunk_bytes} "
-          f"(convert: {convert_s:.1f} s); {args.batches} batches of {args.batch_size} x {args.seq_len + 1} tokens")
+    print(
+        f"{args.megabytes:g} MB of text -> {chunks} train chunks of ~{args.chunk_bytes} "
+        f"(convert: {convert_s:.1f} s); {args.batches} batches of {args.batch_size} x {args.seq_len + 1} tokens"
+    )
     print(f"{'source':<30} {'ms/batch':>9} {'vs baseline':>12}")
     for name, ms in rows:
         print(f"{name:<30} {ms:9.2f} {ms / baseline:11.2f}x")

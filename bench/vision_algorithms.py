@@ -52,17 +52,26 @@ ACTING = {"squeeze_excite": {"min_channels": 16, "latent_channels": 0.25}}
 
 def applicable() -> list[str]:
     """The catalog's algorithms for image_classification on resnet models."""
-    return [name for name, spec in load_algorithms(template_dir()).items()
-            if "image_classification" in spec.tasks and (not spec.models or "resnet" in spec.models)]
+    return [
+        name
+        for name, spec in load_algorithms(template_dir()).items()
+        if "image_classification" in spec.tasks
+        and (not spec.models or "resnet" in spec.models)
+    ]
 
 
 def generate(root: Path, name: str, algorithm: str | None) -> Path:
     """The baseline recipe, plus one algorithm (the ACTING settings, else its defaults)."""
     recipe = load_recipe(BASELINE, template_dir())
-    lines = ["[answers]"] + [f"{key} = {json.dumps(value)}" for key, value in recipe.answers.items()]
+    lines = ["[answers]"] + [
+        f"{key} = {json.dumps(value)}" for key, value in recipe.answers.items()
+    ]
     if algorithm:
         lines.append(f"[algorithms.{algorithm}]")
-        lines += [f"{key} = {json.dumps(value)}" for key, value in ACTING.get(algorithm, {}).items()]
+        lines += [
+            f"{key} = {json.dumps(value)}"
+            for key, value in ACTING.get(algorithm, {}).items()
+        ]
     path = root / f"{name}.toml"
     path.write_text("\n".join(lines) + "\n")
     with redirect_stdout(io.StringIO()):
@@ -70,7 +79,9 @@ def generate(root: Path, name: str, algorithm: str | None) -> Path:
     return root / name
 
 
-def step_times(project: Path, workdir: Path, run: str, args: list[str]) -> tuple[float, float]:
+def step_times(
+    project: Path, workdir: Path, run: str, args: list[str]
+) -> tuple[float, float]:
     """Median (CPU ms, wall ms) per step of one run of the project's main(), in this process.
 
     CPU time is this thread's (torch runs single-threaded here, the data in-process): on a
@@ -98,23 +109,44 @@ def step_times(project: Path, workdir: Path, run: str, args: list[str]) -> tuple
             from runtime import dist
 
             dist.shutdown()
-    steps = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(stamps, stamps[1:])][WARMUP_STEPS:]
-    return (1000 * statistics.median(cpu for cpu, _ in steps),
-            1000 * statistics.median(wall for _, wall in steps))
+    steps = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(stamps, stamps[1:])][
+        WARMUP_STEPS:
+    ]
+    return (
+        1000 * statistics.median(cpu for cpu, _ in steps),
+        1000 * statistics.median(wall for _, wall in steps),
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--long", action="store_true", help="cifar-resnet20, 5 rounds, 20 steps per run")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--long", action="store_true", help="cifar-resnet20, 5 rounds, 20 steps per run"
+    )
     parser.add_argument("--rounds", type=int, help="rounds (default 3, --long 5)")
-    parser.add_argument("--steps", type=int, help="steps per run (default 10, --long 20)")
+    parser.add_argument(
+        "--steps", type=int, help="steps per run (default 10, --long 20)"
+    )
     parser.add_argument("--model", help="preset (default tiny, --long cifar-resnet20)")
-    parser.add_argument("--only", default="", help="comma-separated algorithm names (default: all that apply)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated algorithm names (default: all that apply)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (0: torch's default)",
+    )
     args = parser.parse_args()
     if any(os.environ.get(key) != value for key, value in ALLOCATOR.items()):
         # glibc reads its malloc settings at start-up: run again with _common's (DESIGN.md §12.8).
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ALLOCATOR})
+        os.execve(
+            sys.executable, [sys.executable, *sys.argv], {**os.environ, **ALLOCATOR}
+        )
     rounds = args.rounds or (5 if args.long else 3)
     steps = args.steps or (20 if args.long else 10)
     model = args.model or ("cifar-resnet20" if args.long else "tiny")
@@ -123,7 +155,9 @@ def main() -> None:
         wanted = args.only.split(",")
         unknown = sorted(set(wanted) - set(names))
         if unknown:
-            sys.exit(f"error: {', '.join(unknown)} not among the applicable algorithms: {', '.join(names)}")
+            sys.exit(
+                f"error: {', '.join(unknown)} not among the applicable algorithms: {', '.join(names)}"
+            )
         names = [name for name in names if name in wanted]
     if args.threads:
         import torch
@@ -137,30 +171,63 @@ def main() -> None:
         projects[name] = generate(root, name, name)
     # Batch 64 of 8x8 digits, one microbatch in BatchNorm groups of 32 (no evaluation or
     # checkpoint inside the timed steps: both happen at the end only).
-    run = [f"--model={model}", "--device=cpu", "--precision=fp32", "--global_batch_size=64",
-           "--device_microbatch_size=64", "--bn_group_size=32", "--lr=0.4", "--lr_warmup=0.2dur",
-           f"--max_duration={steps}ba", f"--eval_interval={steps}ba", f"--save_interval={steps}ba",
-           "--eval_batches=1", "--autoresume=false", "--num_workers=0"]
-    print(f"model {model}, {steps} steps per run ({WARMUP_STEPS} not timed), {rounds} rounds, "
-          f"threads {args.threads or 'default'}, allocator {allocator}, load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+    run = [
+        f"--model={model}",
+        "--device=cpu",
+        "--precision=fp32",
+        "--global_batch_size=64",
+        "--device_microbatch_size=64",
+        "--bn_group_size=32",
+        "--lr=0.4",
+        "--lr_warmup=0.2dur",
+        f"--max_duration={steps}ba",
+        f"--eval_interval={steps}ba",
+        f"--save_interval={steps}ba",
+        "--eval_batches=1",
+        "--autoresume=false",
+        "--num_workers=0",
+    ]
+    print(
+        f"model {model}, {steps} steps per run ({WARMUP_STEPS} not timed), {rounds} rounds, "
+        f"threads {args.threads or 'default'}, allocator {allocator}, load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
+        flush=True,
+    )
     cpu_ratios: dict[str, list[float]] = {name: [] for name in names}
     wall_ratios: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(rounds):
-        before = step_times(projects["baseline"], root / "work", f"base-{round_}-a", run)
-        times = {name: step_times(projects[name], root / "work", f"{name}-{round_}", run) for name in names}
+        before = step_times(
+            projects["baseline"], root / "work", f"base-{round_}-a", run
+        )
+        times = {
+            name: step_times(projects[name], root / "work", f"{name}-{round_}", run)
+            for name in names
+        }
         after = step_times(projects["baseline"], root / "work", f"base-{round_}-b", run)
         for name in names:
             cpu_ratios[name].append(2 * times[name][0] / (before[0] + after[0]))
             wall_ratios[name].append(2 * times[name][1] / (before[1] + after[1]))
-        shown = " ".join(f"{name}={cpu:.1f}/{wall:.1f}" for name, (cpu, wall) in times.items())
-        print(f"round {round_} (CPU/wall ms per step): baseline {before[0]:.1f}/{before[1]:.1f} "
-              f"{after[0]:.1f}/{after[1]:.1f}; {shown}", flush=True)
+        shown = " ".join(
+            f"{name}={cpu:.1f}/{wall:.1f}" for name, (cpu, wall) in times.items()
+        )
+        print(
+            f"round {round_} (CPU/wall ms per step): baseline {before[0]:.1f}/{before[1]:.1f} "
+            f"{after[0]:.1f}/{after[1]:.1f}; {shown}",
+            flush=True,
+        )
     for name in names:
-        note = f"; at {', '.join(f'{k}={v}' for k, v in ACTING[name].items())}" if name in ACTING else ""
-        print(f"price: {name} = {statistics.median(cpu_ratios[name]):.3f}  "
-              f"(CPU time; wall clock {statistics.median(wall_ratios[name]):.3f}{note})")
-    print(f"({time.perf_counter() - started:.0f} s; load average now {os.getloadavg()[0]:.1f})")
+        note = (
+            f"; at {', '.join(f'{k}={v}' for k, v in ACTING[name].items())}"
+            if name in ACTING
+            else ""
+        )
+        print(
+            f"price: {name} = {statistics.median(cpu_ratios[name]):.3f}  "
+            f"(CPU time; wall clock {statistics.median(wall_ratios[name]):.3f}{note})"
+        )
+    print(
+        f"({time.perf_counter() - started:.0f} s; load average now {os.getloadavg()[0]:.1f})"
+    )
 
 
 if __name__ == "__main__":

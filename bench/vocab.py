@@ -45,24 +45,46 @@ def write_char_data(folder: Path, max_bytes: int = 4_000_000) -> int:
     return len(chars)
 
 
-def run(project: Path, workdir: Path, name: str, *args: str) -> tuple[float, float, int]:
+def run(
+    project: Path, workdir: Path, name: str, *args: str
+) -> tuple[float, float, int]:
     """(median step ms, peak RSS in MiB, model parameters) of one training run."""
-    command = [sys.executable, str(project / "train.py"), "--device=cpu", f"--run_name={name}", *args]
-    process = subprocess.Popen(command, cwd=workdir, env=bench_env(), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE)
+    command = [
+        sys.executable,
+        str(project / "train.py"),
+        "--device=cpu",
+        f"--run_name={name}",
+        *args,
+    ]
+    process = subprocess.Popen(
+        command,
+        cwd=workdir,
+        env=bench_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     _, status, usage = os.wait4(process.pid, 0)
     stderr = process.stderr.read().decode() if process.stderr else ""
     if status != 0:
         raise RuntimeError(f"train.py failed:\n{stderr[-3000:]}")
     run_dir = workdir / "runs" / name
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
     log = (run_dir / "log.txt").read_text()
     params = int(log.split(" parameters")[0].rsplit(" ", 1)[1].replace(",", ""))
-    return median([r["step_ms"] for r in records][WARMUP_STEPS:]), usage.ru_maxrss / 1024, params
+    return (
+        median([r["step_ms"] for r in records][WARMUP_STEPS:]),
+        usage.ru_maxrss / 1024,
+        params,
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
@@ -71,24 +93,45 @@ def main() -> None:
     data = root / "chars"
     data.mkdir()
     vocab = write_char_data(data)
-    common = (f"--data={data / 'train.bin'}", "--model=tiny", "--seq_len=128", "--global_batch_size=16",
-              "--device_microbatch_size=8", f"--max_duration={args.steps}ba",
-              f"--eval_interval={args.steps}ba", f"--save_interval={args.steps}ba", "--eval_batches=1",
-              "--autoresume=false")
-    print(f"allocator: {' '.join(f'{k}={v}' for k, v in ALLOCATOR.items())}; character data, "
-          f"meta.pkl vocab_size={vocab}")
-    print(f"{'round':>5} {'meta.pkl ms/step':>17} {'MiB':>6} {'gpt2-vocab ms/step':>19} {'MiB':>6}")
+    common = (
+        f"--data={data / 'train.bin'}",
+        "--model=tiny",
+        "--seq_len=128",
+        "--global_batch_size=16",
+        "--device_microbatch_size=8",
+        f"--max_duration={args.steps}ba",
+        f"--eval_interval={args.steps}ba",
+        f"--save_interval={args.steps}ba",
+        "--eval_batches=1",
+        "--autoresume=false",
+    )
+    print(
+        f"allocator: {' '.join(f'{k}={v}' for k, v in ALLOCATOR.items())}; character data, "
+        f"meta.pkl vocab_size={vocab}"
+    )
+    print(
+        f"{'round':>5} {'meta.pkl ms/step':>17} {'MiB':>6} {'gpt2-vocab ms/step':>19} {'MiB':>6}"
+    )
     honoured, ignored = [], []
     for round_ in range(args.rounds):
         honoured.append(run(project, root, f"meta-{round_}", *common))
-        ignored.append(run(project, root, f"gpt2vocab-{round_}", *common, "--vocab_size=50304"))
-        print(f"{round_:5d} {honoured[-1][0]:17.2f} {honoured[-1][1]:6.0f} {ignored[-1][0]:19.2f} "
-              f"{ignored[-1][1]:6.0f}", flush=True)
+        ignored.append(
+            run(project, root, f"gpt2vocab-{round_}", *common, "--vocab_size=50304")
+        )
+        print(
+            f"{round_:5d} {honoured[-1][0]:17.2f} {honoured[-1][1]:6.0f} {ignored[-1][0]:19.2f} "
+            f"{ignored[-1][1]:6.0f}",
+            flush=True,
+        )
     step_ratio = median([r[0] for r in ignored]) / median([r[0] for r in honoured])
     memory_ratio = median([r[1] for r in ignored]) / median([r[1] for r in honoured])
-    print(f"parameters: {honoured[0][2]:,} (meta.pkl) vs {ignored[0][2]:,} (GPT-2 vocabulary)")
-    print(f"meta.pkl honoured: {step_ratio:.1f}x faster per step, {memory_ratio:.1f}x less peak memory "
-          "than with GPT-2's vocabulary")
+    print(
+        f"parameters: {honoured[0][2]:,} (meta.pkl) vs {ignored[0][2]:,} (GPT-2 vocabulary)"
+    )
+    print(
+        f"meta.pkl honoured: {step_ratio:.1f}x faster per step, {memory_ratio:.1f}x less peak memory "
+        "than with GPT-2's vocabulary"
+    )
 
 
 if __name__ == "__main__":

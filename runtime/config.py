@@ -61,7 +61,9 @@ def _is_union(hint: Any) -> bool:
 def _union_members(hint: Any) -> list[Any]:
     # Literal members first: "auto" must not be tried as an int and rejected
     members = list(typing.get_args(hint))
-    return [m for m in members if _is_literal(m)] + [m for m in members if not _is_literal(m)]
+    return [m for m in members if _is_literal(m)] + [
+        m for m in members if not _is_literal(m)
+    ]
 
 
 def _type_name(hint: Any) -> str:
@@ -140,17 +142,25 @@ def _from_text(text: str, hint: Any) -> Any:
 
 def _from_toml(value: Any, hint: Any) -> Any:
     """Check an already-typed TOML value against `hint`; strings are parsed for Time/Literal/unions."""
-    if isinstance(value, str) and (hint is Time or _is_literal(hint) or _is_union(hint)):
+    if isinstance(value, str) and (
+        hint is Time or _is_literal(hint) or _is_union(hint)
+    ):
         return _from_text(value, hint)
     if hint is bool and isinstance(value, bool):
         return value
     if hint is int and isinstance(value, int) and not isinstance(value, bool):
         return value
-    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+    if (
+        hint is float
+        and isinstance(value, (int, float))
+        and not isinstance(value, bool)
+    ):
         return float(value)
     if hint is str and isinstance(value, str):
         return value
-    if _is_literal(hint) and any(value == c and type(value) is type(c) for c in typing.get_args(hint)):
+    if _is_literal(hint) and any(
+        value == c and type(value) is type(c) for c in typing.get_args(hint)
+    ):
         return value
     if _is_union(hint):
         for member in _union_members(hint):
@@ -188,7 +198,9 @@ def _unknown_key_message(key: str, known: Sequence[str], where: str) -> str:
     return f"unknown config key {key!r}{where}{suggestion}; {_HELP_HINT}"
 
 
-def _scan_argv(argv: Sequence[str], hints: dict[str, Any]) -> tuple[dict[str, str], str | None]:
+def _scan_argv(
+    argv: Sequence[str], hints: dict[str, Any]
+) -> tuple[dict[str, str], str | None]:
     """Split argv into raw {field: text} values and the --config path; no conversion yet."""
     raw: dict[str, str] = {}
     config_path: str | None = None
@@ -197,7 +209,9 @@ def _scan_argv(argv: Sequence[str], hints: dict[str, Any]) -> tuple[dict[str, st
         arg = argv[index]
         index += 1
         if not arg.startswith("--") or arg == "--":
-            raise ConfigError(f"unexpected argument {arg!r}; options are written --key=value ({_HELP_HINT})")
+            raise ConfigError(
+                f"unexpected argument {arg!r}; options are written --key=value ({_HELP_HINT})"
+            )
         key, has_equals, value = arg[2:].partition("=")
         name = _normalize_key(key)
         if not name:
@@ -205,12 +219,17 @@ def _scan_argv(argv: Sequence[str], hints: dict[str, Any]) -> tuple[dict[str, st
         if name != CONFIG_OPTION and name not in hints:
             raise ConfigError(_unknown_key_message(name, list(hints), ""))
         if name in raw or (name == CONFIG_OPTION and config_path is not None):
-            raise ConfigError(f"duplicate key --{name} on the command line; give it once")
+            raise ConfigError(
+                f"duplicate key --{name} on the command line; give it once"
+            )
         if not has_equals:
             next_arg = argv[index] if index < len(argv) else None
             if hints.get(name) is bool and name != CONFIG_OPTION:
                 # a bare flag means true; "--flag false" is also understood
-                if next_arg is not None and next_arg.lower() in _TRUE_WORDS | _FALSE_WORDS:
+                if (
+                    next_arg is not None
+                    and next_arg.lower() in _TRUE_WORDS | _FALSE_WORDS
+                ):
                     value = next_arg
                     index += 1
                 else:
@@ -222,7 +241,9 @@ def _scan_argv(argv: Sequence[str], hints: dict[str, Any]) -> tuple[dict[str, st
                 index += 1
         if name == CONFIG_OPTION:
             if not value:
-                raise ConfigError("missing value for --config; write --config=FILE.toml")
+                raise ConfigError(
+                    "missing value for --config; write --config=FILE.toml"
+                )
             config_path = value
         else:
             raw[name] = value
@@ -235,14 +256,18 @@ def _read_toml(path: str, hints: dict[str, Any]) -> dict[str, Any]:
         with open(path, "rb") as file:
             table = tomllib.load(file)
     except FileNotFoundError:
-        raise ConfigError(f"config file {path!r} not found; check the path given to --config") from None
+        raise ConfigError(
+            f"config file {path!r} not found; check the path given to --config"
+        ) from None
     except OSError as error:
         raise ConfigError(
             f"cannot read config file {path!r}: {error.strerror}; check the path and its permissions"
         ) from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         detail = " ".join(str(error).split())
-        raise ConfigError(f"invalid TOML in config file {path!r}: {detail}; fix the file's syntax") from None
+        raise ConfigError(
+            f"invalid TOML in config file {path!r}: {detail}; fix the file's syntax"
+        ) from None
     values: dict[str, Any] = {}
     for key, value in table.items():
         if isinstance(value, dict):
@@ -251,9 +276,13 @@ def _read_toml(path: str, hints: dict[str, Any]) -> dict[str, Any]:
             )
         name = _normalize_key(key)
         if name not in hints:
-            raise ConfigError(_unknown_key_message(name, list(hints), f" in config file {path!r}"))
+            raise ConfigError(
+                _unknown_key_message(name, list(hints), f" in config file {path!r}")
+            )
         if name in values:
-            raise ConfigError(f"key {name!r} appears twice in config file {path!r}; keep one")
+            raise ConfigError(
+                f"key {name!r} appears twice in config file {path!r}; keep one"
+            )
         try:
             values[name] = _from_toml(value, hints[name])
         except ValueError as error:
@@ -276,9 +305,14 @@ def from_args(cls: type[T], argv: Sequence[str]) -> T:
         except ValueError as error:
             raise ConfigError(f"bad value {text!r} for --{name}: {error}") from None
     for field in _init_fields(cls):
-        required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+        required = (
+            field.default is dataclasses.MISSING
+            and field.default_factory is dataclasses.MISSING
+        )
         if required and field.name not in values:
-            raise ConfigError(f"missing value for required key --{field.name}; pass --{field.name}=VALUE")
+            raise ConfigError(
+                f"missing value for required key --{field.name}; pass --{field.name}=VALUE"
+            )
     return cls(**values)
 
 
@@ -309,9 +343,18 @@ def field_comments(cls: type) -> dict[str, str]:
             comments.setdefault(current_field, token.string.lstrip("#").strip())
         elif token.type == tokenize.NAME and at_line_start and depth == 1:
             following = tokens[position + 1] if position + 1 < len(tokens) else None
-            if following is not None and following.type == tokenize.OP and following.string == ":":
+            if (
+                following is not None
+                and following.type == tokenize.OP
+                and following.string == ":"
+            ):
                 current_field = token.string
-        if token.type not in (tokenize.INDENT, tokenize.DEDENT, tokenize.NL, tokenize.COMMENT):
+        if token.type not in (
+            tokenize.INDENT,
+            tokenize.DEDENT,
+            tokenize.NL,
+            tokenize.COMMENT,
+        ):
             at_line_start = False
     return comments
 
@@ -330,17 +373,33 @@ def format_help(cls: type, prog: str = "train.py") -> str:
     """Usage text listing every field with its type, default and source comment."""
     hints = _field_hints(cls)
     comments = field_comments(cls)
-    rows = [("--config", "FILE.toml", "", "read values from a flat TOML file; command-line values win")]
+    rows = [
+        (
+            "--config",
+            "FILE.toml",
+            "",
+            "read values from a flat TOML file; command-line values win",
+        )
+    ]
     for field in _init_fields(cls):
         name, type_name = f"--{field.name}", _type_name(hints[field.name])
-        rows.append((name, type_name, f"default {_format_default(field)}", comments.get(field.name, "")))
+        rows.append(
+            (
+                name,
+                type_name,
+                f"default {_format_default(field)}",
+                comments.get(field.name, ""),
+            )
+        )
     widths = [max(len(row[column]) for row in rows) for column in range(3)]
     lines = [f"usage: {prog} [--config FILE.toml] [--key=value ...]", "", "options:"]
     for row in rows:
         cells = [cell.ljust(width) for cell, width in zip(row, widths)]
         lines.append(("  " + "  ".join(cells) + "  " + row[3]).rstrip())
     lines.append("")
-    lines.append("Keys may use dashes or underscores; bool keys given bare (--flag) mean true.")
+    lines.append(
+        "Keys may use dashes or underscores; bool keys given bare (--flag) mean true."
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -348,7 +407,9 @@ def parse(cls: type[T], argv: Sequence[str] | None = None) -> T:
     """from_args() for scripts: prints help or a one-line error and exits instead of raising."""
     args = list(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:
-        prog = sys.argv[0].rsplit("/", 1)[-1] if sys.argv and sys.argv[0] else "train.py"
+        prog = (
+            sys.argv[0].rsplit("/", 1)[-1] if sys.argv and sys.argv[0] else "train.py"
+        )
         sys.stdout.write(format_help(cls, prog))
         raise SystemExit(0)
     try:
@@ -383,7 +444,9 @@ def failing(*errors: type[Exception], prefix: str = "") -> Iterator[None]:
 # An interval: brackets closed, parentheses open, inf allowed ("[0, 1)", "(0, inf)", "[1, 10]").
 # Declared once per hyperparameter in the template's algorithm.toml, checked by scaffold when a
 # project is generated and, with the same text, by the generated setup() at run time.
-_INTERVAL = re.compile(r"([\[(])\s*(-?inf|[-+0-9.e]+)\s*,\s*(-?inf|[-+0-9.e]+)\s*([\])])")
+_INTERVAL = re.compile(
+    r"([\[(])\s*(-?inf|[-+0-9.e]+)\s*,\s*(-?inf|[-+0-9.e]+)\s*([\])])"
+)
 
 
 def _interval(text: str) -> tuple[bool, float, float, bool]:
@@ -394,7 +457,7 @@ def _interval(text: str) -> tuple[bool, float, float, bool]:
             return match[1] == "[", float(match[2]), float(match[3]), match[4] == "]"
         except ValueError:  # e.g. "1.2.3"
             pass
-    raise ValueError(f"{text!r} is not an interval such as \"[0, 1)\" or \"(0, inf)\"")
+    raise ValueError(f'{text!r} is not an interval such as "[0, 1)" or "(0, inf)"')
 
 
 def in_range(value: float, interval: str) -> bool:

@@ -40,18 +40,26 @@ def select_device(requested: str, local_rank: int) -> torch.device:
     try:
         device = torch.device(requested)
     except RuntimeError as error:
-        raise ValueError(f"device={requested!r} is not a torch device; use auto, cpu, cuda or cuda:N") from error
+        raise ValueError(
+            f"device={requested!r} is not a torch device; use auto, cpu, cuda or cuda:N"
+        ) from error
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device={requested!r} but CUDA is not available here (the nccl backend "
-                             "needs it); use --device=cpu or --device=auto")
+            raise ValueError(
+                f"device={requested!r} but CUDA is not available here (the nccl backend "
+                "needs it); use --device=cpu or --device=auto"
+            )
         if device.index is None:
             device = torch.device("cuda", local_rank)
         if device.index >= torch.cuda.device_count():
-            raise ValueError(f"device {device} does not exist: this machine has "
-                             f"{torch.cuda.device_count()} GPUs; launch fewer processes per node")
+            raise ValueError(
+                f"device {device} does not exist: this machine has "
+                f"{torch.cuda.device_count()} GPUs; launch fewer processes per node"
+            )
     elif device.type != "cpu":
-        raise ValueError(f"device={requested!r} is not supported; use auto, cpu, cuda or cuda:N")
+        raise ValueError(
+            f"device={requested!r} is not supported; use auto, cpu, cuda or cuda:N"
+        )
     return device
 
 
@@ -113,7 +121,8 @@ def reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
 
 def gather_rows(tensor: torch.Tensor) -> torch.Tensor:
     """Every rank's `tensor` (the same shape on each) concatenated along rows, in rank order:
-    the global batch when each rank holds a contiguous share of it (a copy on one process)."""
+    the global batch when each rank holds a contiguous share of it (a copy on one process).
+    """
     if not is_distributed():
         return tensor.clone()
     parts = [torch.empty_like(tensor) for _ in range(world_size())]

@@ -18,7 +18,9 @@ from runtime.time import Progress, Time
 def check(metric: str, patience: Time, min_delta: float) -> str | None:
     """A one-line problem with the early-stopping settings, or None."""
     if metric and patience.value <= 0:
-        return f"early_stop_patience={patience} must be more than 0 (e.g. 500ba or 0.1dur)"
+        return (
+            f"early_stop_patience={patience} must be more than 0 (e.g. 500ba or 0.1dur)"
+        )
     if min_delta < 0:
         return f"early_stop_min_delta={min_delta} must be >= 0"
     return None
@@ -36,14 +38,21 @@ class EarlyStopper:
         mode: str = "min",
         log: Callable[[str], None] = print,
     ) -> None:
-        self.metric, self.patience, self.min_delta, self.mode = metric, patience, min_delta, mode
+        self.metric, self.patience, self.min_delta, self.mode = (
+            metric,
+            patience,
+            min_delta,
+            mode,
+        )
         self.log = log
         self.best: float | None = None
         self.best_step: int = 0
         self.best_at: int = 0  # when, in patience's unit
         self.stopped: bool = False
         if metric:
-            log(f"early stopping: on {metric} ({mode}imize, min_delta {min_delta:g}, patience {patience})")
+            log(
+                f"early stopping: on {metric} ({mode}imize, min_delta {min_delta:g}, patience {patience})"
+            )
 
     def _improved(self, value: float) -> bool:
         if self.best is None:
@@ -52,11 +61,15 @@ class EarlyStopper:
             return value < self.best - self.min_delta
         return value > self.best + self.min_delta
 
-    def update(self, progress: Progress, metrics: Mapping[str, float], max_duration: Time) -> bool:
+    def update(
+        self, progress: Progress, metrics: Mapping[str, float], max_duration: Time
+    ) -> bool:
         """True when training should stop now (and from now on)."""
         if not self.metric or self.metric not in metrics:
             return self.stopped
-        patience = progress.resolve(self.patience, max_duration)  # dur -> max_duration's unit
+        patience = progress.resolve(
+            self.patience, max_duration
+        )  # dur -> max_duration's unit
         now = progress.count(patience.unit)
         value = float(metrics[self.metric])
         if self._improved(value):

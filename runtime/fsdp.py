@@ -49,7 +49,12 @@ import torch
 import torch.nn as nn
 from torch.distributed._composable import checkpoint as activation_checkpoint
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -101,19 +106,29 @@ def check(config: ParallelConfig, env: DistEnv) -> str | None:
     if config.precision not in PRECISIONS:
         return f"precision={config.precision!r}; use one of {', '.join(PRECISIONS)}"
     if config.parallelism == "none" and env.world_size > 1:
-        return (f"parallelism=none with {env.world_size} processes would train {env.world_size} "
-                "unrelated copies; use --parallelism=fsdp or ddp")
+        return (
+            f"parallelism=none with {env.world_size} processes would train {env.world_size} "
+            "unrelated copies; use --parallelism=fsdp or ddp"
+        )
     if config.precision == "bf16" and config.parallelism != "fsdp":
-        return ("precision=bf16 is FSDP's mixed-precision policy; use --parallelism=fsdp, or "
-                "--precision=amp_bf16 (autocast) without FSDP")
-    if config.cpu_offload and (config.parallelism != "fsdp" or env.device.type != "cuda"):
-        return ("cpu_offload moves FSDP-sharded parameters from the GPU to the CPU; it needs "
-                "--parallelism=fsdp on CUDA (on the CPU the parameters are there already)")
+        return (
+            "precision=bf16 is FSDP's mixed-precision policy; use --parallelism=fsdp, or "
+            "--precision=amp_bf16 (autocast) without FSDP"
+        )
+    if config.cpu_offload and (
+        config.parallelism != "fsdp" or env.device.type != "cuda"
+    ):
+        return (
+            "cpu_offload moves FSDP-sharded parameters from the GPU to the CPU; it needs "
+            "--parallelism=fsdp on CUDA (on the CPU the parameters are there already)"
+        )
     if config.parallelism == "fsdp" and config.sharding_strategy == "HYBRID_SHARD":
         size = config.hybrid_shard_size or env.local_world_size
         if size < 1 or env.world_size % size:
-            return (f"HYBRID_SHARD needs the world size ({env.world_size}) to be a multiple of "
-                    f"hybrid_shard_size ({size}); set --hybrid_shard_size to a divisor of it")
+            return (
+                f"HYBRID_SHARD needs the world size ({env.world_size}) to be a multiple of "
+                f"hybrid_shard_size ({size}); set --hybrid_shard_size to a divisor of it"
+            )
     return None
 
 
@@ -128,7 +143,8 @@ def parallelize(
     """Apply activation checkpointing, compilation and FSDP2 or DDP, in that order (as
     torchtitan does); returns the module to train. `trained=False` (a module that only runs
     forwards, see `parallelize_copy`): every FSDP unit reshards after forward, so between
-    forwards its parameters are the sharded DTensors, never left gathered for a backward."""
+    forwards its parameters are the sharded DTensors, never left gathered for a backward.
+    """
     blocks = list(blocks)
     if config.activation_checkpointing:
         for block in blocks:
@@ -143,13 +159,18 @@ def parallelize(
 
     if config.sharding_strategy == "HYBRID_SHARD":
         shard = config.hybrid_shard_size or env.local_world_size
-        mesh = init_device_mesh(env.device.type, (env.world_size // shard, shard),
-                                mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(
+            env.device.type,
+            (env.world_size // shard, shard),
+            mesh_dim_names=("replicate", "shard"),
+        )
     else:
         mesh = init_device_mesh(env.device.type, (env.world_size,))
     options: dict[str, object] = {"mesh": mesh}
     if config.precision == "bf16":
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        options["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
     if config.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
     reshard = config.sharding_strategy != "SHARD_GRAD_OP" or not trained
@@ -193,7 +214,9 @@ def defer_gradient_sync(model: nn.Module, deferred: bool) -> None:
             model.require_backward_grad_sync = False
 
 
-def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[nn.Parameter], max_norm: float
+) -> torch.Tensor:
     """Clip gradients to a global L2 norm, also when FSDP shards them; returns the norm before clipping.
 
     With sharded (DTensor) gradients each rank holds part of the norm: reduce it to the full
@@ -218,8 +241,9 @@ def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
     return total_norm
 
 
-def parallelize_copy(model: nn.Module, blocks: Iterable[nn.Module], env: DistEnv,
-                     config: ParallelConfig) -> nn.Module:
+def parallelize_copy(
+    model: nn.Module, blocks: Iterable[nn.Module], env: DistEnv, config: ParallelConfig
+) -> nn.Module:
     """A copy of the model that is not trained (averaged weights, say), laid out like the
     model `parallelize` returns: under FSDP2 sharded per block then root with the same
     mesh, so each of its tensors has the placement of the model's and rank-local updates

@@ -44,7 +44,9 @@ def read_gpt2(source: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     try:
         import transformers
     except ModuleNotFoundError:
-        raise HFError(f"reading Hugging Face weights needs transformers: {INSTALL}") from None
+        raise HFError(
+            f"reading Hugging Face weights needs transformers: {INSTALL}"
+        ) from None
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     try:
@@ -54,15 +56,23 @@ def read_gpt2(source: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     if config.model_type != "gpt2":
         raise HFError(f"a {config.model_type} model, not GPT-2 (GPT2LMHeadModel)")
     try:
-        model = transformers.GPT2LMHeadModel.from_pretrained(source)  # converted to fp32 by model.py
+        model = transformers.GPT2LMHeadModel.from_pretrained(
+            source
+        )  # converted to fp32 by model.py
     except (OSError, ValueError, RuntimeError) as error:
         raise HFError(_first_line(error)) from None
-    weights = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
+    weights = {
+        name: tensor.detach().cpu() for name, tensor in model.state_dict().items()
+    }
     return config.to_dict(), weights
 
 
-def write_gpt2(out_dir: Path | str, config: dict[str, Any], weights: dict[str, torch.Tensor],
-               metadata: dict[str, str]) -> Path:
+def write_gpt2(
+    out_dir: Path | str,
+    config: dict[str, Any],
+    weights: dict[str, torch.Tensor],
+    metadata: dict[str, str],
+) -> Path:
     """config.json and model.safetensors in `out_dir`, as GPT2LMHeadModel.save_pretrained
     would write them (each file replaced atomically)."""
     from safetensors.torch import save_file
@@ -70,7 +80,11 @@ def write_gpt2(out_dir: Path | str, config: dict[str, Any], weights: dict[str, t
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "model.safetensors.tmp"
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp), metadata={**metadata, "format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in weights.items()},
+        str(tmp),
+        metadata={**metadata, "format": "pt"},
+    )
     os.replace(tmp, out / "model.safetensors")
     tmp = out / "config.json.tmp"
     tmp.write_text(json.dumps(config, indent=2) + "\n")
@@ -78,8 +92,13 @@ def write_gpt2(out_dir: Path | str, config: dict[str, Any], weights: dict[str, t
     return out
 
 
-def export_gpt2(source: Path | str, out_dir: Path | str, *, run_config: Path | str | None = None,
-                project: Path | str | None = None) -> dict[str, Any]:
+def export_gpt2(
+    source: Path | str,
+    out_dir: Path | str,
+    *,
+    run_config: Path | str | None = None,
+    project: Path | str | None = None,
+) -> dict[str, Any]:
     """Write a checkpoint of a causal_lm project as a Hugging Face GPT-2 folder.
 
     `source`: a run folder, its checkpoints folder or a step-<N> checkpoint, local or a URL.
@@ -91,55 +110,88 @@ def export_gpt2(source: Path | str, out_dir: Path | str, *, run_config: Path | s
     try:
         run = tomllib.loads(config_file.read_text())
     except (OSError, ValueError) as error:
-        raise CheckpointError(f"cannot read the run's config {config_file}: {error}") from None
+        raise CheckpointError(
+            f"cannot read the run's config {config_file}: {error}"
+        ) from None
     folder = Path(project) if project else config_file.resolve().parent.parent.parent
     if not project and not (folder / "model.py").is_file():
         folder = Path.cwd()  # runs/ written away from the project: run from the project
     model = _import_model(folder / "model.py")
-    changes = getattr(model, "HF_LAYOUT_CHANGES", {})  # older projects: the mapping, and why not
+    changes = getattr(
+        model, "HF_LAYOUT_CHANGES", {}
+    )  # older projects: the mapping, and why not
     if changes:
         reasons = "; ".join(f"{name}: {why}" for name, why in changes.items())
-        raise CheckpointError(f"GPT2LMHeadModel cannot hold this model ({reasons}); "
-                              "export it with --format safetensors")
+        raise CheckpointError(
+            f"GPT2LMHeadModel cannot hold this model ({reasons}); "
+            "export it with --format safetensors"
+        )
     if not hasattr(model, "to_hf_gpt2"):
         if hasattr(model, "GPTConfig"):  # a GPT whose algorithms changed GPT-2's layout
-            raise CheckpointError(f"GPT2LMHeadModel cannot hold this model: its algorithms change GPT-2's "
-                                  f"layout (the docstring of {folder / 'model.py'} says how), so it has no "
-                                  "Hugging Face GPT-2 mapping; export it with --format safetensors")
-        raise CheckpointError(f"{folder / 'model.py'} has no Hugging Face GPT-2 mapping "
-                              "(to_hf_gpt2); --format hf exports causal_lm GPT projects")
+            raise CheckpointError(
+                f"GPT2LMHeadModel cannot hold this model: its algorithms change GPT-2's "
+                f"layout (the docstring of {folder / 'model.py'} says how), so it has no "
+                "Hugging Face GPT-2 mapping; export it with --format safetensors"
+            )
+        raise CheckpointError(
+            f"{folder / 'model.py'} has no Hugging Face GPT-2 mapping "
+            "(to_hf_gpt2); --format hf exports causal_lm GPT projects"
+        )
     if run.get("model") not in model.PRESETS:
-        raise CheckpointError(f"{config_file}: model={run.get('model')!r} is not a preset of {folder / 'model.py'}")
+        raise CheckpointError(
+            f"{config_file}: model={run.get('model')!r} is not a preset of {folder / 'model.py'}"
+        )
     weights, step, checkpoint, _ = export.read_weights(source)
     sizes = model.PRESETS[run["model"]]
-    gpt_config = model.GPTConfig(vocab_size=weights["wte.weight"].shape[0],
-                                 max_seq_len=weights["wpe.weight"].shape[0],
-                                 dropout=float(run.get("dropout", 0.0)), **sizes)
+    gpt_config = model.GPTConfig(
+        vocab_size=weights["wte.weight"].shape[0],
+        max_seq_len=weights["wpe.weight"].shape[0],
+        dropout=float(run.get("dropout", 0.0)),
+        **sizes,
+    )
     try:
         hf_config, hf_weights = model.to_hf_gpt2(weights, gpt_config)
     except KeyError as missing:
-        raise CheckpointError(f"{checkpoint} has no weight {missing} of GPT-2's layout") from None
-    out = write_gpt2(out_dir, hf_config, hf_weights, {"checkpoint": str(checkpoint), "step": str(step)})
-    return {"checkpoint": checkpoint, "step": step, "tensors": len(hf_weights),
-            "numel": sum(v.numel() for v in hf_weights.values()), "folder": out}
+        raise CheckpointError(
+            f"{checkpoint} has no weight {missing} of GPT-2's layout"
+        ) from None
+    out = write_gpt2(
+        out_dir,
+        hf_config,
+        hf_weights,
+        {"checkpoint": str(checkpoint), "step": str(step)},
+    )
+    return {
+        "checkpoint": checkpoint,
+        "step": step,
+        "tensors": len(hf_weights),
+        "numel": sum(v.numel() for v in hf_weights.values()),
+        "folder": out,
+    }
 
 
 def _find_run_config(source: Path | str) -> Path:
     """runs/<name>/config.toml from a run folder, its checkpoints folder or a checkpoint."""
     if storage.is_remote(source):
-        raise CheckpointError(f"{storage.redact(str(source))} is remote: pass the run's config.toml "
-                              "with --run-config (runs/<name>/config.toml where it trained)")
+        raise CheckpointError(
+            f"{storage.redact(str(source))} is remote: pass the run's config.toml "
+            "with --run-config (runs/<name>/config.toml where it trained)"
+        )
     path = Path(source).resolve()
     for folder in (path, path.parent, path.parent.parent):
         if (folder / "config.toml").is_file():
             return folder / "config.toml"
-    raise CheckpointError(f"no config.toml in {source} or above it: pass the run's config.toml with --run-config")
+    raise CheckpointError(
+        f"no config.toml in {source} or above it: pass the run's config.toml with --run-config"
+    )
 
 
 def _import_model(path: Path) -> Any:
     """The project's model.py as a module (its folder on sys.path while it is imported)."""
     if not path.is_file():
-        raise CheckpointError(f"{path} does not exist: pass the project folder with --project")
+        raise CheckpointError(
+            f"{path} does not exist: pass the project folder with --project"
+        )
     spec = importlib.util.spec_from_file_location("_scaffold_export_model", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

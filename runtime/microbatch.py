@@ -123,7 +123,8 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 def halve(size: int, multiple_of: int = 1) -> int:
     """The next size to try: half, rounded up (6 -> 3 -> 2 -> 1), never below 1; with
-    `multiple_of`, rounded up to a multiple of it and never below it (96 -> 48 -> 32 by 16)."""
+    `multiple_of`, rounded up to a multiple of it and never below it (96 -> 48 -> 32 by 16).
+    """
     half = (size + 1) // 2
     return max(multiple_of, -(-half // multiple_of) * multiple_of)
 
@@ -149,8 +150,10 @@ class Injection:
         for part in filter(None, (p.strip() for p in text.split(";"))):
             key, sep, value = (s.strip() for s in part.partition("="))
             if not sep or key not in ("ranks", "above", "tokens", "phase"):
-                raise ValueError(f"{INJECT_ENV}={text!r}: {part!r} is not ranks=..., above=..., "
-                                 "tokens=... or phase=...; e.g. 'ranks=1;above=4;phase=backward'")
+                raise ValueError(
+                    f"{INJECT_ENV}={text!r}: {part!r} is not ranks=..., above=..., "
+                    "tokens=... or phase=...; e.g. 'ranks=1;above=4;phase=backward'"
+                )
             if key in values:
                 raise ValueError(f"{INJECT_ENV}={text!r}: {key} given twice")
             values[key] = value
@@ -159,21 +162,27 @@ class Injection:
             try:
                 ranks = frozenset(int(r) for r in values["ranks"].split(","))
             except ValueError:
-                raise ValueError(f"{INJECT_ENV}={text!r}: ranks must be comma-separated "
-                                 "integers or all") from None
+                raise ValueError(
+                    f"{INJECT_ENV}={text!r}: ranks must be comma-separated "
+                    "integers or all"
+                ) from None
         limits: dict[str, int | None] = {}
         for key in ("above", "tokens"):
             try:
                 limits[key] = int(values[key]) if key in values else None
             except ValueError:
-                raise ValueError(f"{INJECT_ENV}={text!r}: {key} must be an integer") from None
+                raise ValueError(
+                    f"{INJECT_ENV}={text!r}: {key} must be an integer"
+                ) from None
             if (limits[key] or 0) < 0:
                 raise ValueError(f"{INJECT_ENV}={text!r}: {key} must be >= 0")
         if limits["above"] is None and limits["tokens"] is None:
             limits["above"] = 0
         phase = values.get("phase", "forward")
         if phase not in PHASES:
-            raise ValueError(f"{INJECT_ENV}={text!r}: phase must be forward or backward")
+            raise ValueError(
+                f"{INJECT_ENV}={text!r}: phase must be forward or backward"
+            )
         return cls(ranks, limits["above"], phase, limits["tokens"])
 
     @classmethod
@@ -188,11 +197,15 @@ class Injection:
         if phase != self.phase or (self.ranks is not None and rank not in self.ranks):
             return
         if self.above is not None and size > self.above:
-            raise torch.OutOfMemoryError(f"injected by {INJECT_ENV}: rank {rank}, microbatch size "
-                                         f"{size} > {self.above}, in {phase}")
+            raise torch.OutOfMemoryError(
+                f"injected by {INJECT_ENV}: rank {rank}, microbatch size "
+                f"{size} > {self.above}, in {phase}"
+            )
         if self.tokens is not None and tokens > self.tokens:
-            raise torch.OutOfMemoryError(f"injected by {INJECT_ENV}: rank {rank}, {tokens} tokens "
-                                         f"per microbatch > {self.tokens}, in {phase}")
+            raise torch.OutOfMemoryError(
+                f"injected by {INJECT_ENV}: rank {rank}, {tokens} tokens "
+                f"per microbatch > {self.tokens}, in {phase}"
+            )
 
 
 def check(device_microbatch_size: int | str, auto: bool = True) -> str | None:
@@ -260,7 +273,11 @@ class _Identity(torch.autograd.Function):
 def _through(value: Any, callback: Callable[[], None]) -> Any:
     """`value` (a tensor or a structure of them) with the grad-requiring tensors hooked."""
     leaves, spec = tree_flatten(value)
-    index = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    index = [
+        i
+        for i, x in enumerate(leaves)
+        if isinstance(x, torch.Tensor) and x.requires_grad
+    ]
     if not index or not torch.is_grad_enabled():
         return value
     hooked = _Identity.apply(callback, *(leaves[i] for i in index))
@@ -286,7 +303,10 @@ class Attempt:
         return self
 
     def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
     ) -> bool:
         search = self._search
         search._attempt = None
@@ -306,7 +326,6 @@ class Attempt:
             search._clean(self.size)
         self.ok = not failed
         return True  # swallowed: `attempts` retries the batch at a smaller size
-
 
     def reduce_deferred_gradients(self) -> None:
         """Make the gradients so far global inside an attempt, for a loop that needs them
@@ -345,15 +364,23 @@ class Search:
         self.auto = device_microbatch_size == "auto"
         self.injection = Injection.from_env()
         self.settled_len = 0  # longest sequence that succeeded at self.size
-        self.eval_size, self.eval_settled_len = 0, 0  # evaluation's own, where training's is not settled
+        self.eval_size, self.eval_settled_len = (
+            0,
+            0,
+        )  # evaluation's own, where training's is not settled
         self._attempt: Attempt | None = None
         self._handles: list[Any] = []
         # The largest size searched; a resume may set a smaller one (`load_state_dict`).
-        self.size = int(device_microbatch_size) if not self.auto else (
-            min(per_rank_batch, max_size) if max_size > 0 else per_rank_batch)
+        self.size = (
+            int(device_microbatch_size)
+            if not self.auto
+            else (min(per_rank_batch, max_size) if max_size > 0 else per_rank_batch)
+        )
         self._announced = False  # "starting at" is logged by the first search, if any
         distributed = torch_dist.is_available() and torch_dist.is_initialized()
-        self._vote = _Vote(timeout) if self.auto and distributed and env.world_size > 1 else None
+        self._vote = (
+            _Vote(timeout) if self.auto and distributed and env.world_size > 1 else None
+        )
         self._fsdp_units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         if self.injection is not None:
             self._install()  # injection needs its hooks on every step
@@ -370,7 +397,8 @@ class Search:
 
         `rows`: the samples in this rank's batch, if known. A batch with fewer rows than the
         size that succeeded (cut short, e.g. by selective backprop) does not prove that size
-        fits a full batch: the size is kept but not settled, and the next batch searches on."""
+        fits a full batch: the size is kept but not settled, and the next batch searches on.
+        """
         if not self.auto or seq_len <= self.settled_len:
             yield Attempt(self, self.size, searching=False)
             return
@@ -404,8 +432,10 @@ class Search:
                 if attempt.ok:
                     self.eval_size, self.eval_settled_len = attempt.size, seq_len
                     if attempt.size != self.size:
-                        self._log(f"microbatch size: {attempt.size} for evaluation (sequence "
-                                  f"length {seq_len}), {self.size} for training")
+                        self._log(
+                            f"microbatch size: {attempt.size} for evaluation (sequence "
+                            f"length {seq_len}), {self.size} for training"
+                        )
 
     def state_dict(self) -> dict[str, int]:
         """For checkpoints: the size found, for which sequence length and world size.
@@ -413,8 +443,11 @@ class Search:
         `load_state_dict` therefore also reads.)"""
         if not self.auto:
             return {}
-        return {"microbatch_size": self.size, "microbatch_seq_len": self.settled_len,
-                "microbatch_world_size": self.env.world_size}
+        return {
+            "microbatch_size": self.size,
+            "microbatch_seq_len": self.settled_len,
+            "microbatch_world_size": self.env.world_size,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Reuse a size found before (`state_dict`) without searching again, when it was
@@ -431,7 +464,9 @@ class Search:
 
     # ------------------------------------------------------------ internals
 
-    def _search(self, size: int, seq_len: int, what: str) -> Generator[Attempt, None, None]:
+    def _search(
+        self, size: int, seq_len: int, what: str
+    ) -> Generator[Attempt, None, None]:
         """Searching attempts from `size`, halved after each failure, until one succeeds."""
         self._install()
         try:
@@ -474,8 +509,10 @@ class Search:
 
     def _advice(self) -> str:
         if self.auto:
-            return (f"device_microbatch_size settled at {self.size} for sequences of length "
-                    f"{self.settled_len}; memory ran out later: set it lower by hand")
+            return (
+                f"device_microbatch_size settled at {self.size} for sequences of length "
+                f"{self.settled_len}; memory ran out later: set it lower by hand"
+            )
         return "set a lower --device_microbatch_size, or --device_microbatch_size=auto"
 
     def _clean(self, size: int) -> None:
@@ -541,13 +578,17 @@ class Search:
         return _through((args, kwargs), self._sync)
 
     def _inject_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        return _through((args, kwargs), lambda: self._inject("backward", (args, kwargs)))
+        return _through(
+            (args, kwargs), lambda: self._inject("backward", (args, kwargs))
+        )
 
     def _output_hook(self, is_root: bool) -> Callable[..., Any]:
         def before_backward() -> None:
             self._sync()  # before FSDP's pre-backward all-gathers
             if is_root and self._armed() is not None:
-                Variable._execution_engine.queue_callback(self._sync)  # before the root's RS
+                Variable._execution_engine.queue_callback(
+                    self._sync
+                )  # before the root's RS
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             if self._armed() is None:

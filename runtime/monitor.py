@@ -75,7 +75,9 @@ def peak_flops(device_name: str, precision: str, tf32: bool = False) -> float | 
     return None
 
 
-def training_flops(model: torch.nn.Module, example: torch.Tensor | dict[str, torch.Tensor]) -> float:
+def training_flops(
+    model: torch.nn.Module, example: torch.Tensor | dict[str, torch.Tensor]
+) -> float:
     """Training FLOPs (forward + backward) of one forward on `example`, counted by torch.
 
     For models without a closed-form count (convolutions, Hugging Face models): torch's
@@ -92,7 +94,11 @@ def training_flops(model: torch.nn.Module, example: torch.Tensor | dict[str, tor
     try:
         # Attention through the math kernel: its matmuls are counted on every device (the
         # counter knows CUDA's fused kernels but not the CPU's flash kernel).
-        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        with (
+            torch.no_grad(),
+            sdpa_kernel(SDPBackend.MATH),
+            FlopCounterMode(display=False) as counter,
+        ):
             if isinstance(example, dict):
                 model(**example)
             else:
@@ -108,7 +114,9 @@ def rss_gb() -> float:
         with open("/proc/self/statm") as statm:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
     except (OSError, ValueError, IndexError):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        peak = resource.getrusage(
+            resource.RUSAGE_SELF
+        ).ru_maxrss  # KiB on Linux, bytes on macOS
         return peak / 1e9 if sys.platform == "darwin" else peak * 1024 / 1e9
 
 
@@ -129,13 +137,19 @@ class RunningSum:
 
     def pop(self) -> float:
         """The sum over ranks divided by the count since the last pop (0 counted: nan)."""
-        mean = dist.reduce_sum(self.total).item() / self.count if self.count else float("nan")
+        mean = (
+            dist.reduce_sum(self.total).item() / self.count
+            if self.count
+            else float("nan")
+        )
         self.total.zero_()
         self.count = 0
         return mean
 
 
-def _bar_total(max_duration: Time, batches_per_epoch: int, global_batch_size: int) -> tuple[int, str]:
+def _bar_total(
+    max_duration: Time, batches_per_epoch: int, global_batch_size: int
+) -> tuple[int, str]:
     """The progress bar's length and unit: optimizer steps, except for token budgets."""
     if max_duration.unit == TimeUnit.TOKEN:
         return int(max_duration.value), "tok"
@@ -214,7 +228,9 @@ class Monitor:
         )
         self._bar = tqdm(
             total=total,
-            initial=min(progress.token if self._unit == "tok" else progress.batch, total),
+            initial=min(
+                progress.token if self._unit == "tok" else progress.batch, total
+            ),
             unit=self._unit,
             unit_scale=self._unit == "tok",
             dynamic_ncols=True,
@@ -226,7 +242,11 @@ class Monitor:
         """On resume, drop lines logged after the checkpoint, so no step appears twice."""
         if not self.metrics_path.exists():
             return
-        kept = [line for line in self.metrics_path.read_text().splitlines() if _logged_step(line) <= step]
+        kept = [
+            line
+            for line in self.metrics_path.read_text().splitlines()
+            if _logged_step(line) <= step
+        ]
         tmp = self.metrics_path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(self.metrics_path)
@@ -240,14 +260,20 @@ class Monitor:
         with open(self.log_path, "a") as log:
             log.write(stamped + "\n")
 
-    def record_run(self, config_toml: str, script: Path, device: torch.device, world_size: int) -> None:
+    def record_run(
+        self, config_toml: str, script: Path, device: torch.device, world_size: int
+    ) -> None:
         """Write the resolved config, a copy of the exact source that runs, and the environment."""
         if not self.enabled:
             return
         run_dir = self.metrics_path.parent
         (run_dir / "config.toml").write_text(config_toml)
         (run_dir / script.name).write_text(script.read_text())
-        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+        device_name = (
+            torch.cuda.get_device_name(device)
+            if device.type == "cuda"
+            else platform.processor() or "cpu"
+        )
         self.info(
             f"python {platform.python_version()}, torch {torch.__version__}, "
             f"device {device} ({device_name}), world size {world_size}"
@@ -268,7 +294,10 @@ class Monitor:
         from `PEAK_FLOPS` for this GPU at this precision. MFU divides by peak x world size
         (every rank is assumed to run the same device). On the CPU, MFU is left out.
         """
-        self._flops_per_token, self._flops_per_sample = flops_per_token, flops_per_sample
+        self._flops_per_token, self._flops_per_sample = (
+            flops_per_token,
+            flops_per_sample,
+        )
         for flops, unit in ((flops_per_token, "token"), (flops_per_sample, "sample")):
             if flops:
                 self.info(f"model: {flops:.4g} training FLOPs per {unit}")
@@ -278,26 +307,37 @@ class Monitor:
             name = torch.cuda.get_device_name(device)
             peak = peak or peak_flops(name, precision, tf32_matmuls())
         elif peak is None:
-            self.info(f"mfu: not measured on {device.type} (no peak FLOP/s to compare with)")
+            self.info(
+                f"mfu: not measured on {device.type} (no peak FLOP/s to compare with)"
+            )
             return
         else:
             name = device.type
         if peak is None:
-            self.info(f"mfu: not measured: no peak FLOP/s for {name!r} at {precision} in runtime.monitor.PEAK_FLOPS")
+            self.info(
+                f"mfu: not measured: no peak FLOP/s for {name!r} at {precision} in runtime.monitor.PEAK_FLOPS"
+            )
             return
         self._peak = peak * world_size
-        self.info(f"mfu: against {peak / 1e12:.1f} TFLOP/s per device ({name}, {precision}) x {world_size}")
+        self.info(
+            f"mfu: against {peak / 1e12:.1f} TFLOP/s per device ({name}, {precision}) x {world_size}"
+        )
 
     def open_trackers(self, names: str, config_toml: str) -> None:
         """Send every record to these trackers too (`runtime.trackers`; rank 0 only)."""
         if self.enabled and names:
-            self._trackers = Trackers(names, self.metrics_path.parent, config_toml, step=self._last_batch)
+            self._trackers = Trackers(
+                names, self.metrics_path.parent, config_toml, step=self._last_batch
+            )
             self.info(f"trackers: {names}")
 
     def update(self, progress: Progress) -> None:
         """Move the progress bar to where training is (cheap; every step)."""
         if self._bar is not None:
-            position = min(progress.token if self._unit == "tok" else progress.batch, self._bar.total)
+            position = min(
+                progress.token if self._unit == "tok" else progress.batch,
+                self._bar.total,
+            )
             # tqdm.update redraws at most every `mininterval` (0.1 s): cheap on every step.
             self._bar.update(position - self._bar.n)
 
@@ -315,8 +355,14 @@ class Monitor:
         now = time.perf_counter()
         elapsed = max(now - self._last_time - self._paused, 1e-9)
         steps = progress.batch - self._last_batch
-        record: dict[str, Any] = {"step": progress.batch, "epoch": progress.epoch, **metrics}
-        counts_tokens = progress.token > 0  # language tasks; images have no tokens to count
+        record: dict[str, Any] = {
+            "step": progress.batch,
+            "epoch": progress.epoch,
+            **metrics,
+        }
+        counts_tokens = (
+            progress.token > 0
+        )  # language tasks; images have no tokens to count
         record["samples"] = progress.sample  # x axes for plots
         if counts_tokens:
             record["tokens"] = progress.token
@@ -331,8 +377,12 @@ class Monitor:
             if self._peak and flops:
                 record["mfu"] = flops / elapsed / self._peak
         if self._cuda is not None:
-            record["cuda_max_allocated_gb"] = torch.cuda.max_memory_allocated(self._cuda) / 1e9
-            record["cuda_max_reserved_gb"] = torch.cuda.max_memory_reserved(self._cuda) / 1e9
+            record["cuda_max_allocated_gb"] = (
+                torch.cuda.max_memory_allocated(self._cuda) / 1e9
+            )
+            record["cuda_max_reserved_gb"] = (
+                torch.cuda.max_memory_reserved(self._cuda) / 1e9
+            )
             torch.cuda.reset_peak_memory_stats(self._cuda)
         record["rss_gb"] = rss_gb()
         done = progress.fraction(self._max_duration) - self._start_fraction
@@ -356,12 +406,23 @@ class Monitor:
         if self._trackers is not None:
             self._trackers.log(record, progress.batch)
         if self._bar is not None:
-            shown = {k: v for k, v in record.items() if k in ("loss", "val_loss", "lr", "tokens_per_s", "mfu")}
-            self._bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
+            shown = {
+                k: v
+                for k, v in record.items()
+                if k in ("loss", "val_loss", "lr", "tokens_per_s", "mfu")
+            }
+            self._bar.set_postfix(
+                {k: f"{v:.4g}" for k, v in shown.items()}, refresh=False
+            )
             self.update(progress)
         if self._bar is None or self._bar.disable:
             # No live bar (not a terminal): print the record so logs still show progress.
-            self.info(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+            self.info(
+                " ".join(
+                    f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in record.items()
+                )
+            )
 
     def close(self) -> None:
         if self._bar is not None:

@@ -44,7 +44,9 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float
         return lr * math.sqrt(max(1.0, rows / cols))
     if adjust_lr_fn == "match_rms_adamw":
         return lr * 0.2 * math.sqrt(max(rows, cols))
-    raise ValueError(f"adjust_lr_fn={adjust_lr_fn!r}; use None, 'original' or 'match_rms_adamw'")
+    raise ValueError(
+        f"adjust_lr_fn={adjust_lr_fn!r}; use None, 'original' or 'match_rms_adamw'"
+    )
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -87,7 +89,9 @@ class Muon(torch.optim.Optimizer):
             adjusted_lr(1.0, group["adjust_lr_fn"], torch.Size((1, 1)))  # valid choice
             for param in group["params"]:
                 if param.ndim != 2:
-                    raise ValueError(f"Muon takes 2-D parameters only; got shape {tuple(param.shape)}")
+                    raise ValueError(
+                        f"Muon takes 2-D parameters only; got shape {tuple(param.shape)}"
+                    )
                 if isinstance(param, DTensor) and not _is_row_sharded(param):
                     raise ValueError(
                         f"Muon supports FSDP2 parameters sharded on dim 0 over one mesh "
@@ -111,9 +115,12 @@ class Muon(torch.optim.Optimizer):
                 local.add_(update, alpha=-scale)
         return loss
 
-    def _momentum_update(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    def _momentum_update(
+        self, param: torch.Tensor, group: dict[str, Any]
+    ) -> torch.Tensor:
         """buf <- momentum * buf + (1 - momentum) * grad; the update is Nesterov's look-ahead
-        (grad towards buf by momentum) or buf itself. Elementwise: shards need no collective."""
+        (grad towards buf by momentum) or buf itself. Elementwise: shards need no collective.
+        """
         grad = _local(param.grad)
         state = self.state[param]
         if "momentum_buffer" not in state:
@@ -132,9 +139,12 @@ class Muon(torch.optim.Optimizer):
             if i not in sharded:
                 result[i] = self.orthogonalize(updates[i])
         if sharded:
-            for i, rows in zip(sharded, self._orthogonalize_sharded(
-                [params[i] for i in sharded], [updates[i] for i in sharded]
-            )):
+            for i, rows in zip(
+                sharded,
+                self._orthogonalize_sharded(
+                    [params[i] for i in sharded], [updates[i] for i in sharded]
+                ),
+            ):
                 result[i] = rows
         return [r for r in result if r is not None]
 
@@ -162,7 +172,9 @@ class Muon(torch.optim.Optimizer):
             dst = dist.get_global_rank(group, owner[i])
             if owner[i] == rank:
                 gathered[i] = [torch.empty_like(mine) for _ in range(world)]
-            works.append(dist.gather(mine, gathered.get(i), dst=dst, group=group, async_op=True))
+            works.append(
+                dist.gather(mine, gathered.get(i), dst=dst, group=group, async_op=True)
+            )
         for work in works:
             work.wait()
         # 2. Each owner orthogonalises its whole matrices and cuts them into row chunks.
@@ -180,7 +192,9 @@ class Muon(torch.optim.Optimizer):
                 device=update.device,
             )
             src = dist.get_global_rank(group, owner[i])
-            works.append(dist.scatter(rows, pieces.get(i), src=src, group=group, async_op=True))
+            works.append(
+                dist.scatter(rows, pieces.get(i), src=src, group=group, async_op=True)
+            )
             received.append(rows)
         for work in works:
             work.wait()
@@ -191,7 +205,9 @@ class Muon(torch.optim.Optimizer):
         """The dtype `orthogonalize` returns (a tiny probe; non-owners must size their buffers)."""
         cached = getattr(self, "_dtype_cache", {})
         if update.dtype not in cached:
-            cached[update.dtype] = self.orthogonalize(torch.eye(2, dtype=update.dtype)).dtype
+            cached[update.dtype] = self.orthogonalize(
+                torch.eye(2, dtype=update.dtype)
+            ).dtype
             self._dtype_cache = cached
         return cached[update.dtype]
 
@@ -199,14 +215,17 @@ class Muon(torch.optim.Optimizer):
 class Chain:
     """Several optimizers that step together behind one object (Muon for the hidden matrices,
     AdamW for the rest). `param_groups` lists every group, so a schedule that sets
-    `group["lr"]` reaches all of them; `checkpoint.save/resume` store each one's state."""
+    `group["lr"]` reaches all of them; `checkpoint.save/resume` store each one's state.
+    """
 
     def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
         self.optimizers = list(optimizers)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
+        return [
+            group for optimizer in self.optimizers for group in optimizer.param_groups
+        ]
 
     def step(self) -> None:
         for optimizer in self.optimizers:

@@ -32,11 +32,15 @@ class Preemption:
 
     def __init__(self, signals: tuple[signal.Signals, ...] = SIGNALS) -> None:
         self.received = 0  # the signal this rank got (its number), 0 if none
-        self.stopped_by: str | None = None  # the signal's name, once the ranks agreed to stop
+        self.stopped_by: str | None = (
+            None  # the signal's name, once the ranks agreed to stop
+        )
         self._flag = torch.zeros(1, dtype=torch.int32)
         self._group = None
         if torch_dist.is_available() and torch_dist.is_initialized():
-            self._group = torch_dist.new_group(backend="gloo")  # a collective every rank makes
+            self._group = torch_dist.new_group(
+                backend="gloo"
+            )  # a collective every rank makes
         self._previous = {sig: signal.signal(sig, self._on_signal) for sig in signals}
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -46,7 +50,9 @@ class Preemption:
         """True on every rank once any rank received a signal (call it on every rank, every step)."""
         self._flag.fill_(self.received)
         if self._group is not None:
-            torch_dist.all_reduce(self._flag, op=torch_dist.ReduceOp.MAX, group=self._group)
+            torch_dist.all_reduce(
+                self._flag, op=torch_dist.ReduceOp.MAX, group=self._group
+            )
         signum = int(self._flag.item())
         if signum and self.stopped_by is None:
             self.stopped_by = signal.Signals(signum).name

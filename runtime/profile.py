@@ -23,7 +23,9 @@ def parse(text: str) -> tuple[Time, Time] | None:
         return None
     start, sep, end = text.partition(":")
     if not sep:
-        raise ValueError(f"profile={text!r}: give a window START:END of Time strings, e.g. 20ba:25ba")
+        raise ValueError(
+            f"profile={text!r}: give a window START:END of Time strings, e.g. 20ba:25ba"
+        )
     try:
         return Time.parse(start.strip()), Time.parse(end.strip())
     except TimeError as error:
@@ -36,7 +38,11 @@ def check(text: str) -> str | None:
         window = parse(text)
     except ValueError as error:
         return str(error)
-    if window and window[0].unit is window[1].unit and window[0].value >= window[1].value:
+    if (
+        window
+        and window[0].unit is window[1].unit
+        and window[0].value >= window[1].value
+    ):
         return f"profile={text!r}: START must come before END, e.g. 20ba:25ba"
     return None
 
@@ -60,7 +66,12 @@ class Profiler:
     ) -> None:
         self.window = parse(window)
         self.folder = run_dir / "profile"
-        self.rank, self.device, self.max_duration, self.log = rank, device, max_duration, log
+        self.rank, self.device, self.max_duration, self.log = (
+            rank,
+            device,
+            max_duration,
+            log,
+        )
         self._profile: profile | None = None
         self._done = False
 
@@ -73,10 +84,15 @@ class Profiler:
                 self._done = True
                 return
             cuda = self.device.type == "cuda"
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            activities = [ProfilerActivity.CPU] + (
+                [ProfilerActivity.CUDA] if cuda else []
+            )
             # Shapes, memory and stacks feed the CUDA memory timeline; on CPU, shapes are enough.
             self._profile = profile(
-                activities=activities, record_shapes=True, profile_memory=cuda, with_stack=cuda
+                activities=activities,
+                record_shapes=True,
+                profile_memory=cuda,
+                with_stack=cuda,
             )
             self._profile.start()
             self._start_step = progress.batch
@@ -87,6 +103,10 @@ class Profiler:
             self._profile.export_chrome_trace(str(trace))
             if self.device.type == "cuda":
                 memory = self.folder / f"rank{self.rank}.memory.json.gz"
-                self._profile.export_memory_timeline(str(memory), device=str(self.device))
-            self.log(f"profile: steps {self._start_step + 1}-{progress.batch} recorded in {trace}")
+                self._profile.export_memory_timeline(
+                    str(memory), device=str(self.device)
+                )
+            self.log(
+                f"profile: steps {self._start_step + 1}-{progress.batch} recorded in {trace}"
+            )
             self._profile, self._done = None, True

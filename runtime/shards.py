@@ -109,7 +109,10 @@ def chunk_order(sizes: list[int], seed: int, epoch: int, group: int) -> np.ndarr
     chunks = rng.permutation(len(sizes))
     parts = []
     for first in range(0, len(chunks), group):
-        ids = [np.arange(starts[c], starts[c] + sizes[c]) for c in chunks[first : first + group]]
+        ids = [
+            np.arange(starts[c], starts[c] + sizes[c])
+            for c in chunks[first : first + group]
+        ]
         parts.append(rng.permutation(np.concatenate(ids)))
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
@@ -122,7 +125,10 @@ def open_split(root: str, split: str, block_size: int = 0) -> Shards:
         index = json.loads(_read_text(f"{url}/{INDEX}"))
         chunks = index["chunks"]
         names = [chunk["filename"] for chunk in chunks]
-        counts = [chunk["dim"] // block_size if block_size else chunk["chunk_size"] for chunk in chunks]
+        counts = [
+            chunk["dim"] // block_size if block_size else chunk["chunk_size"]
+            for chunk in chunks
+        ]
     except (OSError, ValueError, KeyError, TypeError, ImportError) as error:
         raise ShardError(
             f"--data={root}: no readable {split}/{INDEX} ({type(error).__name__}: {error}); "
@@ -150,8 +156,10 @@ def open_split(root: str, split: str, block_size: int = 0) -> Shards:
             break
         except Exception as error:  # a refusing store, or that race
             if wait is None:
-                raise ShardError(f"--data={root}: cannot open {split}/ ({type(error).__name__}: "
-                                 f"{str(error).splitlines()[0] if str(error) else ''})") from None
+                raise ShardError(
+                    f"--data={root}: cannot open {split}/ ({type(error).__name__}: "
+                    f"{str(error).splitlines()[0] if str(error) else ''})"
+                ) from None
             time.sleep(wait)
     return Shards(url, dataset, counts)
 

@@ -50,7 +50,9 @@ class Time:
         try:
             unit = TimeUnit(self.unit)
         except ValueError:
-            raise TimeError(f"unknown Time unit {self.unit!r}; use one of {_UNIT_LIST}") from None
+            raise TimeError(
+                f"unknown Time unit {self.unit!r}; use one of {_UNIT_LIST}"
+            ) from None
         # frozen dataclass: the only way to normalise a field after construction
         object.__setattr__(self, "unit", unit)
         value = self.value
@@ -62,7 +64,9 @@ class Time:
             object.__setattr__(self, "value", float(value))
         else:
             if not isinstance(value, int) or value <= 0:
-                raise TimeError(f"a {unit.value} Time must be a positive whole number, got {value!r}")
+                raise TimeError(
+                    f"a {unit.value} Time must be a positive whole number, got {value!r}"
+                )
 
     @classmethod
     def parse(cls, text: str | Time) -> Time:
@@ -96,7 +100,9 @@ class Time:
             raise _bad(text, "the number must be greater than 0")
         if unit is TimeUnit.DURATION:
             if number > 1:
-                raise _bad(text, "a dur value is a fraction of the run and must be at most 1")
+                raise _bad(
+                    text, "a dur value is a fraction of the run and must be at most 1"
+                )
             return cls(number, unit)
         if not number.is_integer():
             raise _bad(text, f"{unit.value} counts must be whole numbers")
@@ -135,8 +141,12 @@ class Progress:
     previous_token: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.batches_per_epoch, bool) or not isinstance(self.batches_per_epoch, int):
-            raise ValueError(f"batches_per_epoch must be an int, got {self.batches_per_epoch!r}")
+        if isinstance(self.batches_per_epoch, bool) or not isinstance(
+            self.batches_per_epoch, int
+        ):
+            raise ValueError(
+                f"batches_per_epoch must be an int, got {self.batches_per_epoch!r}"
+            )
         if self.batches_per_epoch <= 0:
             raise ValueError(
                 f"batches_per_epoch must be > 0, got {self.batches_per_epoch}; "
@@ -150,7 +160,9 @@ class Progress:
     def _count(self, unit: TimeUnit, previous: bool) -> int:
         unit = TimeUnit(unit)
         if unit is TimeUnit.DURATION:
-            raise TimeError("dur is a fraction of max_duration, not a count; use fraction() or resolve()")
+            raise TimeError(
+                "dur is a fraction of max_duration, not a count; use fraction() or resolve()"
+            )
         name = {
             TimeUnit.EPOCH: "epoch",
             TimeUnit.BATCH: "batch",
@@ -162,7 +174,9 @@ class Progress:
     def advance(self, samples: int, tokens: int) -> None:
         """Record one optimizer step that consumed `samples` samples and `tokens` tokens."""
         if samples < 0 or tokens < 0:
-            raise ValueError(f"samples and tokens must be >= 0, got samples={samples}, tokens={tokens}")
+            raise ValueError(
+                f"samples and tokens must be >= 0, got samples={samples}, tokens={tokens}"
+            )
         self.previous_epoch = self.epoch
         self.previous_batch = self.batch
         self.previous_sample = self.sample
@@ -196,7 +210,9 @@ class Progress:
             return interval
         _check_max_duration(max_duration)
         # never 0: an interval of 0 would never (or always) be due
-        return Time(max(1, round(interval.value * max_duration.value)), max_duration.unit)
+        return Time(
+            max(1, round(interval.value * max_duration.value)), max_duration.unit
+        )
 
     def at_interval(self, interval: Time, max_duration: Time) -> bool:
         """True when the last advance() crossed a multiple of `interval` (e.g. batch 100, 200 for 100ba)."""
@@ -223,7 +239,9 @@ class Progress:
         for name in expected:
             value = state[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"bad Progress state: {name} must be an int >= 0, got {value!r}")
+                raise ValueError(
+                    f"bad Progress state: {name} must be an int >= 0, got {value!r}"
+                )
         if state["batches_per_epoch"] != self.batches_per_epoch:
             # epoch counting would silently drift if the loader length changed
             raise ValueError(

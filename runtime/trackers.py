@@ -57,9 +57,13 @@ class TensorBoardTracker:
         from torch.utils.tensorboard import SummaryWriter
 
         # On resume, events an earlier attempt wrote after the checkpoint (step > `step`) are hidden.
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=step + 1 if step else None)
+        self.writer = SummaryWriter(
+            str(run_dir / "tensorboard"), purge_step=step + 1 if step else None
+        )
         if not step:
-            self.writer.add_text("config", "    " + config_toml.replace("\n", "\n    "), 0)
+            self.writer.add_text(
+                "config", "    " + config_toml.replace("\n", "\n    "), 0
+            )
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for key, value in metrics.items():
@@ -70,7 +74,9 @@ class TensorBoardTracker:
 
 
 class MLflowTracker:
-    def __init__(self, run_dir: Path, config: dict[str, Any], run_id: str | None) -> None:
+    def __init__(
+        self, run_dir: Path, config: dict[str, Any], run_id: str | None
+    ) -> None:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
@@ -80,14 +86,18 @@ class MLflowTracker:
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "scaffold")
         experiment = self.client.get_experiment_by_name(name)
         if experiment is None:
-            experiment_id = self.client.create_experiment(name, artifact_location=(runs / "mlartifacts").as_uri())
+            experiment_id = self.client.create_experiment(
+                name, artifact_location=(runs / "mlartifacts").as_uri()
+            )
         else:
             experiment_id = experiment.experiment_id
         if run_id is not None and self._exists(run_id):
             self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING")
         else:
-            self.run_id = self.client.create_run(experiment_id, run_name=run_dir.name).info.run_id
+            self.run_id = self.client.create_run(
+                experiment_id, run_name=run_dir.name
+            ).info.run_id
             params = [Param(key, str(value)[:6000]) for key, value in config.items()]
             self.client.log_batch(self.run_id, params=params)
 
@@ -104,17 +114,23 @@ class MLflowTracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
+        self.client.log_batch(
+            self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()]
+        )
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
 
 
 class WandbTracker:
-    def __init__(self, run_dir: Path, config: dict[str, Any], run_id: str | None) -> None:
+    def __init__(
+        self, run_dir: Path, config: dict[str, Any], run_id: str | None
+    ) -> None:
         import wandb
 
-        logged_in = bool(os.environ.get("WANDB_API_KEY")) or "api.wandb.ai" in _read(Path.home() / ".netrc")
+        logged_in = bool(os.environ.get("WANDB_API_KEY")) or "api.wandb.ai" in _read(
+            Path.home() / ".netrc"
+        )
         mode = os.environ.get("WANDB_MODE") or ("online" if logged_in else "offline")
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", "scaffold"),
@@ -168,7 +184,9 @@ class Trackers:
     def log(self, record: dict[str, Any], step: int) -> None:
         """Every number in `record` except the step itself, under its metrics.jsonl name."""
         metrics = {
-            k: float(v) for k, v in record.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+            k: float(v)
+            for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
         }
         for tracker in self.trackers:
             tracker.log(metrics, step)

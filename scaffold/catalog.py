@@ -33,8 +33,20 @@ DERIVED_ANSWERS = ("project_name", "recipe", "algorithms")
 HYPERPARAMETER_TYPES = ("int", "float", "bool", "str", "time")
 # The event points of every task's train.py, in loop order (DESIGN.md §4.2).
 EVENTS = (
-    "INIT", "MODEL", "OPTIMIZER", "FIT_START", "EPOCH_START", "BATCH_START", "MICROBATCH_START",
-    "AFTER_FORWARD", "LOSS", "AFTER_BACKWARD", "BATCH_END", "EVAL", "EPOCH_END", "FIT_END",
+    "INIT",
+    "MODEL",
+    "OPTIMIZER",
+    "FIT_START",
+    "EPOCH_START",
+    "BATCH_START",
+    "MICROBATCH_START",
+    "AFTER_FORWARD",
+    "LOSS",
+    "AFTER_BACKWARD",
+    "BATCH_END",
+    "EVAL",
+    "EPOCH_END",
+    "FIT_END",
 )
 # Other places in train.py an algorithm may write: its imports, Config fields, config checks,
 # module-level helper functions, logged metrics, and the list of per-sample training-data
@@ -108,7 +120,9 @@ class Algorithm:
     hyperparameters: dict[str, Hyperparameter] = field(default_factory=dict)
     tasks: tuple[str, ...] = ()
     models: tuple[str, ...] = ()  # empty: any model family of its tasks
-    before: tuple[str, ...] = ()  # algorithms it must run before, at every event both use
+    before: tuple[
+        str, ...
+    ] = ()  # algorithms it must run before, at every event both use
     after: tuple[str, ...] = ()
     paper: str = ""
     # Spots whose default code it removes with nothing in its place (no snippet there), e.g.
@@ -130,7 +144,10 @@ class Algorithm:
     def params(self, answers: dict[str, Any] | None) -> dict[str, Any]:
         """A project's hyperparameter answers, with the declared default of any it lacks (a
         hyperparameter added since the project was generated)."""
-        return {**{key: hp.default for key, hp in self.hyperparameters.items()}, **(answers or {})}
+        return {
+            **{key: hp.default for key, hp in self.hyperparameters.items()},
+            **(answers or {}),
+        }
 
     def describe(self, params: dict[str, Any]) -> str:
         """Its `architecture` phrase with the project's hyperparameters filled in."""
@@ -139,7 +156,9 @@ class Algorithm:
     def model_points(self, family: str) -> tuple[str, ...]:
         """The extension points of `family` it fills."""
         prefix = f"model.{family}."
-        return tuple(spot.removeprefix(prefix) for spot in self.spots if spot.startswith(prefix))
+        return tuple(
+            spot.removeprefix(prefix) for spot in self.spots if spot.startswith(prefix)
+        )
 
 
 @dataclass(frozen=True)
@@ -177,10 +196,14 @@ def load_models(template: Path) -> dict[str, ModelFamily]:
         meta = _read_toml(meta_path)
         name = meta_path.parent.name
         points = {
-            point: ExtensionPoint(point, spec.get("help", ""), bool(spec.get("replaces", False)))
+            point: ExtensionPoint(
+                point, spec.get("help", ""), bool(spec.get("replaces", False))
+            )
             for point, spec in meta.get("extension_points", {}).items()
         }
-        families[name] = ModelFamily(name, meta["summary"], tuple(meta["presets"]), points)
+        families[name] = ModelFamily(
+            name, meta["summary"], tuple(meta["presets"]), points
+        )
     return families
 
 
@@ -188,7 +211,11 @@ def _spot_of(snippet: Path) -> str:
     spot = snippet.name.removesuffix(SNIPPET_SUFFIX)
     parts = spot.split(".")
     valid = (
-        (len(parts) == 2 and parts[0] == "train" and parts[1] in EVENTS + TRAIN_SECTIONS + tuple(TRAIN_POINTS))
+        (
+            len(parts) == 2
+            and parts[0] == "train"
+            and parts[1] in EVENTS + TRAIN_SECTIONS + tuple(TRAIN_POINTS)
+        )
         or (len(parts) == 2 and parts[0] == "data" and parts[1] in DATA_SECTIONS)
         or (len(parts) == 3 and parts[0] == "model")
     )
@@ -216,7 +243,9 @@ def catalog_order(algorithms: Mapping[str, Algorithm | SimpleNamespace]) -> list
     while pending:
         ready = [name for name in pending if must_precede[name] <= set(order)]
         if not ready:
-            raise CatalogError(f"algorithms {', '.join(pending)} declare a cycle of before/after")
+            raise CatalogError(
+                f"algorithms {', '.join(pending)} declare a cycle of before/after"
+            )
         order.append(ready[0])
         pending.remove(ready[0])
     return order
@@ -242,37 +271,67 @@ def load_algorithms(template: Path) -> dict[str, Algorithm]:
         meta = _read_toml(meta_path)
         name = meta_path.parent.name
         hyperparameters = {
-            key: Hyperparameter(key, spec["type"], spec["default"], spec.get("help", ""),
-                                tuple(spec.get("choices", ())), str(spec.get("range", "")))
+            key: Hyperparameter(
+                key,
+                spec["type"],
+                spec["default"],
+                spec.get("help", ""),
+                tuple(spec.get("choices", ())),
+                str(spec.get("range", "")),
+            )
             for key, spec in meta.get("hyperparameters", {}).items()
         }
         for hp in hyperparameters.values():
-            if hp.range and (hp.type not in ("int", "float") or not _in_range(hp.default, hp.range)):
-                raise CatalogError(f"{meta_path}: hyperparameter '{hp.name}' has range {hp.range!r}; a "
-                                   "range is an interval such as \"[0, 1)\" on an int or float that "
-                                   "holds its default")
-            if hp.choices and any(not _has_type(choice, hp.type) for choice in (hp.default, *hp.choices)):
-                raise CatalogError(f"{meta_path}: hyperparameter '{hp.name}' has choices {list(hp.choices)}; "
-                                   f"each, and the default, must be of type {hp.type}")
+            if hp.range and (
+                hp.type not in ("int", "float") or not _in_range(hp.default, hp.range)
+            ):
+                raise CatalogError(
+                    f"{meta_path}: hyperparameter '{hp.name}' has range {hp.range!r}; a "
+                    'range is an interval such as "[0, 1)" on an int or float that '
+                    "holds its default"
+                )
+            if hp.choices and any(
+                not _has_type(choice, hp.type) for choice in (hp.default, *hp.choices)
+            ):
+                raise CatalogError(
+                    f"{meta_path}: hyperparameter '{hp.name}' has choices {list(hp.choices)}; "
+                    f"each, and the default, must be of type {hp.type}"
+                )
             if hp.choices and hp.default not in hp.choices:
-                raise CatalogError(f"{meta_path}: hyperparameter '{hp.name}': its default "
-                                   f"{hp.default!r} is not one of its choices {list(hp.choices)}")
-        snippets = {_spot_of(path) for path in meta_path.parent.glob(f"*{SNIPPET_SUFFIX}")}
+                raise CatalogError(
+                    f"{meta_path}: hyperparameter '{hp.name}': its default "
+                    f"{hp.default!r} is not one of its choices {list(hp.choices)}"
+                )
+        snippets = {
+            _spot_of(path) for path in meta_path.parent.glob(f"*{SNIPPET_SUFFIX}")
+        }
         replaces = tuple(meta.get("replaces", ()))
         for spot in replaces:
-            if spot in snippets or len(spot.split(".")) != 3 or not spot.startswith("model."):
-                raise CatalogError(f"{meta_path}: replaces {spot!r}; `replaces` lists model.<family>.<point> "
-                                   "spots whose default code the algorithm removes, with no snippet there")
+            if (
+                spot in snippets
+                or len(spot.split(".")) != 3
+                or not spot.startswith("model.")
+            ):
+                raise CatalogError(
+                    f"{meta_path}: replaces {spot!r}; `replaces` lists model.<family>.<point> "
+                    "spots whose default code the algorithm removes, with no snippet there"
+                )
         # Config fields `<name>_<hyperparameter>` (a train.config snippet) with a declared range
         # get their run-time check rendered at train.checks (common/packs.jinja).
-        if "train.config" in snippets and any(hp.range for hp in hyperparameters.values()):
+        if "train.config" in snippets and any(
+            hp.range for hp in hyperparameters.values()
+        ):
             snippets.add("train.checks")
         spots = tuple(sorted(snippets | set(replaces)))
         try:
-            str(meta.get("architecture", "")).format(**{k: hp.default for k, hp in hyperparameters.items()})
+            str(meta.get("architecture", "")).format(
+                **{k: hp.default for k, hp in hyperparameters.items()}
+            )
         except (KeyError, IndexError, ValueError) as error:
-            raise CatalogError(f"{meta_path}: architecture names {error}, which is not a hyperparameter; "
-                               "write {name} for a hyperparameter's value") from error
+            raise CatalogError(
+                f"{meta_path}: architecture names {error}, which is not a hyperparameter; "
+                "write {name} for a hyperparameter's value"
+            ) from error
         algorithms[name] = Algorithm(
             name=name,
             summary=meta["summary"],
@@ -291,42 +350,64 @@ def load_algorithms(template: Path) -> dict[str, Algorithm]:
     return {name: algorithms[name] for name in catalog_order(algorithms)}
 
 
-def check_applies(name: str, spec: Algorithm, task: str, family: str, models: dict[str, ModelFamily]) -> None:
+def check_applies(
+    name: str, spec: Algorithm, task: str, family: str, models: dict[str, ModelFamily]
+) -> None:
     """Refuse an algorithm on a task or model family it does not declare, or whose extension
     points the family lacks."""
     if task not in spec.tasks:
-        raise RecipeError(f"algorithm '{name}' does not apply to task '{task}' (it applies to: "
-                          f"{', '.join(spec.tasks) or 'none'}); remove it or pick another task")
+        raise RecipeError(
+            f"algorithm '{name}' does not apply to task '{task}' (it applies to: "
+            f"{', '.join(spec.tasks) or 'none'}); remove it or pick another task"
+        )
     if spec.models and family not in spec.models:
-        raise RecipeError(f"algorithm '{name}' does not apply to model family '{family}' (it applies "
-                          f"to: {', '.join(spec.models)}); remove it or pick another model family")
-    touches_models = {spot.split(".")[1] for spot in spec.spots if spot.startswith("model.")}
+        raise RecipeError(
+            f"algorithm '{name}' does not apply to model family '{family}' (it applies "
+            f"to: {', '.join(spec.models)}); remove it or pick another model family"
+        )
+    touches_models = {
+        spot.split(".")[1] for spot in spec.spots if spot.startswith("model.")
+    }
     if touches_models and family not in touches_models:
-        raise RecipeError(f"algorithm '{name}' changes the architecture of {', '.join(sorted(touches_models))} "
-                          f"models only; model family '{family}' has no place for it")
+        raise RecipeError(
+            f"algorithm '{name}' changes the architecture of {', '.join(sorted(touches_models))} "
+            f"models only; model family '{family}' has no place for it"
+        )
     known = models[family].extension_points if family in models else {}
     for point in spec.model_points(family):
         if point not in known:
-            raise RecipeError(f"algorithm '{name}' fills extension point '{point}', which model family "
-                              f"'{family}' lacks; remove the algorithm or pick another model family")
+            raise RecipeError(
+                f"algorithm '{name}' fills extension point '{point}', which model family "
+                f"'{family}' lacks; remove the algorithm or pick another model family"
+            )
 
 
-def _check_exclusive_points(algorithms: list[str], catalog: dict[str, Algorithm], family: ModelFamily) -> None:
+def _check_exclusive_points(
+    algorithms: list[str], catalog: dict[str, Algorithm], family: ModelFamily
+) -> None:
     """Two algorithms cannot both replace the same default code in model.py (or train.py)."""
     owner: dict[str, str] = {}
     for name in algorithms:
-        for point in (spot.split(".")[1] for spot in catalog[name].spots if spot.startswith("train.")):
+        for point in (
+            spot.split(".")[1]
+            for spot in catalog[name].spots
+            if spot.startswith("train.")
+        ):
             if point in TRAIN_POINTS:
                 if f"train.{point}" in owner:
-                    raise RecipeError(f"algorithms '{owner['train.' + point]}' and '{name}' both replace "
-                                      f"the {point} code of train.py; use one of them")
+                    raise RecipeError(
+                        f"algorithms '{owner['train.' + point]}' and '{name}' both replace "
+                        f"the {point} code of train.py; use one of them"
+                    )
                 owner[f"train.{point}"] = name
         for point in catalog[name].model_points(family.name):
             spec = family.extension_points.get(point)
             if spec is not None and spec.replaces:
                 if point in owner:
-                    raise RecipeError(f"algorithms '{owner[point]}' and '{name}' both replace the "
-                                      f"'{point}' code of the {family.name} model; use one of them")
+                    raise RecipeError(
+                        f"algorithms '{owner[point]}' and '{name}' both replace the "
+                        f"'{point}' code of the {family.name} model; use one of them"
+                    )
                 owner[point] = name
 
 
@@ -360,22 +441,34 @@ def load_recipe(name_or_path: str, template: Path) -> Recipe:
     elif "/" in name_or_path or name_or_path.endswith(".toml"):
         path = Path(name_or_path).expanduser()
         if not path.is_file():
-            raise RecipeError(f"recipe file {path} does not exist; pass a shipped recipe name "
-                              f"({', '.join(shipped)}) or the path of a .toml recipe file")
+            raise RecipeError(
+                f"recipe file {path} does not exist; pass a shipped recipe name "
+                f"({', '.join(shipped)}) or the path of a .toml recipe file"
+            )
     else:
-        raise RecipeError(f"unknown recipe '{name_or_path}'{_suggest(name_or_path, list(shipped))}; "
-                          f"known recipes: {', '.join(shipped)} (or pass a path to a .toml recipe file)")
+        raise RecipeError(
+            f"unknown recipe '{name_or_path}'{_suggest(name_or_path, list(shipped))}; "
+            f"known recipes: {', '.join(shipped)} (or pass a path to a .toml recipe file)"
+        )
     try:
         data = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise RecipeError(f"recipe {path} is not valid TOML: {error}; fix the file") from error
+        raise RecipeError(
+            f"recipe {path} is not valid TOML: {error}; fix the file"
+        ) from error
     unknown = sorted(set(data) - {"description", "answers", "algorithms"})
     if unknown:
-        raise RecipeError(f"recipe {path}: unknown top-level key '{unknown[0]}'; a recipe has only "
-                          "`description`, `[answers]` and `[algorithms.<name>]` tables")
+        raise RecipeError(
+            f"recipe {path}: unknown top-level key '{unknown[0]}'; a recipe has only "
+            "`description`, `[answers]` and `[algorithms.<name>]` tables"
+        )
     algorithms = data.get("algorithms", {})
-    if not isinstance(algorithms, dict) or not all(isinstance(v, dict) for v in algorithms.values()):
-        raise RecipeError(f"recipe {path}: write each algorithm as a table, e.g. [algorithms.alibi]")
+    if not isinstance(algorithms, dict) or not all(
+        isinstance(v, dict) for v in algorithms.values()
+    ):
+        raise RecipeError(
+            f"recipe {path}: write each algorithm as a table, e.g. [algorithms.alibi]"
+        )
     return Recipe(
         name=path.stem,
         description=str(data.get("description", "")),
@@ -389,8 +482,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key:
-        raise RecipeError(f"--set '{text}' is not key=value; write e.g. --set lr=3e-4 or "
-                          "--set seq_length_warmup.min_len=16")
+        raise RecipeError(
+            f"--set '{text}' is not key=value; write e.g. --set lr=3e-4 or "
+            "--set seq_length_warmup.min_len=16"
+        )
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
@@ -406,8 +501,10 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
         if "." in key:
             algorithm, _, param = key.partition(".")
             if algorithm not in algorithms:
-                raise RecipeError(f"--set {key}: algorithm '{algorithm}' is not in recipe "
-                                  f"'{recipe.name}' (it has: {', '.join(algorithms) or 'none'})")
+                raise RecipeError(
+                    f"--set {key}: algorithm '{algorithm}' is not in recipe "
+                    f"'{recipe.name}' (it has: {', '.join(algorithms) or 'none'})"
+                )
             algorithms[algorithm][param] = value
         else:
             answers[key] = value
@@ -424,7 +521,9 @@ def _coerce(value: Any, kind: str, where: str) -> Any:
         "yaml": True,
     }[kind]
     if not ok:
-        raise RecipeError(f"{where} = {value!r} must be of type {kind}; fix the recipe or the --set value")
+        raise RecipeError(
+            f"{where} = {value!r} must be of type {kind}; fix the recipe or the --set value"
+        )
     if kind == "float":
         return float(value)
     if kind == "time":
@@ -457,66 +556,92 @@ def _hyperparameter(hp: Hyperparameter, value: Any, where: str) -> Any:
     range."""
     value = _coerce(value, hp.type, where)
     if hp.choices and value not in hp.choices:
-        raise RecipeError(f"{where} = {value!r} is not one of {', '.join(map(repr, hp.choices))}; "
-                          "fix the recipe or the --set value")
+        raise RecipeError(
+            f"{where} = {value!r} is not one of {', '.join(map(repr, hp.choices))}; "
+            "fix the recipe or the --set value"
+        )
     if hp.range and not _in_range(value, hp.range):
-        raise RecipeError(f"{where} = {value!r} is outside its range {hp.range}; "
-                          "fix the recipe or the --set value")
+        raise RecipeError(
+            f"{where} = {value!r} is outside its range {hp.range}; "
+            "fix the recipe or the --set value"
+        )
     return value
 
 
 def resolve(recipe: Recipe, template: Path, project_name: str) -> dict[str, Any]:
     """Validated, complete copier answers for a recipe: every default filled in, every name checked."""
     if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{0,63}", project_name):
-        raise RecipeError(f"project name '{project_name}' is not a valid name; use letters, digits, "
-                          "'-' and '_', starting with a letter (e.g. my-gpt)")
+        raise RecipeError(
+            f"project name '{project_name}' is not a valid name; use letters, digits, "
+            "'-' and '_', starting with a letter (e.g. my-gpt)"
+        )
     questions = load_questions(template)
     catalog = load_algorithms(template)
 
     answers: dict[str, Any] = {}
     for key, value in recipe.answers.items():
         if key in DERIVED_ANSWERS:
-            raise RecipeError(f"recipe '{recipe.name}': '{key}' is set by scaffold itself; remove it")
+            raise RecipeError(
+                f"recipe '{recipe.name}': '{key}' is set by scaffold itself; remove it"
+            )
         if key not in questions:
-            raise RecipeError(f"recipe '{recipe.name}': unknown answer '{key}'"
-                              f"{_suggest(key, list(questions))}; known answers: "
-                              f"{', '.join(k for k in questions if k not in DERIVED_ANSWERS)}")
+            raise RecipeError(
+                f"recipe '{recipe.name}': unknown answer '{key}'"
+                f"{_suggest(key, list(questions))}; known answers: "
+                f"{', '.join(k for k in questions if k not in DERIVED_ANSWERS)}"
+            )
         question = questions[key]
         value = _coerce(value, _answer_type(question), f"answer '{key}'")
         choices = question.get("choices")
-        if choices and value not in (list(choices.values()) if isinstance(choices, dict) else choices):
-            raise RecipeError(f"answer '{key}' = {value!r} is not one of {', '.join(map(str, choices))}")
+        if choices and value not in (
+            list(choices.values()) if isinstance(choices, dict) else choices
+        ):
+            raise RecipeError(
+                f"answer '{key}' = {value!r} is not one of {', '.join(map(str, choices))}"
+            )
         answers[key] = value
 
     tasks, models = load_tasks(template), load_models(template)
     task = answers.setdefault("task", questions["task"]["default"])
     if task not in tasks:
-        raise RecipeError(f"answer 'task' = {task!r} is not a task pack{_suggest(task, list(tasks))}; "
-                          f"known tasks: {', '.join(tasks)}")
+        raise RecipeError(
+            f"answer 'task' = {task!r} is not a task pack{_suggest(task, list(tasks))}; "
+            f"known tasks: {', '.join(tasks)}"
+        )
     # Defaults follow the task: its first model family, then that family's first preset.
     family = answers.setdefault("model_family", tasks[task].models[0])
     if family not in tasks[task].models:
-        raise RecipeError(f"answer 'model_family' = {family!r} does not fit task '{task}'; it takes: "
-                          f"{', '.join(tasks[task].models)}")
+        raise RecipeError(
+            f"answer 'model_family' = {family!r} does not fit task '{task}'; it takes: "
+            f"{', '.join(tasks[task].models)}"
+        )
     preset = answers.setdefault("model", models[family].presets[0])
     if preset not in models[family].presets:
-        raise RecipeError(f"answer 'model' = {preset!r} is not a {family} preset"
-                          f"{_suggest(str(preset), list(models[family].presets))}; presets: "
-                          f"{', '.join(models[family].presets)}")
+        raise RecipeError(
+            f"answer 'model' = {preset!r} is not a {family} preset"
+            f"{_suggest(str(preset), list(models[family].presets))}; presets: "
+            f"{', '.join(models[family].presets)}"
+        )
 
     algorithms: dict[str, dict[str, Any]] = {}
-    for name in sorted(recipe.algorithms, key=lambda n: list(catalog).index(n) if n in catalog else -1):
+    for name in sorted(
+        recipe.algorithms, key=lambda n: list(catalog).index(n) if n in catalog else -1
+    ):
         if name not in catalog:
-            raise RecipeError(f"recipe '{recipe.name}': unknown algorithm '{name}'"
-                              f"{_suggest(name, list(catalog))}; run `scaffold algorithms` to list them")
+            raise RecipeError(
+                f"recipe '{recipe.name}': unknown algorithm '{name}'"
+                f"{_suggest(name, list(catalog))}; run `scaffold algorithms` to list them"
+            )
         spec = catalog[name]
         check_applies(name, spec, task, family, models)
         params = dict(recipe.algorithms[name])
         for param in params:
             if param not in spec.hyperparameters:
                 known = ", ".join(spec.hyperparameters) or "none"
-                raise RecipeError(f"algorithm '{name}' has no hyperparameter '{param}'"
-                                  f"{_suggest(param, list(spec.hyperparameters))}; it has: {known}")
+                raise RecipeError(
+                    f"algorithm '{name}' has no hyperparameter '{param}'"
+                    f"{_suggest(param, list(spec.hyperparameters))}; it has: {known}"
+                )
         algorithms[name] = {
             key: _hyperparameter(hp, params.get(key, hp.default), f"{name}.{key}")
             for key, hp in spec.hyperparameters.items()
@@ -524,20 +649,36 @@ def resolve(recipe: Recipe, template: Path, project_name: str) -> dict[str, Any]
     for name in algorithms:
         for other in catalog[name].conflicts:
             if other in algorithms:
-                raise RecipeError(f"algorithms '{name}' and '{other}' conflict and cannot be used "
-                                  "together; remove one of them from the recipe")
+                raise RecipeError(
+                    f"algorithms '{name}' and '{other}' conflict and cannot be used "
+                    "together; remove one of them from the recipe"
+                )
         for needed in catalog[name].requires:
             if needed not in algorithms:
-                raise RecipeError(f"algorithm '{name}' requires '{needed}'; add [algorithms.{needed}] "
-                                  "to the recipe")
+                raise RecipeError(
+                    f"algorithm '{name}' requires '{needed}'; add [algorithms.{needed}] "
+                    "to the recipe"
+                )
     _check_exclusive_points(list(algorithms), catalog, models[family])
-    return {"project_name": project_name, "recipe": recipe.name, **answers, "algorithms": algorithms}
+    return {
+        "project_name": project_name,
+        "recipe": recipe.name,
+        **answers,
+        "algorithms": algorithms,
+    }
 
 
-def _in_catalog_order(algorithms: dict[str, dict[str, Any]], catalog: dict[str, Algorithm]) -> dict[str, dict[str, Any]]:
+def _in_catalog_order(
+    algorithms: dict[str, dict[str, Any]], catalog: dict[str, Algorithm]
+) -> dict[str, dict[str, Any]]:
     """The order `resolve` writes, so removing then adding an algorithm gives back the same answers."""
     order = list(catalog)
-    return {name: algorithms[name] for name in sorted(algorithms, key=lambda n: order.index(n) if n in order else -1)}
+    return {
+        name: algorithms[name]
+        for name in sorted(
+            algorithms, key=lambda n: order.index(n) if n in order else -1
+        )
+    }
 
 
 def add_algorithm(
@@ -550,32 +691,46 @@ def add_algorithm(
 ) -> dict[str, dict[str, Any]]:
     """A project's algorithm answers with `name` added (hyperparameters: defaults, then `overrides`)."""
     if name not in catalog:
-        raise RecipeError(f"unknown algorithm '{name}'{_suggest(name, list(catalog))}; "
-                          "run `scaffold algorithms` to list them")
+        raise RecipeError(
+            f"unknown algorithm '{name}'{_suggest(name, list(catalog))}; "
+            "run `scaffold algorithms` to list them"
+        )
     if name in current:
-        raise RecipeError(f"algorithm '{name}' is already in this project; its hyperparameters are "
-                          "Config fields in train.py: change them there")
+        raise RecipeError(
+            f"algorithm '{name}' is already in this project; its hyperparameters are "
+            "Config fields in train.py: change them there"
+        )
     spec = catalog[name]
     check_applies(name, spec, task, family.name, {family.name: family})
     for other in spec.conflicts:
         if other in current:
-            raise RecipeError(f"algorithms '{name}' and '{other}' conflict and cannot be used together; "
-                              f"remove '{other}' first (scaffold remove {other}) if you want '{name}'")
+            raise RecipeError(
+                f"algorithms '{name}' and '{other}' conflict and cannot be used together; "
+                f"remove '{other}' first (scaffold remove {other}) if you want '{name}'"
+            )
     for other in current:
         if other in catalog and name in catalog[other].conflicts:
-            raise RecipeError(f"algorithms '{other}' and '{name}' conflict and cannot be used together; "
-                              f"remove '{other}' first (scaffold remove {other}) if you want '{name}'")
+            raise RecipeError(
+                f"algorithms '{other}' and '{name}' conflict and cannot be used together; "
+                f"remove '{other}' first (scaffold remove {other}) if you want '{name}'"
+            )
     for needed in spec.requires:
         if needed not in current:
-            raise RecipeError(f"algorithm '{name}' requires '{needed}'; add it first: scaffold add {needed}")
+            raise RecipeError(
+                f"algorithm '{name}' requires '{needed}'; add it first: scaffold add {needed}"
+            )
     params: dict[str, Any] = {}
     for text in overrides:
         key, value = parse_override(text)
-        key = key.removeprefix(f"{name}.")  # `--set alibi.x=1` reads like `scaffold new`'s form
+        key = key.removeprefix(
+            f"{name}."
+        )  # `--set alibi.x=1` reads like `scaffold new`'s form
         if key not in spec.hyperparameters:
             known = ", ".join(spec.hyperparameters) or "none"
-            raise RecipeError(f"algorithm '{name}' has no hyperparameter '{key}'"
-                              f"{_suggest(key, list(spec.hyperparameters))}; it has: {known}")
+            raise RecipeError(
+                f"algorithm '{name}' has no hyperparameter '{key}'"
+                f"{_suggest(key, list(spec.hyperparameters))}; it has: {known}"
+            )
         params[key] = value
     resolved = {
         key: _hyperparameter(hp, params.get(key, hp.default), f"{name}.{key}")
@@ -592,10 +747,16 @@ def remove_algorithm(
     """A project's algorithm answers without `name`; refused while another algorithm requires it."""
     if name not in current:
         present = ", ".join(current) or "none"
-        raise RecipeError(f"algorithm '{name}' is not in this project{_suggest(name, list(current))}; "
-                          f"it has: {present}")
+        raise RecipeError(
+            f"algorithm '{name}' is not in this project{_suggest(name, list(current))}; "
+            f"it has: {present}"
+        )
     for other in current:
         if other != name and other in catalog and name in catalog[other].requires:
-            raise RecipeError(f"algorithm '{other}' requires '{name}'; remove '{other}' first "
-                              f"(scaffold remove {other})")
-    return _in_catalog_order({key: value for key, value in current.items() if key != name}, catalog)
+            raise RecipeError(
+                f"algorithm '{other}' requires '{name}'; remove '{other}' first "
+                f"(scaffold remove {other})"
+            )
+    return _in_catalog_order(
+        {key: value for key, value in current.items() if key != name}, catalog
+    )

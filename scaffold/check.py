@@ -37,7 +37,15 @@ ANSWERS_FILE = ".copier-answers.yml"
 
 # Statuses of an algorithm in the table.
 INTACT, EDITED, MOVED, DELETED, BROKEN, DUPLICATED, UNLISTED, UNREADABLE = (
-    "intact", "edited", "moved", "deleted", "fence broken", "duplicated", "not in answers", "unreadable")
+    "intact",
+    "edited",
+    "moved",
+    "deleted",
+    "fence broken",
+    "duplicated",
+    "not in answers",
+    "unreadable",
+)
 
 
 class CheckError(RuntimeError):
@@ -58,7 +66,9 @@ class Block:
     text: str  # the lines inside the fences, dedented (a block moved to another depth is the same)
     event: str  # the nearest `# event:` marker above the block ("" if none)
     scope: str  # the enclosing class/function, e.g. "GPT.forward" ("" at module level)
-    above: str = ""  # the nearest line of code above the block, outside every fence (stripped)
+    above: str = (
+        ""  # the nearest line of code above the block, outside every fence (stripped)
+    )
     below: str = ""  # and below it
 
     def moved_from(self, other: Block) -> bool:
@@ -70,7 +80,14 @@ class Block:
 
     @property
     def where(self) -> str:
-        return " ".join(part for part in (self.scope or "module", f"after {self.event}" if self.event else "") if part)
+        return " ".join(
+            part
+            for part in (
+                self.scope or "module",
+                f"after {self.event}" if self.event else "",
+            )
+            if part
+        )
 
 
 @dataclass
@@ -79,11 +96,17 @@ class PyFile:
 
     path: str
     lines: list[str]
-    events: list[tuple[str, int]] = field(default_factory=list)  # (name, line) in file order
+    events: list[tuple[str, int]] = field(
+        default_factory=list
+    )  # (name, line) in file order
     blocks: list[Block] = field(default_factory=list)
-    fence_errors: list[tuple[str, str]] = field(default_factory=list)  # (algorithm, what is wrong)
+    fence_errors: list[tuple[str, str]] = field(
+        default_factory=list
+    )  # (algorithm, what is wrong)
     config_fields: list[str] | None = None  # None: no `class Config` here
-    scopes: list[tuple[int, int, str]] = field(default_factory=list)  # (def line, last line, "GPT.forward")
+    scopes: list[tuple[int, int, str]] = field(
+        default_factory=list
+    )  # (def line, last line, "GPT.forward")
     syntax_error: str = ""
 
 
@@ -94,7 +117,9 @@ class _Collector(cst.CSTVisitor):
 
     def __init__(self) -> None:
         self.comments: list[tuple[int, int, str]] = []  # (line, column, text)
-        self.scopes: list[tuple[int, int, int, str]] = []  # (first body line, last line, body column, name)
+        self.scopes: list[tuple[int, int, int, str]] = (
+            []
+        )  # (first body line, last line, body column, name)
         self._names: list[str] = []
         self.config_fields: list[str] | None = None
 
@@ -105,13 +130,17 @@ class _Collector(cst.CSTVisitor):
         if isinstance(body, cst.IndentedBlock) and body.body:
             column = self.get_metadata(PositionProvider, body.body[0]).start.column
             header = self.get_metadata(PositionProvider, node.name).start.line
-            self.scopes.append((header + 1, span.end.line, column, ".".join(self._names)))
+            self.scopes.append(
+                (header + 1, span.end.line, column, ".".join(self._names))
+            )
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
         if node.name.value == "Config" and len(self._names) == 0:
             self.config_fields = [
                 stmt.body[0].target.value
-                for stmt in (node.body.body if isinstance(node.body, cst.IndentedBlock) else [])
+                for stmt in (
+                    node.body.body if isinstance(node.body, cst.IndentedBlock) else []
+                )
                 if isinstance(stmt, cst.SimpleStatementLine)
                 and isinstance(stmt.body[0], cst.AnnAssign)
                 and isinstance(stmt.body[0].target, cst.Name)
@@ -132,8 +161,11 @@ class _Collector(cst.CSTVisitor):
         self.comments.append((start.line, start.column, node.value))
 
     def scope_of(self, line: int, column: int) -> str:
-        inside = [(first, name) for first, last, col, name in self.scopes
-                  if first <= line <= last and column >= col]
+        inside = [
+            (first, name)
+            for first, last, col, name in self.scopes
+            if first <= line <= last and column >= col
+        ]
         return max(inside)[1] if inside else ""
 
 
@@ -141,7 +173,9 @@ def read_py(path: str, source: str) -> PyFile:
     """Parse one Python file with libcst and collect its markers, fences and Config fields."""
     lines = source.splitlines()
     found = PyFile(path, lines)
-    if not re.search(r"#\s*(end )?algorithm:|#\s*event:|^class Config\b|^<<<<<<< ", source, re.M):
+    if not re.search(
+        r"#\s*(end )?algorithm:|#\s*event:|^class Config\b|^<<<<<<< ", source, re.M
+    ):
         return found  # nothing to compare: skip the parse
     try:
         module = cst.parse_module(source)
@@ -151,7 +185,9 @@ def read_py(path: str, source: str) -> PyFile:
     collector = _Collector()
     MetadataWrapper(module, unsafe_skip_copy=True).visit(collector)
     found.config_fields = collector.config_fields
-    found.scopes = [(first - 1, last, name) for first, last, _, name in collector.scopes]
+    found.scopes = [
+        (first - 1, last, name) for first, last, _, name in collector.scopes
+    ]
     open_: tuple[str, int] | None = None
     last_event = ""
     for line, column, text in sorted(collector.comments):
@@ -162,35 +198,73 @@ def read_py(path: str, source: str) -> PyFile:
             found.events.append((match[1], line))
         elif match := FENCE_START.match(text):
             if open_ is not None:
-                found.fence_errors.append((open_[0], f"{path}:{open_[1]}: `# algorithm: {open_[0]}` has no "
-                                           f"`# end algorithm: {open_[0]}` before line {line}"))
+                found.fence_errors.append(
+                    (
+                        open_[0],
+                        f"{path}:{open_[1]}: `# algorithm: {open_[0]}` has no "
+                        f"`# end algorithm: {open_[0]}` before line {line}",
+                    )
+                )
             open_ = (match[1], line)
             open_event, open_scope = last_event, collector.scope_of(line, column)
         elif match := FENCE_END.match(text):
             name = match[1]
             if open_ is None:
-                found.fence_errors.append((name, f"{path}:{line}: `# end algorithm: {name}` has no "
-                                           f"`# algorithm: {name}` above it"))
+                found.fence_errors.append(
+                    (
+                        name,
+                        f"{path}:{line}: `# end algorithm: {name}` has no "
+                        f"`# algorithm: {name}` above it",
+                    )
+                )
             elif open_[0] != name:
-                found.fence_errors.append((open_[0], f"{path}:{open_[1]}: `# algorithm: {open_[0]}` is "
-                                           f"closed by `# end algorithm: {name}` (line {line})"))
-                found.fence_errors.append((name, f"{path}:{line}: `# end algorithm: {name}` closes "
-                                           f"`# algorithm: {open_[0]}`"))
+                found.fence_errors.append(
+                    (
+                        open_[0],
+                        f"{path}:{open_[1]}: `# algorithm: {open_[0]}` is "
+                        f"closed by `# end algorithm: {name}` (line {line})",
+                    )
+                )
+                found.fence_errors.append(
+                    (
+                        name,
+                        f"{path}:{line}: `# end algorithm: {name}` closes "
+                        f"`# algorithm: {open_[0]}`",
+                    )
+                )
                 open_ = None
             else:
-                body = textwrap.dedent("\n".join(lines[open_[1]:line - 1])).strip("\n")
-                found.blocks.append(Block(name, path, open_[1], line, body, open_event, open_scope))
+                body = textwrap.dedent("\n".join(lines[open_[1] : line - 1])).strip(
+                    "\n"
+                )
+                found.blocks.append(
+                    Block(name, path, open_[1], line, body, open_event, open_scope)
+                )
                 open_ = None
     if open_ is not None:
-        found.fence_errors.append((open_[0], f"{path}:{open_[1]}: `# algorithm: {open_[0]}` has no "
-                                   f"`# end algorithm: {open_[0]}`"))
-    fenced = {line for block in found.blocks for line in range(block.start, block.end + 1)}
-    host = [number for number in range(1, len(lines) + 1)
-            if number not in fenced and lines[number - 1].strip()]
+        found.fence_errors.append(
+            (
+                open_[0],
+                f"{path}:{open_[1]}: `# algorithm: {open_[0]}` has no "
+                f"`# end algorithm: {open_[0]}`",
+            )
+        )
+    fenced = {
+        line for block in found.blocks for line in range(block.start, block.end + 1)
+    }
+    host = [
+        number
+        for number in range(1, len(lines) + 1)
+        if number not in fenced and lines[number - 1].strip()
+    ]
     found.blocks = [
-        replace(block,
-                above=next((lines[n - 1].strip() for n in reversed(host) if n < block.start), ""),
-                below=next((lines[n - 1].strip() for n in host if n > block.end), ""))
+        replace(
+            block,
+            above=next(
+                (lines[n - 1].strip() for n in reversed(host) if n < block.start), ""
+            ),
+            below=next((lines[n - 1].strip() for n in host if n > block.end), ""),
+        )
         for block in found.blocks
     ]
     return found
@@ -205,8 +279,12 @@ class AlgorithmState:
     status: str
     detail: str = ""
     blocks: str = ""  # "found/generated", e.g. "2/3"
-    edited_blocks: tuple[tuple[Block, Block], ...] = ()  # (pristine, user's) pairs that differ
-    leftover_blocks: tuple[Block, ...] = ()  # the user's blocks of the algorithm, all of them
+    edited_blocks: tuple[
+        tuple[Block, Block], ...
+    ] = ()  # (pristine, user's) pairs that differ
+    leftover_blocks: tuple[
+        Block, ...
+    ] = ()  # the user's blocks of the algorithm, all of them
 
 
 @dataclass(frozen=True)
@@ -235,16 +313,32 @@ class Report:
 
 
 def _py_files(root: Path) -> list[str]:
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")
-                  if ".git" not in p.relative_to(root).parts)
+    return sorted(
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*.py")
+        if ".git" not in p.relative_to(root).parts
+    )
 
 
 def _project_py_files(project: Path) -> list[str]:
     """The project's Python files that git does not ignore (not runs/, not caches)."""
     import subprocess
 
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z", "--", "*.py"],
-                            cwd=project, capture_output=True, text=True)
+    listed = subprocess.run(
+        [
+            "git",
+            "ls-files",
+            "--cached",
+            "--others",
+            "--exclude-standard",
+            "-z",
+            "--",
+            "*.py",
+        ],
+        cwd=project,
+        capture_output=True,
+        text=True,
+    )
     if listed.returncode != 0:  # not a git work tree
         return [p for p in _py_files(project) if not p.startswith(("runs/", "."))]
     return sorted(p for p in listed.stdout.split("\0") if p and (project / p).is_file())
@@ -262,20 +356,28 @@ def _check_markers(pristine: PyFile, user: PyFile | None, report: Report) -> Non
     have = [name for name, _ in user.events] if user else []
     counts = Counter(have)
     common = [name for name in have if name in expected]
-    order_ok = common == [name for name in expected if name in counts] and all(counts[n] <= 1 for n in expected)
+    order_ok = common == [name for name in expected if name in counts] and all(
+        counts[n] <= 1 for n in expected
+    )
     for name in expected:
         if counts[name] == 0:
             status = "missing"
-            report.problems.append(f"{pristine.path}: the marker `# event: {name}` is missing; put the line "
-                                   f"back where the event happens (see `scaffold diff`), followed by a blank line")
+            report.problems.append(
+                f"{pristine.path}: the marker `# event: {name}` is missing; put the line "
+                f"back where the event happens (see `scaffold diff`), followed by a blank line"
+            )
         elif counts[name] > 1:
             status = "duplicated"
-            report.problems.append(f"{pristine.path}: the marker `# event: {name}` occurs {counts[name]} times; "
-                                   "keep one")
+            report.problems.append(
+                f"{pristine.path}: the marker `# event: {name}` occurs {counts[name]} times; "
+                "keep one"
+            )
         elif not order_ok and _out_of_place(name, expected, have):
             status = "out of order"
-            report.problems.append(f"{pristine.path}: the marker `# event: {name}` is out of order (expected: "
-                                   f"{' -> '.join(expected)}); move it back")
+            report.problems.append(
+                f"{pristine.path}: the marker `# event: {name}` is out of order (expected: "
+                f"{' -> '.join(expected)}); move it back"
+            )
         else:
             status = "present"
         report.markers.append(MarkerState(pristine.path, name, status))
@@ -288,14 +390,24 @@ def _out_of_place(name: str, expected: list[str], have: list[str]) -> bool:
     at = order.index(name)
     before = order[at - 1] if at > 0 else None
     after = order[at + 1] if at + 1 < len(order) else None
-    return (before is not None and rank[before] > rank[name]) or (after is not None and rank[after] < rank[name])
+    return (before is not None and rank[before] > rank[name]) or (
+        after is not None and rank[after] < rank[name]
+    )
 
 
-def _compare_algorithm(name: str, pristine: list[Block], user: list[Block], broken: list[str]) -> AlgorithmState:
+def _compare_algorithm(
+    name: str, pristine: list[Block], user: list[Block], broken: list[str]
+) -> AlgorithmState:
     if broken:
-        return AlgorithmState(name, BROKEN, "; ".join(broken), leftover_blocks=tuple(user))
+        return AlgorithmState(
+            name, BROKEN, "; ".join(broken), leftover_blocks=tuple(user)
+        )
     if not user:
-        return AlgorithmState(name, DELETED, f"all {len(pristine)} blocks deleted" if len(pristine) > 1 else "")
+        return AlgorithmState(
+            name,
+            DELETED,
+            f"all {len(pristine)} blocks deleted" if len(pristine) > 1 else "",
+        )
     edited: list[tuple[Block, Block]] = []
     moved: list[Block] = []
     notes: list[str] = []
@@ -307,8 +419,13 @@ def _compare_algorithm(name: str, pristine: list[Block], user: list[Block], brok
     for path, (mine, theirs) in by_file.items():
         if len(theirs) > len(mine):
             where = ", ".join(f"{b.path}:{b.start}" for b in theirs)
-            return AlgorithmState(name, DUPLICATED, f"{len(theirs)} blocks in {path} where the template has "
-                                  f"{len(mine)} ({where})", leftover_blocks=tuple(user))
+            return AlgorithmState(
+                name,
+                DUPLICATED,
+                f"{len(theirs)} blocks in {path} where the template has "
+                f"{len(mine)} ({where})",
+                leftover_blocks=tuple(user),
+            )
         pairs = _pair(mine, theirs)
         for old, new in pairs:
             if old.text != new.text:
@@ -316,13 +433,25 @@ def _compare_algorithm(name: str, pristine: list[Block], user: list[Block], brok
             elif new.moved_from(old):
                 moved.append(new)
         if len(theirs) < len(mine):
-            notes.append(f"{len(mine) - len(theirs)} of {len(mine)} blocks deleted in {path}")
+            notes.append(
+                f"{len(mine) - len(theirs)} of {len(mine)} blocks deleted in {path}"
+            )
     if edited:
         notes.insert(0, ", ".join(f"{new.path}:{new.start}" for _, new in edited))
     if moved:
-        notes.append("moved: " + ", ".join(f"{b.path}:{b.start} ({b.where})" for b in moved))
-    status = EDITED if edited or len(user) < len(pristine) else MOVED if moved else INTACT
-    return AlgorithmState(name, status, "; ".join(notes), edited_blocks=tuple(edited), leftover_blocks=tuple(user))
+        notes.append(
+            "moved: " + ", ".join(f"{b.path}:{b.start} ({b.where})" for b in moved)
+        )
+    status = (
+        EDITED if edited or len(user) < len(pristine) else MOVED if moved else INTACT
+    )
+    return AlgorithmState(
+        name,
+        status,
+        "; ".join(notes),
+        edited_blocks=tuple(edited),
+        leftover_blocks=tuple(user),
+    )
 
 
 def _pair(pristine: list[Block], user: list[Block]) -> list[tuple[Block, Block]]:
@@ -342,27 +471,38 @@ def _pair(pristine: list[Block], user: list[Block]) -> list[tuple[Block, Block]]
             free.remove(same)
             pairs.append((same, block))
     for block in rest:  # edited: the closest remaining pristine block
-        best = max(free, key=lambda p: difflib.SequenceMatcher(None, p.text, block.text).ratio())
+        best = max(
+            free,
+            key=lambda p: difflib.SequenceMatcher(None, p.text, block.text).ratio(),
+        )
         free.remove(best)
         pairs.append((best, block))
     return pairs
 
 
-def _config_fields(pristine: PyFile, user: PyFile | None, deleted: set[str], report: Report) -> None:
+def _config_fields(
+    pristine: PyFile, user: PyFile | None, deleted: set[str], report: Report
+) -> None:
     if pristine.config_fields is None or user is None or user.config_fields is None:
         return
     for block in pristine.blocks:
         if block.algorithm in deleted:
             continue
-        inside = set(pristine.lines[i - 1].split(":")[0].strip() for i in range(block.start + 1, block.end))
+        inside = set(
+            pristine.lines[i - 1].split(":")[0].strip()
+            for i in range(block.start + 1, block.end)
+        )
         for name in [f for f in pristine.config_fields if f in inside]:
             if name not in user.config_fields:
                 report.problems.append(
                     f"{user.path}: Config field `{name}`, which algorithm {block.algorithm} reads, is missing "
-                    f"(removed or renamed); restore it, or `scaffold remove {block.algorithm}`")
+                    f"(removed or renamed); restore it, or `scaffold remove {block.algorithm}`"
+                )
 
 
-def compare(project: Path, pristine_root: Path, answers: dict[str, Any], version: str) -> Report:
+def compare(
+    project: Path, pristine_root: Path, answers: dict[str, Any], version: str
+) -> Report:
     """Check the project's files against a pristine render of its version and answers."""
     report = Report(project, version)
     listed = list(answers.get("algorithms") or {})
@@ -374,10 +514,16 @@ def compare(project: Path, pristine_root: Path, answers: dict[str, Any], version
     paths = sorted(set(_py_files(pristine_root)) | set(_project_py_files(project)))
     for relpath in paths:
         pristine_path = pristine_root / relpath
-        pristine = read_py(relpath, pristine_path.read_text()) if pristine_path.is_file() else None
+        pristine = (
+            read_py(relpath, pristine_path.read_text())
+            if pristine_path.is_file()
+            else None
+        )
         user = _read_user(project, relpath)
         if user is not None and user.syntax_error:
-            report.problems.append(f"{user.syntax_error}; fix it (conflict markers left from a merge?)")
+            report.problems.append(
+                f"{user.syntax_error}; fix it (conflict markers left from a merge?)"
+            )
             for block in pristine.blocks if pristine else []:
                 unreadable.setdefault(block.algorithm, relpath)
             continue
@@ -393,7 +539,9 @@ def compare(project: Path, pristine_root: Path, answers: dict[str, Any], version
     for name in listed:
         mine, theirs = pristine_blocks.get(name, []), user_blocks.get(name, [])
         if name in unreadable:
-            state = AlgorithmState(name, UNREADABLE, f"{unreadable[name]} does not parse")
+            state = AlgorithmState(
+                name, UNREADABLE, f"{unreadable[name]} does not parse"
+            )
         else:
             state = _compare_algorithm(name, mine, theirs, broken.get(name, []))
         report.algorithms.append(replace(state, blocks=f"{len(theirs)}/{len(mine)}"))
@@ -402,18 +550,31 @@ def compare(project: Path, pristine_root: Path, answers: dict[str, Any], version
             continue
         blocks = user_blocks.get(name, [])
         if broken.get(name):
-            report.algorithms.append(AlgorithmState(name, BROKEN, "; ".join(broken[name]),
-                                                    leftover_blocks=tuple(blocks)))
+            report.algorithms.append(
+                AlgorithmState(
+                    name, BROKEN, "; ".join(broken[name]), leftover_blocks=tuple(blocks)
+                )
+            )
         else:
-            report.algorithms.append(AlgorithmState(
-                name, UNLISTED, ", ".join(f"{b.path}:{b.start}" for b in blocks), f"{len(blocks)}/0",
-                leftover_blocks=tuple(blocks)))
+            report.algorithms.append(
+                AlgorithmState(
+                    name,
+                    UNLISTED,
+                    ", ".join(f"{b.path}:{b.start}" for b in blocks),
+                    f"{len(blocks)}/0",
+                    leftover_blocks=tuple(blocks),
+                )
+            )
     for state in report.algorithms:
         if state.status == BROKEN:
-            report.problems.append(f"fence of {state.name} broken: {state.detail}; restore the fence lines "
-                                   "(see `scaffold diff`)")
+            report.problems.append(
+                f"fence of {state.name} broken: {state.detail}; restore the fence lines "
+                "(see `scaffold diff`)"
+            )
         elif state.status == DUPLICATED:
-            report.problems.append(f"{state.name} is duplicated: {state.detail}; keep one copy of each block")
+            report.problems.append(
+                f"{state.name} is duplicated: {state.detail}; keep one copy of each block"
+            )
     deleted = {s.name for s in report.algorithms if s.status in (DELETED, BROKEN)}
     for pristine, user in files:
         _check_markers(pristine, user, report)
@@ -429,12 +590,16 @@ def read_answers(project: Path) -> dict[str, Any]:
 
     path = project / ANSWERS_FILE
     if not path.is_file():
-        raise CheckError(f"{project} has no {ANSWERS_FILE}, so it was not generated by `scaffold new` "
-                         "(or the file was deleted: restore it from git history)")
+        raise CheckError(
+            f"{project} has no {ANSWERS_FILE}, so it was not generated by `scaffold new` "
+            "(or the file was deleted: restore it from git history)"
+        )
     try:
         answers = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:
-        raise CheckError(f"{path} is not valid YAML ({error}); restore it from git history") from None
+        raise CheckError(
+            f"{path} is not valid YAML ({error}); restore it from git history"
+        ) from None
     if not isinstance(answers, dict):
         raise CheckError(f"{path} holds no answers; restore it from git history")
     return answers
@@ -447,16 +612,20 @@ def pristine_render(answers: dict[str, Any], version: str) -> Iterator[Path]:
     from scaffold.render import render_version
 
     if not has_version(history_path(), version):
-        raise CheckError(f"the template history does not hold version {version}, which the project records; "
-                         f"install a scaffold release that knows it (pip install 'scaffold>={version}')")
+        raise CheckError(
+            f"the template history does not hold version {version}, which the project records; "
+            f"install a scaffold release that knows it (pip install 'scaffold>={version}')"
+        )
     data = {key: value for key, value in answers.items() if not key.startswith("_")}
     with tempfile.TemporaryDirectory(prefix="scaffold-pristine.") as scratch:
         dest = Path(scratch) / "project"
         try:
             render_version(data, dest, version)
         except Exception as error:  # copier's and jinja's errors share no base class
-                raise CheckError(f"template {version} cannot render this project's answers ({' '.join(str(error).split())}); "
-                                 f"restore {ANSWERS_FILE} from git history") from None
+            raise CheckError(
+                f"template {version} cannot render this project's answers ({' '.join(str(error).split())}); "
+                f"restore {ANSWERS_FILE} from git history"
+            ) from None
         yield dest
 
 
@@ -465,11 +634,15 @@ def _prepare(project: Path) -> tuple[Path, dict[str, Any], str]:
 
     project = project.expanduser().absolute()
     if not project.is_dir():
-        raise CheckError(f"{project} is not a folder; pass the folder of a scaffold project")
+        raise CheckError(
+            f"{project} is not a folder; pass the folder of a scaffold project"
+        )
     answers = read_answers(project)
     if not answers.get("_commit"):
-        raise CheckError(f"{project / ANSWERS_FILE} records no template version (_commit); restore "
-                         "the file from git history")
+        raise CheckError(
+            f"{project / ANSWERS_FILE} records no template version (_commit); restore "
+            "the file from git history"
+        )
     installed_release().prepare_history()
     return project, answers, str(answers["_commit"])
 
@@ -485,7 +658,9 @@ def check(project: Path) -> Report:
 
 
 def _scope_at(line: int, file: PyFile) -> str:
-    inside = [(first, name) for first, last, name in file.scopes if first <= line <= last]
+    inside = [
+        (first, name) for first, last, name in file.scopes if first <= line <= last
+    ]
     return max(inside)[1] if inside else ""
 
 
@@ -499,7 +674,11 @@ def _label(line: int, file: PyFile | None) -> str:
             return f"algorithm {block.algorithm}"
     scope = _scope_at(line, file)
     top = scope.split(".")[0]
-    events = [name for name, at in file.events if at <= line and _scope_at(at, file).split(".")[0] == top]
+    events = [
+        name
+        for name, at in file.events
+        if at <= line and _scope_at(at, file).split(".")[0] == top
+    ]
     if events and top:
         return f"event {events[-1]}"
     return scope or "module level"
@@ -508,17 +687,24 @@ def _label(line: int, file: PyFile | None) -> str:
 CONTEXT = 3  # lines of context around a change, as in `git diff`
 
 
-def _change_label(op: tuple[str, int, int, int, int], old_file: PyFile | None, new_file: PyFile | None) -> str:
+def _change_label(
+    op: tuple[str, int, int, int, int], old_file: PyFile | None, new_file: PyFile | None
+) -> str:
     """Name a change by where it is: an algorithm block it touches (in the pristine file, else in
-    the user's), else the event point or class/function of the pristine line above it."""
+    the user's), else the event point or class/function of the pristine line above it.
+    """
     _, i1, i2, j1, j2 = op
     if old_file is None and new_file is None:
         return "file"
-    touched = [_label(i + 1, old_file) for i in range(i1, i2)] + [_label(j + 1, new_file) for j in range(j1, j2)]
+    touched = [_label(i + 1, old_file) for i in range(i1, i2)] + [
+        _label(j + 1, new_file) for j in range(j1, j2)
+    ]
     block = next((label for label in touched if label.startswith("algorithm ")), None)
     if block:
         return block
-    return _label(i1 + 1 if i2 > i1 else max(i1, 1), old_file) if old_file else touched[0]
+    return (
+        _label(i1 + 1 if i2 > i1 else max(i1, 1), old_file) if old_file else touched[0]
+    )
 
 
 def diff_texts(relpath: str, old: str, new: str) -> list[tuple[str, str]]:
@@ -528,13 +714,19 @@ def diff_texts(relpath: str, old: str, new: str) -> list[tuple[str, str]]:
     is_py = relpath.endswith(".py")
     old_file = read_py(relpath, old) if is_py and old else None
     new_file = read_py(relpath, new) if is_py and new else None
-    ops = difflib.SequenceMatcher(None, old_lines, new_lines, autojunk=False).get_opcodes()
+    ops = difflib.SequenceMatcher(
+        None, old_lines, new_lines, autojunk=False
+    ).get_opcodes()
     segments: list[tuple[str, list[tuple[str, int, int, int, int]]]] = []
     for op in ops:
         if op[0] == "equal":
             continue
         label = _change_label(op, old_file, new_file)
-        if segments and segments[-1][0] == label and op[1] - segments[-1][1][-1][2] <= 2 * CONTEXT:
+        if (
+            segments
+            and segments[-1][0] == label
+            and op[1] - segments[-1][1][-1][2] <= 2 * CONTEXT
+        ):
             segments[-1][1].append(op)
         else:
             segments.append((label, [op]))
@@ -542,27 +734,38 @@ def diff_texts(relpath: str, old: str, new: str) -> list[tuple[str, str]]:
     previous_end = 0  # where the last hunk's changes ended (old lines): context never reaches back over them
     for index, (label, changes) in enumerate(segments):
         first, last = changes[0], changes[-1]
-        following = segments[index + 1][1][0][1] if index + 1 < len(segments) else len(old_lines)
+        following = (
+            segments[index + 1][1][0][1]
+            if index + 1 < len(segments)
+            else len(old_lines)
+        )
         before = min(CONTEXT, first[1] - previous_end)
         after = min(CONTEXT, following - last[2])
         old_start, new_start = first[1] - before, first[3] - before
         old_end, new_end = last[2] + after, last[4] + after
-        lines = [f"@@ -{old_start + 1},{old_end - old_start} +{new_start + 1},{new_end - new_start} @@"]
-        lines.extend(" " + line for line in old_lines[old_start:first[1]])
+        lines = [
+            f"@@ -{old_start + 1},{old_end - old_start} +{new_start + 1},{new_end - new_start} @@"
+        ]
+        lines.extend(" " + line for line in old_lines[old_start : first[1]])
         for k, (tag, i1, i2, j1, j2) in enumerate(changes):
             if k:  # the unchanged lines between two changes of this hunk
-                lines.extend(" " + line for line in old_lines[changes[k - 1][2]:i1])
+                lines.extend(" " + line for line in old_lines[changes[k - 1][2] : i1])
             lines.extend("-" + line for line in old_lines[i1:i2])
             lines.extend("+" + line for line in new_lines[j1:j2])
-        lines.extend(" " + line for line in old_lines[last[2]:old_end])
+        lines.extend(" " + line for line in old_lines[last[2] : old_end])
         hunks.append((label, "\n".join(lines)))
         previous_end = last[2]
     return hunks
 
 
 def _generated_files(root: Path) -> list[str]:
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
-                  if p.is_file() and ".git" not in p.relative_to(root).parts and p.name != ANSWERS_FILE)
+    return sorted(
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if p.is_file()
+        and ".git" not in p.relative_to(root).parts
+        and p.name != ANSWERS_FILE
+    )
 
 
 def diff(project: Path) -> list[str]:
@@ -583,12 +786,17 @@ def diff(project: Path) -> list[str]:
             for label, hunk in diff_texts(relpath, old, new):
                 grouped.setdefault(label, []).append(hunk)
             for label, hunks in grouped.items():
-                out.append(f"=== {relpath}" if label == "file" else f"=== {relpath}: {label}")
+                out.append(
+                    f"=== {relpath}" if label == "file" else f"=== {relpath}: {label}"
+                )
                 out.append(f"--- a/{relpath}")
                 out.append(f"+++ b/{relpath}")
                 out.extend(hunks)
     if out:
-        out.insert(0, f"# your changes (b/) against the files template {version} renders from {ANSWERS_FILE} (a/)")
+        out.insert(
+            0,
+            f"# your changes (b/) against the files template {version} renders from {ANSWERS_FILE} (a/)",
+        )
     return out
 
 
@@ -603,7 +811,9 @@ def remove_blockers(report: Report, algorithm: str) -> list[str]:
     why = []
     for old, new in state.edited_blocks:
         shown = "\n".join(f"    {line}" for line in new.text.splitlines())
-        why.append(f"{new.path}:{new.start}-{new.end} ({new.where}) differs from the generated block:\n{shown}")
+        why.append(
+            f"{new.path}:{new.start}-{new.end} ({new.where}) differs from the generated block:\n{shown}"
+        )
     if state.status == MOVED:
         why.append(f"blocks were moved ({state.detail})")
     return why
@@ -612,8 +822,10 @@ def remove_blockers(report: Report, algorithm: str) -> list[str]:
 def add_blockers(report: Report, algorithm: str) -> list[str]:
     state = report.state(algorithm)
     if state is not None and state.status == UNLISTED:
-        return [f"the project already has fenced `# algorithm: {algorithm}` blocks ({state.detail}) that "
-                f"{ANSWERS_FILE} does not list; delete them (or rename their fences) first"]
+        return [
+            f"the project already has fenced `# algorithm: {algorithm}` blocks ({state.detail}) that "
+            f"{ANSWERS_FILE} does not list; delete them (or rename their fences) first"
+        ]
     return []
 
 
@@ -646,16 +858,25 @@ def _resolve_conflicts(lines: list[str], algorithm: str) -> list[str]:
             i += 1
             continue
         try:
-            base = next(j for j in range(i, len(lines)) if lines[j].startswith("||||||| "))
+            base = next(
+                j for j in range(i, len(lines)) if lines[j].startswith("||||||| ")
+            )
             sep = next(j for j in range(base, len(lines)) if lines[j] == "=======")
-            end = next(j for j in range(sep, len(lines)) if lines[j].startswith(">>>>>>> "))
+            end = next(
+                j for j in range(sep, len(lines)) if lines[j].startswith(">>>>>>> ")
+            )
         except StopIteration:
-            return lines  # not diff3 markers as scaffold writes them: leave the file alone
-        ours, theirs = lines[i + 1:base], lines[sep + 1:end]
-        if "\n".join(_without_blocks(ours, algorithm)).strip() == "\n".join(theirs).strip():
+            return (
+                lines  # not diff3 markers as scaffold writes them: leave the file alone
+            )
+        ours, theirs = lines[i + 1 : base], lines[sep + 1 : end]
+        if (
+            "\n".join(_without_blocks(ours, algorithm)).strip()
+            == "\n".join(theirs).strip()
+        ):
             out.extend(theirs)
         else:
-            out.extend(lines[i:end + 1])
+            out.extend(lines[i : end + 1])
         i = end + 1
     return out
 
@@ -673,12 +894,18 @@ def drop_algorithm(project: Path, algorithm: str) -> list[str]:
     for relpath in _project_py_files(project):
         path = project / relpath
         text = path.read_text()
-        lines = _without_blocks(_resolve_conflicts(text.splitlines(), algorithm), algorithm)
+        lines = _without_blocks(
+            _resolve_conflicts(text.splitlines(), algorithm), algorithm
+        )
         new = "\n".join(lines) + ("\n" if text.endswith("\n") else "")
         if new == text:
             continue
         path.write_text(new)
         changed.append(relpath)
         if not any(line.startswith("<<<<<<< ") for line in lines):
-            subprocess.run(["git", "reset", "--quiet", "--", relpath], cwd=project, capture_output=True)
+            subprocess.run(
+                ["git", "reset", "--quiet", "--", relpath],
+                cwd=project,
+                capture_output=True,
+            )
     return changed

@@ -11,7 +11,13 @@ from rich.console import Console
 from rich.table import Table
 
 from scaffold import __version__
-from scaffold.catalog import RecipeError, load_algorithms, load_recipe, load_tasks, recipe_paths
+from scaffold.catalog import (
+    RecipeError,
+    load_algorithms,
+    load_recipe,
+    load_tasks,
+    recipe_paths,
+)
 from scaffold.history import HistoryError
 from scaffold.paths import template_dir
 
@@ -43,7 +49,12 @@ def _version_callback(show: bool) -> None:
 def _root(
     version: Annotated[
         Optional[bool],
-        typer.Option("--version", callback=_version_callback, is_eager=True, help="Print the version."),
+        typer.Option(
+            "--version",
+            callback=_version_callback,
+            is_eager=True,
+            help="Print the version.",
+        ),
     ] = None,
 ) -> None:
     """Generate plain, readable PyTorch training projects from recipes."""
@@ -51,27 +62,43 @@ def _root(
 
 @app.command()
 def new(
-    dest: Annotated[Path, typer.Argument(help="Folder to create (must not exist, or be empty).")],
+    dest: Annotated[
+        Path, typer.Argument(help="Folder to create (must not exist, or be empty).")
+    ],
     recipe: Annotated[
-        str, typer.Option("--recipe", "-r", help="A recipe name (see `scaffold recipes`) or a recipe .toml path.")
+        str,
+        typer.Option(
+            "--recipe",
+            "-r",
+            help="A recipe name (see `scaffold recipes`) or a recipe .toml path.",
+        ),
     ] = "gpt2-speedup",
     set_: Annotated[
         Optional[list[str]],
-        typer.Option("--set", help="Override a recipe answer: key=value or algorithm.param=value (repeatable)."),
+        typer.Option(
+            "--set",
+            help="Override a recipe answer: key=value or algorithm.param=value (repeatable).",
+        ),
     ] = None,
     name: Annotated[
-        Optional[str], typer.Option("--name", help="Project name (default: the folder name).")
+        Optional[str],
+        typer.Option("--name", help="Project name (default: the folder name)."),
     ] = None,
 ) -> None:
     """Generate a project from a recipe: black-formatted, git-initialised, ready to `python train.py`."""
-    from scaffold.render import new_project  # copier is slow to import; keep --help fast
+    from scaffold.render import (
+        new_project,
+    )  # copier is slow to import; keep --help fast
 
     try:
         answers = new_project(recipe, dest, set_ or [], name)
     except (RecipeError, HistoryError) as error:
         raise _fail(str(error)) from None
     algorithms = ", ".join(answers["algorithms"]) or "none"
-    out.print(f"created {dest} from recipe {answers['recipe']} (algorithms: {algorithms})", markup=False)
+    out.print(
+        f"created {dest} from recipe {answers['recipe']} (algorithms: {algorithms})",
+        markup=False,
+    )
     out.print(f"  cd {dest} && python train.py", markup=False)
 
 
@@ -88,15 +115,24 @@ def _report(result: "UpdateResult", done: str) -> None:
     if result.dry_run:
         if result.diffstat:
             out.print(result.diffstat, markup=False)
-        out.print("dry run: nothing was written; run again without --dry-run to apply", markup=False)
+        out.print(
+            "dry run: nothing was written; run again without --dry-run to apply",
+            markup=False,
+        )
     else:
-        out.print("nothing is committed: review with `git status` and `git diff`, then commit", markup=False)
+        out.print(
+            "nothing is committed: review with `git status` and `git diff`, then commit",
+            markup=False,
+        )
     if result.changes.conflicted:
         count = len(result.changes.conflicted)
         verb = "conflict" if count > 1 else "conflicts"
         would = "would conflict" if result.dry_run else verb
-        err.print(f"{count} file{'s' if count > 1 else ''} {would} with your edits: "
-                  f"{', '.join(result.changes.conflicted)}", markup=False)
+        err.print(
+            f"{count} file{'s' if count > 1 else ''} {would} with your edits: "
+            f"{', '.join(result.changes.conflicted)}",
+            markup=False,
+        )
         if not result.dry_run:
             err.print(f"to resolve: {HOW_TO_RESOLVE}", markup=False)
         raise typer.Exit(1)
@@ -104,8 +140,12 @@ def _report(result: "UpdateResult", done: str) -> None:
 
 @app.command()
 def upgrade(
-    project: Annotated[Path, typer.Argument(help="The project folder (a clean git work tree).")] = Path("."),
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would change; write nothing.")] = False,
+    project: Annotated[
+        Path, typer.Argument(help="The project folder (a clean git work tree).")
+    ] = Path("."),
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Show what would change; write nothing.")
+    ] = False,
 ) -> None:
     """Merge this scaffold's template changes into a project, keeping your edits (3-way merge)."""
     from scaffold.upgrade import UpdateError
@@ -116,20 +156,31 @@ def upgrade(
     except (UpdateError, HistoryError) as error:
         raise _fail(str(error)) from None
     if result.old_version == result.new_version:
-        out.print(f"{project} is already at template version {result.new_version}; nothing to upgrade",
-                  markup=False)
+        out.print(
+            f"{project} is already at template version {result.new_version}; nothing to upgrade",
+            markup=False,
+        )
         return
     verb = "would upgrade" if dry_run else "upgraded"
-    _report(result, f"{verb} {project} from template {result.old_version} to {result.new_version}")
+    _report(
+        result,
+        f"{verb} {project} from template {result.old_version} to {result.new_version}",
+    )
 
 
 @app.command()
 def add(
-    algorithm: Annotated[str, typer.Argument(help="An algorithm name (see `scaffold algorithms`).")],
-    project: Annotated[Path, typer.Argument(help="The project folder (a clean git work tree).")] = Path("."),
+    algorithm: Annotated[
+        str, typer.Argument(help="An algorithm name (see `scaffold algorithms`).")
+    ],
+    project: Annotated[
+        Path, typer.Argument(help="The project folder (a clean git work tree).")
+    ] = Path("."),
     set_: Annotated[
         Optional[list[str]],
-        typer.Option("--set", help="A hyperparameter of the algorithm: param=value (repeatable)."),
+        typer.Option(
+            "--set", help="A hyperparameter of the algorithm: param=value (repeatable)."
+        ),
     ] = None,
 ) -> None:
     """Add an algorithm to a project: its code is merged in, your edits are kept."""
@@ -146,9 +197,15 @@ def add(
 @app.command()
 def remove(
     algorithm: Annotated[str, typer.Argument(help="An algorithm in the project.")],
-    project: Annotated[Path, typer.Argument(help="The project folder (a clean git work tree).")] = Path("."),
+    project: Annotated[
+        Path, typer.Argument(help="The project folder (a clean git work tree).")
+    ] = Path("."),
     force: Annotated[
-        bool, typer.Option("--force", help="Remove the algorithm's blocks even where you edited or moved them.")
+        bool,
+        typer.Option(
+            "--force",
+            help="Remove the algorithm's blocks even where you edited or moved them.",
+        ),
     ] = False,
 ) -> None:
     """Remove an algorithm from a project: its code is merged out, your other edits are kept."""
@@ -165,9 +222,15 @@ def remove(
 @app.command(name="set")
 def set_(
     answers: Annotated[
-        list[str], typer.Argument(help="Answers to change: key=value (e.g. auto_microbatching=true).")
+        list[str],
+        typer.Argument(
+            help="Answers to change: key=value (e.g. auto_microbatching=true)."
+        ),
     ],
-    project: Annotated[Path, typer.Option("--project", help="The project folder (a clean git work tree).")] = Path("."),
+    project: Annotated[
+        Path,
+        typer.Option("--project", help="The project folder (a clean git work tree)."),
+    ] = Path("."),
 ) -> None:
     """Change a generation answer of a project: the code it changes is merged in, your edits are kept."""
     from scaffold.upgrade import UpdateError, set_answers
@@ -196,12 +259,16 @@ def check(
         raise _fail(str(error)) from None
     table = Table("algorithm", "status", "blocks", "where", box=None, show_edge=False)
     for state in report.algorithms:
-        table.add_row(state.name, state.status, state.blocks or "-", state.detail or "-")
+        table.add_row(
+            state.name, state.status, state.blocks or "-", state.detail or "-"
+        )
     out.print(f"{project} (template {report.version})", markup=False)
     out.print(table)
     markers = [m for m in report.markers if m.status != "present"]
     present = len(report.markers) - len(markers)
-    out.print(f"event markers: {present} of {len(report.markers)} in place", markup=False)
+    out.print(
+        f"event markers: {present} of {len(report.markers)} in place", markup=False
+    )
     for marker in markers:
         out.print(f"  {marker.path}: {marker.name} {marker.status}", markup=False)
     if report.problems:
@@ -242,7 +309,8 @@ def recipes() -> None:
 @app.command()
 def algorithms(
     task: Annotated[
-        Optional[str], typer.Option("--task", help="Only the algorithms that apply to this task.")
+        Optional[str],
+        typer.Option("--task", help="Only the algorithms that apply to this task."),
     ] = None,
 ) -> None:
     """List the algorithm catalog: what each does, where it hooks in, its hyperparameters."""
@@ -252,15 +320,31 @@ def algorithms(
         close = difflib.get_close_matches(task, list(tasks), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise _fail(f"unknown task '{task}'{hint}; tasks: {', '.join(tasks)}")
-    table = Table("algorithm", "events", "tasks", "hyperparameters", "summary", box=None, show_edge=False)
+    table = Table(
+        "algorithm",
+        "events",
+        "tasks",
+        "hyperparameters",
+        "summary",
+        box=None,
+        show_edge=False,
+    )
     for algorithm in load_algorithms(template).values():
         if task is not None and task not in algorithm.tasks:
             continue
-        params = ", ".join(f"{p.name}={p.default}" + (f" in {p.range}" if p.range else "")
-                           + (f" of {'|'.join(map(str, p.choices))}" if p.choices else "")
-                           for p in algorithm.hyperparameters.values())
-        table.add_row(algorithm.name, ", ".join(algorithm.events), ", ".join(algorithm.tasks),
-                      params or "-", algorithm.summary)
+        params = ", ".join(
+            f"{p.name}={p.default}"
+            + (f" in {p.range}" if p.range else "")
+            + (f" of {'|'.join(map(str, p.choices))}" if p.choices else "")
+            for p in algorithm.hyperparameters.values()
+        )
+        table.add_row(
+            algorithm.name,
+            ", ".join(algorithm.events),
+            ", ".join(algorithm.tasks),
+            params or "-",
+            algorithm.summary,
+        )
     out.print(table)
 
 
@@ -276,22 +360,34 @@ def export(
     ],
     out_path: Annotated[
         Path,
-        typer.Argument(metavar="OUT", help="The .safetensors file to write; with --format hf, a folder."),
+        typer.Argument(
+            metavar="OUT",
+            help="The .safetensors file to write; with --format hf, a folder.",
+        ),
     ],
     format_: Annotated[
         str,
-        typer.Option("--format", help="safetensors: the model's own weights in one file; hf: a "
-                     "Hugging Face GPT-2 folder (config.json + model.safetensors) for GPT2LMHeadModel "
-                     "(causal_lm projects with learned positions)."),
+        typer.Option(
+            "--format",
+            help="safetensors: the model's own weights in one file; hf: a "
+            "Hugging Face GPT-2 folder (config.json + model.safetensors) for GPT2LMHeadModel "
+            "(causal_lm projects with learned positions).",
+        ),
     ] = "safetensors",
     run_config: Annotated[
         Optional[Path],
-        typer.Option("--run-config", help="--format hf: the run's config.toml (default: beside a local run).")
+        typer.Option(
+            "--run-config",
+            help="--format hf: the run's config.toml (default: beside a local run).",
+        ),
     ] = None,
     project: Annotated[
         Optional[Path],
-        typer.Option("--project", help="--format hf: the project whose model.py trained the run "
-                     "(default: the folder holding runs/, else the current one).")
+        typer.Option(
+            "--project",
+            help="--format hf: the project whose model.py trained the run "
+            "(default: the folder holding runs/, else the current one).",
+        ),
     ] = None,
     entry: Annotated[
         str,
@@ -304,7 +400,10 @@ def export(
 ) -> None:
     """Consolidate a sharded checkpoint's model weights into one safetensors file, or a Hugging
     Face GPT-2 folder (no GPUs needed)."""
-    from runtime.checkpoint import CheckpointError, export_safetensors  # torch: slow to import
+    from runtime.checkpoint import (
+        CheckpointError,
+        export_safetensors,
+    )  # torch: slow to import
 
     if format_ not in ("safetensors", "hf"):
         raise _fail(f"--format={format_}: use safetensors or hf")
@@ -328,9 +427,19 @@ def export(
 
 @app.command()
 def plot(
-    runs: Annotated[list[Path], typer.Argument(metavar="RUN...", help="Run folders (runs/NAME) to overlay.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="The PNG to write.")] = Path("runs.png"),
-    x: Annotated[str, typer.Option("--x", help="x axis: step, tokens, samples or time (training seconds).")] = "step",
+    runs: Annotated[
+        list[Path],
+        typer.Argument(metavar="RUN...", help="Run folders (runs/NAME) to overlay."),
+    ],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="The PNG to write.")
+    ] = Path("runs.png"),
+    x: Annotated[
+        str,
+        typer.Option(
+            "--x", help="x axis: step, tokens, samples or time (training seconds)."
+        ),
+    ] = "step",
 ) -> None:
     """Plot loss, validation loss, learning rate and throughput of one or more runs in one PNG."""
     from scaffold.plot import PlotError, write_plot

@@ -45,7 +45,9 @@ def history_path() -> Path:
     return Path(HISTORY_SRC).expanduser()
 
 
-def git(*args: str, cwd: Path, env: dict[str, str] | None = None, check: bool = True) -> str:
+def git(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, check: bool = True
+) -> str:
     result = subprocess.run(
         ["git", *args],
         cwd=cwd,
@@ -54,7 +56,9 @@ def git(*args: str, cwd: Path, env: dict[str, str] | None = None, check: bool = 
         text=True,
     )
     if check and result.returncode != 0:
-        raise HistoryError(f"git {' '.join(args)} failed in {cwd}: {result.stderr.strip()}")
+        raise HistoryError(
+            f"git {' '.join(args)} failed in {cwd}: {result.stderr.strip()}"
+        )
     return result.stdout.strip()
 
 
@@ -75,7 +79,16 @@ def _tree_of(template: Path, repo: Path) -> str:
     index = repo / ".git" / "scaffold-snapshot.index"
     env = {"GIT_INDEX_FILE": str(index), "GIT_WORK_TREE": str(template)}
     try:
-        git("--git-dir", str(repo / ".git"), "add", "--all", "--force", ".", cwd=template, env=env)
+        git(
+            "--git-dir",
+            str(repo / ".git"),
+            "add",
+            "--all",
+            "--force",
+            ".",
+            cwd=template,
+            env=env,
+        )
         return git("--git-dir", str(repo / ".git"), "write-tree", cwd=template, env=env)
     finally:
         index.unlink(missing_ok=True)
@@ -88,16 +101,43 @@ def dev_version(version: str, tree: str) -> str:
 
 def _tree_at(repo: Path, tag: str) -> str:
     """The tree hash of a tag's commit ("" when there is no such tag)."""
-    return git("rev-parse", "--verify", "--quiet", f"refs/tags/{tag}^{{tree}}", cwd=repo, check=False)
+    return git(
+        "rev-parse",
+        "--verify",
+        "--quiet",
+        f"refs/tags/{tag}^{{tree}}",
+        cwd=repo,
+        check=False,
+    )
 
 
 def _fetch_bundle(repo: Path, bundle: Path) -> None:
     """Add the bundle's release tags that the history lacks; existing tags stay where they are."""
-    git("fetch", "--quiet", "--force", "--no-tags", str(bundle), "refs/tags/*:refs/scaffold-bundle/*", cwd=repo)
-    fetched = git("for-each-ref", "--format=%(refname:lstrip=2) %(objectname)", "refs/scaffold-bundle/", cwd=repo)
+    git(
+        "fetch",
+        "--quiet",
+        "--force",
+        "--no-tags",
+        str(bundle),
+        "refs/tags/*:refs/scaffold-bundle/*",
+        cwd=repo,
+    )
+    fetched = git(
+        "for-each-ref",
+        "--format=%(refname:lstrip=2) %(objectname)",
+        "refs/scaffold-bundle/",
+        cwd=repo,
+    )
     for line in fetched.splitlines():
         tag, commit = line.split()
-        if not git("rev-parse", "--verify", "--quiet", f"refs/tags/{tag}", cwd=repo, check=False):
+        if not git(
+            "rev-parse",
+            "--verify",
+            "--quiet",
+            f"refs/tags/{tag}",
+            cwd=repo,
+            check=False,
+        ):
             git("update-ref", f"refs/tags/{tag}", commit, "", cwd=repo)
 
 
@@ -125,9 +165,13 @@ def ensure_version(template: Path, version: str, bundle: Path | None = None) -> 
             if _tree_at(repo, tag) == tree:
                 return tag
         commit = git(
-            "commit-tree", tree, *(["-p", parent] if parent else []),
-            "-m", f"scaffold template {tag}",
-            cwd=repo, env=_GIT_ENV,
+            "commit-tree",
+            tree,
+            *(["-p", parent] if parent else []),
+            "-m",
+            f"scaffold template {tag}",
+            cwd=repo,
+            env=_GIT_ENV,
         )
         git("tag", tag, commit, cwd=repo)
     return tag
@@ -143,7 +187,9 @@ class TemplateRelease:
 
     template: Path
     version: str
-    bundle: Path | None = None  # the wheel's shipped history, fetched first when present
+    bundle: Path | None = (
+        None  # the wheel's shipped history, fetched first when present
+    )
 
     def prepare_history(self) -> str:
         """Make the history hold these templates; returns the version to render them under."""
@@ -158,18 +204,29 @@ def known_versions(repo: Path) -> list[str]:
 
 
 def has_version(repo: Path, version: str) -> bool:
-    found = git("rev-parse", "--verify", "--quiet", f"refs/tags/{version}^{{commit}}", cwd=repo, check=False)
+    found = git(
+        "rev-parse",
+        "--verify",
+        "--quiet",
+        f"refs/tags/{version}^{{commit}}",
+        cwd=repo,
+        check=False,
+    )
     return bool(found)
 
 
 def export_version(repo: Path, version: str, dest: Path) -> Path:
     """Write the templates folder of `version` into `dest` (e.g. to read its algorithm catalog)."""
     archive = subprocess.run(
-        ["git", "archive", "--format=tar", f"refs/tags/{version}"], cwd=repo, capture_output=True
+        ["git", "archive", "--format=tar", f"refs/tags/{version}"],
+        cwd=repo,
+        capture_output=True,
     )
     if archive.returncode != 0:
-        raise HistoryError(f"template version {version} cannot be read from {repo}: "
-                           f"{archive.stderr.decode(errors='replace').strip()}")
+        raise HistoryError(
+            f"template version {version} cannot be read from {repo}: "
+            f"{archive.stderr.decode(errors='replace').strip()}"
+        )
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(dest, filter="data")
     return dest

@@ -27,8 +27,12 @@ def format_python(source: str) -> str:
     try:
         return black.format_str(source, mode=BLACK_MODE)
     except black.InvalidInput as error:  # a template bug, never user input
-        numbered = "\n".join(f"{i + 1:4d} {line}" for i, line in enumerate(source.splitlines()))
-        raise ValueError(f"template rendered invalid Python ({error}):\n{numbered}") from error
+        numbered = "\n".join(
+            f"{i + 1:4d} {line}" for i, line in enumerate(source.splitlines())
+        )
+        raise ValueError(
+            f"template rendered invalid Python ({error}):\n{numbered}"
+        ) from error
 
 
 class BlackExtension(Extension):

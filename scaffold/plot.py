@@ -23,7 +23,9 @@ def read_run(path: Path) -> tuple[str, list[dict[str, Any]]]:
     """A run folder (or its metrics.jsonl) -> (run name, records); torn lines are skipped."""
     metrics = path if path.is_file() else path / "metrics.jsonl"
     if not metrics.is_file():
-        raise PlotError(f"{path}: no metrics.jsonl; pass a run folder such as runs/NAME")
+        raise PlotError(
+            f"{path}: no metrics.jsonl; pass a run folder such as runs/NAME"
+        )
     records = []
     for line in metrics.read_text().splitlines():
         try:
@@ -38,8 +40,14 @@ def read_run(path: Path) -> tuple[str, list[dict[str, Any]]]:
     return name, records
 
 
-def _series(records: list[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[float]]:
-    pairs = [(r[x], r[y]) for r in records if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float))]
+def _series(
+    records: list[dict[str, Any]], x: str, y: str
+) -> tuple[list[float], list[float]]:
+    pairs = [
+        (r[x], r[y])
+        for r in records
+        if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float))
+    ]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
@@ -54,13 +62,29 @@ def plot_runs(runs: list[Path], x_axis: str = "step"):  # -> matplotlib Figure
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise PlotError("scaffold plot needs matplotlib: pip install 'scaffold[plot]'") from None
+        raise PlotError(
+            "scaffold plot needs matplotlib: pip install 'scaffold[plot]'"
+        ) from None
     x = X_AXES[x_axis]
-    panels = [("loss", ["loss", "val_loss"]), ("learning rate", ["lr"]),
-              ("throughput", ["tokens_per_s" if any("tokens_per_s" in r for _, rs in loaded for r in rs) else "samples_per_s"])]
+    panels = [
+        ("loss", ["loss", "val_loss"]),
+        ("learning rate", ["lr"]),
+        (
+            "throughput",
+            [
+                (
+                    "tokens_per_s"
+                    if any("tokens_per_s" in r for _, rs in loaded for r in rs)
+                    else "samples_per_s"
+                )
+            ],
+        ),
+    ]
     if any("mfu" in r for _, records in loaded for r in records):
         panels.append(("MFU", ["mfu"]))
-    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), dpi=100, squeeze=False)
+    figure, axes = plt.subplots(
+        1, len(panels), figsize=(5 * len(panels), 4), dpi=100, squeeze=False
+    )
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for axis, (title, keys) in zip(axes[0], panels):
         for index, (name, records) in enumerate(loaded):
@@ -69,10 +93,24 @@ def plot_runs(runs: list[Path], x_axis: str = "step"):  # -> matplotlib Figure
                 if xs:
                     dashed = key.startswith("val_")
                     label = f"{name} {key}" if len(keys) > 1 else name
-                    axis.plot(xs, ys, color=colours[index % len(colours)], linestyle="--" if dashed else "-",
-                              marker="o" if dashed else None, markersize=3, label=label)
+                    axis.plot(
+                        xs,
+                        ys,
+                        color=colours[index % len(colours)],
+                        linestyle="--" if dashed else "-",
+                        marker="o" if dashed else None,
+                        markersize=3,
+                        label=label,
+                    )
         axis.set_title(title)
-        axis.set_xlabel({"step": "step", "tokens": "tokens", "samples": "samples", "time": "training seconds"}[x_axis])
+        axis.set_xlabel(
+            {
+                "step": "step",
+                "tokens": "tokens",
+                "samples": "samples",
+                "time": "training seconds",
+            }[x_axis]
+        )
         axis.set_ylabel(keys[0] if len(keys) == 1 else title)
         axis.grid(alpha=0.3)
         if axis.lines:

@@ -33,13 +33,18 @@ def installed_release() -> TemplateRelease:
 
 def check_destination(dest: Path) -> None:
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise RecipeError(f"destination {dest} already exists and is not empty; choose a new "
-                          "folder (scaffold never overwrites files)")
+        raise RecipeError(
+            f"destination {dest} already exists and is not empty; choose a new "
+            "folder (scaffold never overwrites files)"
+        )
 
 
-def render(answers: dict[str, Any], dest: Path, release: TemplateRelease | None = None) -> str:
+def render(
+    answers: dict[str, Any], dest: Path, release: TemplateRelease | None = None
+) -> str:
     """Render the release's templates into `dest` (which must not exist yet); returns the
-    template version the project records (a development install's may be `X.Y.Z+dev.HASH`)."""
+    template version the project records (a development install's may be `X.Y.Z+dev.HASH`).
+    """
     release = release or installed_release()
     version = release.prepare_history()
     render_version(answers, dest, version)
@@ -67,8 +72,12 @@ def commit_all(project: Path, message: str) -> None:
         git("init", "--quiet", cwd=project)
     identity: dict[str, str] = {}
     if not git("config", "user.email", cwd=project, check=False):
-        identity = {"GIT_AUTHOR_NAME": "scaffold", "GIT_AUTHOR_EMAIL": "scaffold@localhost",
-                    "GIT_COMMITTER_NAME": "scaffold", "GIT_COMMITTER_EMAIL": "scaffold@localhost"}
+        identity = {
+            "GIT_AUTHOR_NAME": "scaffold",
+            "GIT_AUTHOR_EMAIL": "scaffold@localhost",
+            "GIT_COMMITTER_NAME": "scaffold",
+            "GIT_COMMITTER_EMAIL": "scaffold@localhost",
+        }
     git("add", "--all", cwd=project)
     git("commit", "--quiet", "--no-verify", "-m", message, cwd=project, env=identity)
 
@@ -92,8 +101,11 @@ def new_project(
     try:
         project = staging / "project"
         version = render(answers, project, release)
-        commit_all(project, f"Generate {answers['project_name']} from recipe {recipe.name} "
-                            f"(scaffold {version})")
+        commit_all(
+            project,
+            f"Generate {answers['project_name']} from recipe {recipe.name} "
+            f"(scaffold {version})",
+        )
         if dest.exists():
             dest.rmdir()  # empty (checked above); replaced atomically below
         os.replace(project, dest)

@@ -90,7 +90,9 @@ class UpdateResult:
     new_version: str
     changes: FileChanges
     dry_run: bool = False
-    diffstat: str = ""  # `git diff --stat` of a dry run (the real run leaves `git diff` to the user)
+    diffstat: str = (
+        ""  # `git diff --stat` of a dry run (the real run leaves `git diff` to the user)
+    )
 
 
 @dataclass(frozen=True)
@@ -114,27 +116,39 @@ def _git_probe(project: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 def _check_git_work_tree(project: Path) -> None:
     if not project.is_dir():
-        raise UpdateError(f"{project} is not a folder; pass the folder of a scaffold project")
+        raise UpdateError(
+            f"{project} is not a folder; pass the folder of a scaffold project"
+        )
     inside = _git_probe(project, "rev-parse", "--is-inside-work-tree")
     if inside.returncode != 0 or inside.stdout.strip() != "true":
-        raise UpdateError(f"{project} is not in a git work tree; scaffold merges template changes "
-                          "into git-tracked files only: run `git init && git add -A && git commit` first")
+        raise UpdateError(
+            f"{project} is not in a git work tree; scaffold merges template changes "
+            "into git-tracked files only: run `git init && git add -A && git commit` first"
+        )
     if _git_probe(project, "rev-parse", "--verify", "--quiet", "HEAD").returncode != 0:
-        raise UpdateError(f"the git repository of {project} has no commit yet; commit your files first "
-                          "(git add -A && git commit)")
+        raise UpdateError(
+            f"the git repository of {project} has no commit yet; commit your files first "
+            "(git add -A && git commit)"
+        )
 
 
 def _check_clean(project: Path) -> None:
     # Untracked files count: copier's merge could overwrite them and `git checkout` could not undo it.
-    status = _git_probe(project, "status", "--porcelain", "--untracked-files=all", "--", ".")
+    status = _git_probe(
+        project, "status", "--porcelain", "--untracked-files=all", "--", "."
+    )
     if status.returncode != 0:
         raise UpdateError(f"git status failed in {project}: {status.stderr.strip()}")
     if status.stdout.strip():
         paths = [line[3:] for line in status.stdout.splitlines()]
-        what = f"{paths[0]}" if len(paths) == 1 else f"{len(paths)} paths, e.g. {paths[0]}"
-        raise UpdateError(f"{project} has uncommitted changes ({what}); commit or "
-                          "stash them first (git add -A && git commit, or git stash -u), so the update "
-                          "can be reviewed and undone in git")
+        what = (
+            f"{paths[0]}" if len(paths) == 1 else f"{len(paths)} paths, e.g. {paths[0]}"
+        )
+        raise UpdateError(
+            f"{project} has uncommitted changes ({what}); commit or "
+            "stash them first (git add -A && git commit, or git stash -u), so the update "
+            "can be reviewed and undone in git"
+        )
 
 
 def _read_answers(project: Path) -> dict[str, Any]:
@@ -147,26 +161,34 @@ def _read_answers(project: Path) -> dict[str, Any]:
 def _check_source(project: Path, answers: dict[str, Any]) -> None:
     source = answers.get("_src_path")
     if source != HISTORY_SRC and Path(str(source)).expanduser() != history_path():
-        raise UpdateError(f"{project / ANSWERS_FILE} records template source {source!r}, not scaffold's "
-                          f"template history {HISTORY_SRC}; update this project with `copier update` "
-                          "instead")
+        raise UpdateError(
+            f"{project / ANSWERS_FILE} records template source {source!r}, not scaffold's "
+            f"template history {HISTORY_SRC}; update this project with `copier update` "
+            "instead"
+        )
 
 
 def _recorded_version(project: Path, answers: dict[str, Any], history: Path) -> str:
     version = answers.get("_commit")
     if not version:
-        raise UpdateError(f"{project / ANSWERS_FILE} records no template version (_commit); restore the "
-                          "file from git history")
+        raise UpdateError(
+            f"{project / ANSWERS_FILE} records no template version (_commit); restore the "
+            "file from git history"
+        )
     version = str(version)
     if not has_version(history, version):
         known = ", ".join(sorted(known_versions(history), key=_sort_key)) or "none"
         if "+dev." in version:
-            raise UpdateError(f"the project was generated with {version}, a development snapshot of scaffold's "
-                              f"templates that the template history does not hold (it has: {known}); run "
-                              "scaffold once from the development checkout that made it (it snapshots itself)")
-        raise UpdateError(f"the project was generated with scaffold template version {version}, which the "
-                          f"template history does not hold (it has: {known}); install a scaffold release "
-                          f"that knows it (pip install 'scaffold>={version}')")
+            raise UpdateError(
+                f"the project was generated with {version}, a development snapshot of scaffold's "
+                f"templates that the template history does not hold (it has: {known}); run "
+                "scaffold once from the development checkout that made it (it snapshots itself)"
+            )
+        raise UpdateError(
+            f"the project was generated with scaffold template version {version}, which the "
+            f"template history does not hold (it has: {known}); install a scaffold release "
+            f"that knows it (pip install 'scaffold>={version}')"
+        )
     return version
 
 
@@ -179,9 +201,12 @@ def _sort_key(version: str) -> tuple[int, Version | str]:
 
 def _is_newer(version: str, than: str) -> bool:
     """Whether `version` is a later release than `than`. Local versions (development
-    snapshots, `0.2.0+dev.HASH`) count as their release: snapshots of one version have no order."""
+    snapshots, `0.2.0+dev.HASH`) count as their release: snapshots of one version have no order.
+    """
     try:
-        return Version(version).public != Version(than).public and Version(version) > Version(than)
+        return Version(version).public != Version(than).public and Version(
+            version
+        ) > Version(than)
     except InvalidVersion:
         return False  # not comparable: let copier decide
 
@@ -196,9 +221,15 @@ def check_code(state: ProjectState) -> "Report":
     except CheckError as error:
         raise UpdateError(str(error)) from None
     if report.problems:
-        more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
-        raise UpdateError(f"{report.problems[0]}{more}; nothing was changed: `scaffold check` lists what "
-                          "to fix, `scaffold diff` shows your changes")
+        more = (
+            f" (and {len(report.problems) - 1} more)"
+            if len(report.problems) > 1
+            else ""
+        )
+        raise UpdateError(
+            f"{report.problems[0]}{more}; nothing was changed: `scaffold check` lists what "
+            "to fix, `scaffold diff` shows your changes"
+        )
     return report
 
 
@@ -235,7 +266,9 @@ def _git_conflict_style_diff3() -> Iterator[None]:
         yield
 
 
-def _run_copier_update(project: Path, version: str | copier.VcsRef, data: dict[str, Any]) -> None:
+def _run_copier_update(
+    project: Path, version: str | copier.VcsRef, data: dict[str, Any]
+) -> None:
     with _git_conflict_style_diff3(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # copier's "dirty template" and similar notices
         try:
@@ -252,8 +285,10 @@ def _run_copier_update(project: Path, version: str | copier.VcsRef, data: dict[s
             )
         except CopierError as error:
             # The tree was clean before (preflight), so git can always undo a half-done update.
-            raise UpdateError(f"copier could not update {project}: {error}; `git checkout -- . && "
-                              "git clean -fd` restores the last commit") from None
+            raise UpdateError(
+                f"copier could not update {project}: {error}; `git checkout -- . && "
+                "git clean -fd` restores the last commit"
+            ) from None
 
 
 def _has_conflict_markers(path: Path) -> bool:
@@ -270,8 +305,16 @@ def file_changes(project: Path) -> FileChanges:
     """Classify `git status` of the project folder; files holding conflict markers are conflicted."""
     # Porcelain paths are relative to the repository root, whatever the working directory.
     prefix = _git_probe(project, "rev-parse", "--show-prefix").stdout.strip()
-    status = _git_probe(project, "status", "--porcelain=v1", "-z", "--untracked-files=all",
-                        "--no-renames", "--", ".")
+    status = _git_probe(
+        project,
+        "status",
+        "--porcelain=v1",
+        "-z",
+        "--untracked-files=all",
+        "--no-renames",
+        "--",
+        ".",
+    )
     changes = FileChanges()
     for entry in filter(None, status.stdout.split("\0")):
         code, path = entry[:2], entry[3:].removeprefix(prefix)
@@ -290,7 +333,9 @@ def _diffstat(project: Path) -> str:
     # Untracked files are added with --intent-to-add so the stat counts the new files' lines too.
     # Against HEAD, so conflicted (unmerged) files count their real changes.
     _git_probe(project, "add", "--intent-to-add", "--all", "--", ".")
-    return _git_probe(project, "diff", "HEAD", "--stat", "--relative", "--", ".").stdout.rstrip()
+    return _git_probe(
+        project, "diff", "HEAD", "--stat", "--relative", "--", "."
+    ).stdout.rstrip()
 
 
 @contextmanager
@@ -301,16 +346,33 @@ def _scratch_clone(project: Path) -> Iterator[Path]:
     scratch = Path(tempfile.mkdtemp(prefix="scaffold-dry-run."))
     try:
         # --no-hardlinks: the real repository's files are not even linked to.
-        clone = subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(top), str(scratch / "repo")],
-                               capture_output=True, text=True)
+        clone = subprocess.run(
+            [
+                "git",
+                "clone",
+                "--quiet",
+                "--no-hardlinks",
+                str(top),
+                str(scratch / "repo"),
+            ],
+            capture_output=True,
+            text=True,
+        )
         if clone.returncode != 0:
-            raise UpdateError(f"could not clone {top} for the dry run: {clone.stderr.strip()}")
+            raise UpdateError(
+                f"could not clone {top} for the dry run: {clone.stderr.strip()}"
+            )
         yield scratch / "repo" / inside
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _update(state: ProjectState, version: str | copier.VcsRef, data: dict[str, Any], dry_run: bool) -> tuple[FileChanges, str]:
+def _update(
+    state: ProjectState,
+    version: str | copier.VcsRef,
+    data: dict[str, Any],
+    dry_run: bool,
+) -> tuple[FileChanges, str]:
     if not dry_run:
         _run_copier_update(state.path, version, data)
         return file_changes(state.path), ""
@@ -322,23 +384,32 @@ def _update(state: ProjectState, version: str | copier.VcsRef, data: dict[str, A
 # --- the three commands ----------------------------------------------------------------------
 
 
-def upgrade(project: Path, release: TemplateRelease | None = None, dry_run: bool = False) -> UpdateResult:
+def upgrade(
+    project: Path, release: TemplateRelease | None = None, dry_run: bool = False
+) -> UpdateResult:
     """Merge the template changes between the project's version and `release` into the project."""
     release = release or installed_release()
     state = preflight(project, release)
     if _is_newer(state.version, state.target):
-        raise UpdateError(f"the project was generated with scaffold template {state.version}, newer than "
-                          f"this scaffold ({state.target}); upgrading would downgrade it: install "
-                          f"scaffold>={Version(state.version).public} (pip install -U scaffold)")
+        raise UpdateError(
+            f"the project was generated with scaffold template {state.version}, newer than "
+            f"this scaffold ({state.target}); upgrading would downgrade it: install "
+            f"scaffold>={Version(state.version).public} (pip install -U scaffold)"
+        )
     if state.version == state.target:
-        return UpdateResult(state.path, state.version, state.target, FileChanges(), dry_run)
+        return UpdateResult(
+            state.path, state.version, state.target, FileChanges(), dry_run
+        )
     check_code(state)
     changes, diffstat = _update(state, state.target, {}, dry_run)
-    return UpdateResult(state.path, state.version, state.target, changes, dry_run, diffstat)
+    return UpdateResult(
+        state.path, state.version, state.target, changes, dry_run, diffstat
+    )
 
 
 AlgorithmChange = Callable[
-    [dict[str, dict[str, Any]], dict[str, Algorithm], str, ModelFamily], dict[str, dict[str, Any]]
+    [dict[str, dict[str, Any]], dict[str, Algorithm], str, ModelFamily],
+    dict[str, dict[str, Any]],
 ]
 
 
@@ -363,18 +434,22 @@ def _change_algorithms(
         try:
             catalog, models = load_algorithms(template), load_models(template)
         except CatalogError:
-            raise UpdateError(f"{state.path} is at template version {state.version}, whose algorithm "
-                              "catalog this scaffold cannot read; run `scaffold upgrade` first, "
-                              "commit, then add or remove algorithms") from None
+            raise UpdateError(
+                f"{state.path} is at template version {state.version}, whose algorithm "
+                "catalog this scaffold cannot read; run `scaffold upgrade` first, "
+                "commit, then add or remove algorithms"
+            ) from None
     current = dict(state.answers.get("algorithms") or {})
     # Projects from before task packs (0.1.0) were GPT language models.
     task = str(state.answers.get("task", "causal_lm"))
     family = models.get(str(state.answers.get("model_family", "gpt")))
     try:
         if family is None:
-            raise RecipeError(f"{state.path / ANSWERS_FILE} records model family "
-                              f"{state.answers.get('model_family')!r}, which template "
-                              f"{state.version} does not have; restore the file from git history")
+            raise RecipeError(
+                f"{state.path / ANSWERS_FILE} records model family "
+                f"{state.answers.get('model_family')!r}, which template "
+                f"{state.version} does not have; restore the file from git history"
+            )
         algorithms = change(current, catalog, task, family)
     except RecipeError as error:
         raise UpdateError(str(error)) from None
@@ -384,10 +459,17 @@ def _change_algorithms(
         raise UpdateError("\n".join(reasons))
     _update(state, copier.VcsRef.CURRENT, {"algorithms": algorithms}, dry_run=False)
     after(state.path)
-    return UpdateResult(state.path, state.version, state.version, file_changes(state.path))
+    return UpdateResult(
+        state.path, state.version, state.version, file_changes(state.path)
+    )
 
 
-def add(project: Path, algorithm: str, overrides: Sequence[str] = (), release: TemplateRelease | None = None) -> UpdateResult:
+def add(
+    project: Path,
+    algorithm: str,
+    overrides: Sequence[str] = (),
+    release: TemplateRelease | None = None,
+) -> UpdateResult:
     """Add an algorithm (its hyperparameters from `param=value` overrides) and merge it into the files."""
     from scaffold.check import add_blockers
 
@@ -401,7 +483,12 @@ def add(project: Path, algorithm: str, overrides: Sequence[str] = (), release: T
     )
 
 
-def remove(project: Path, algorithm: str, release: TemplateRelease | None = None, force: bool = False) -> UpdateResult:
+def remove(
+    project: Path,
+    algorithm: str,
+    release: TemplateRelease | None = None,
+    force: bool = False,
+) -> UpdateResult:
     """Remove an algorithm and merge its removal into the files.
 
     A block of the algorithm the user edited or moved would survive a 3-way merge as a conflict
@@ -414,27 +501,37 @@ def remove(project: Path, algorithm: str, release: TemplateRelease | None = None
         reasons = remove_blockers(report, algorithm)
         if not reasons or force:
             return []
-        return [f"you changed {algorithm}'s code, so removing it would drop your edits:", *reasons,
-                f"nothing was changed; to remove it anyway: scaffold remove {algorithm} --force "
-                "(git keeps your version in the last commit)"]
+        return [
+            f"you changed {algorithm}'s code, so removing it would drop your edits:",
+            *reasons,
+            f"nothing was changed; to remove it anyway: scaffold remove {algorithm} --force "
+            "(git keeps your version in the last commit)",
+        ]
 
     return _change_algorithms(
         project,
         release,
         lambda current, catalog, *_: remove_algorithm(current, algorithm, catalog),
         blockers,
-        (lambda path: drop_algorithm(path, algorithm)) if force else (lambda path: None),
+        (
+            (lambda path: drop_algorithm(path, algorithm))
+            if force
+            else (lambda path: None)
+        ),
     )
 
 
 def describe(result: UpdateResult) -> list[str]:
     """Lines summarising an update for the terminal."""
     lines = []
-    for label, paths in (("modified", result.changes.modified), ("added", result.changes.added),
-                         ("deleted", result.changes.deleted), ("conflict", result.changes.conflicted)):
+    for label, paths in (
+        ("modified", result.changes.modified),
+        ("added", result.changes.added),
+        ("deleted", result.changes.deleted),
+        ("conflict", result.changes.conflicted),
+    ):
         lines.extend(f"  {label:<9} {path}" for path in paths)
     return lines
-
 
 
 def set_answers(
@@ -446,7 +543,9 @@ def set_answers(
     state = preflight(project, release)
     changed = dict(parse_override(text) for text in overrides)
     if not changed:
-        raise UpdateError("name an answer to change, e.g. `scaffold set auto_microbatching=true`")
+        raise UpdateError(
+            "name an answer to change, e.g. `scaffold set auto_microbatching=true`"
+        )
     kept = {
         key: value
         for key, value in state.answers.items()
@@ -465,5 +564,12 @@ def set_answers(
         except RecipeError as error:
             raise UpdateError(str(error).replace("recipe ", "answers of ", 1)) from None
     check_code(state)
-    _update(state, copier.VcsRef.CURRENT, {key: answers[key] for key in changed}, dry_run=False)
-    return UpdateResult(state.path, state.version, state.version, file_changes(state.path))
+    _update(
+        state,
+        copier.VcsRef.CURRENT,
+        {key: answers[key] for key in changed},
+        dry_run=False,
+    )
+    return UpdateResult(
+        state.path, state.version, state.version, file_changes(state.path)
+    )

@@ -23,7 +23,10 @@ torch._dynamo.config.fail_on_recompile_limit_hit = True
 def report() -> None:
     breaks = sum(counters["graph_break"].values())
     rank = os.environ.get("RANK", "0")
-    print(f"compile-counts rank={rank} graphs={counters['stats']['unique_graphs']} breaks={breaks}", flush=True)
+    print(
+        f"compile-counts rank={rank} graphs={counters['stats']['unique_graphs']} breaks={breaks}",
+        flush=True,
+    )
 
 
 atexit.register(report)

@@ -22,11 +22,19 @@ PROJECT_NAME = "my-gpt"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--update-golden", action="store_true", help="rewrite tests/golden/ from the templates")
-    parser.addoption("--slow", action="store_true", help="also run the long fault-injection tests")
+    parser.addoption(
+        "--update-golden",
+        action="store_true",
+        help="rewrite tests/golden/ from the templates",
+    )
+    parser.addoption(
+        "--slow", action="store_true", help="also run the long fault-injection tests"
+    )
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> None:
     if config.getoption("--slow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --slow")
@@ -42,13 +50,20 @@ def isolated_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HOME", str(home))
         # A bare machine: no git identity. scaffold must cope on its own.
-        for var in ("GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_COMMITTER_NAME", "GIT_COMMITTER_EMAIL"):
+        for var in (
+            "GIT_AUTHOR_NAME",
+            "GIT_AUTHOR_EMAIL",
+            "GIT_COMMITTER_NAME",
+            "GIT_COMMITTER_EMAIL",
+        ):
             patch.delenv(var, raising=False)
         patch.setenv("GIT_CONFIG_NOSYSTEM", "1")
         yield home
 
 
-def scaffold_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def scaffold_cli(
+    *args: str, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run the `scaffold` command line as a user would (the installed console script's module)."""
     return subprocess.run(
         [sys.executable, "-m", "scaffold", *args],
@@ -61,7 +76,9 @@ def scaffold_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedPro
 
 
 @pytest.fixture(scope="session")
-def generated(tmp_path_factory: pytest.TempPathFactory, isolated_home: Path) -> dict[str, Path]:
+def generated(
+    tmp_path_factory: pytest.TempPathFactory, isolated_home: Path
+) -> dict[str, Path]:
     """Each shipped recipe generated once through the CLI, as `my-gpt`."""
     root = tmp_path_factory.mktemp("generated")
     projects = {}
@@ -74,13 +91,17 @@ def generated(tmp_path_factory: pytest.TempPathFactory, isolated_home: Path) -> 
 
 
 @pytest.fixture(scope="session")
-def generated_auto(tmp_path_factory: pytest.TempPathFactory, isolated_home: Path) -> dict[str, Path]:
+def generated_auto(
+    tmp_path_factory: pytest.TempPathFactory, isolated_home: Path
+) -> dict[str, Path]:
     """Recipes generated with the out-of-memory search (`--set auto_microbatching=true`)."""
     root = tmp_path_factory.mktemp("generated-auto")
     projects = {}
     for recipe in ("gpt2-baseline", "gpt2-speedup", RECIPE_AUTO_IMAGE):
         dest = root / recipe / PROJECT_NAME
-        result = scaffold_cli("new", "--recipe", recipe, "--set", "auto_microbatching=true", str(dest))
+        result = scaffold_cli(
+            "new", "--recipe", recipe, "--set", "auto_microbatching=true", str(dest)
+        )
         assert result.returncode == 0, result.stderr
         projects[recipe] = dest
     return projects
@@ -92,18 +113,28 @@ def project_copy(tmp_path: Path):
 
     def copy(source: Path) -> Path:
         target = tmp_path / source.name
-        shutil.copytree(source, target, ignore=shutil.ignore_patterns("runs", "__pycache__"))
+        shutil.copytree(
+            source, target, ignore=shutil.ignore_patterns("runs", "__pycache__")
+        )
         return target
 
     return copy
 
 
 @pytest.fixture(scope="session")
-def two_rank_reference(generated: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def two_rank_reference(
+    generated: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> list[dict]:
     """metrics.jsonl of an uninterrupted TINY run of gpt2-baseline on 2 ranks (torchrun --standalone)."""
     workdir = tmp_path_factory.mktemp("reference")
-    result = subprocess.run(torchrun_command(generated["gpt2-baseline"], 2, "--run_name=ref"), cwd=workdir,
-                            env=checkout_env(), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        torchrun_command(generated["gpt2-baseline"], 2, "--run_name=ref"),
+        cwd=workdir,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(workdir, "ref")
     assert [row["step"] for row in rows] == list(range(1, TINY_STEPS + 1))

@@ -39,8 +39,10 @@ class Tiny(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.wte = nn.Embedding(50, 12)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(12, 20), nn.GELU(), nn.Linear(20, 12))
-                                    for _ in range(2))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(12, 20), nn.GELU(), nn.Linear(20, 12))
+            for _ in range(2)
+        )
         self.lm_head = nn.Linear(12, 50, bias=False)
         self.lm_head.weight = self.wte.weight
 
@@ -60,16 +62,25 @@ def build(env: dist.DistEnv, parallelism: str, seed: int) -> dict:
     model, ema = (fsdp.parallelize(m, m.blocks, env, config) for m in (model, ema))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     stopper = EarlyStopper("val_loss", Time.parse("5ba"), log=lambda line: None)
-    return {"model": model, "optimizer": optimizer, "ema": ema,
-            "progress": Progress(batches_per_epoch=10), "stopper": stopper}
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "ema": ema,
+        "progress": Progress(batches_per_epoch=10),
+        "stopper": stopper,
+    }
 
 
 def full_state(state: dict) -> dict:
-    return {"model": get_model_state_dict(state["model"], options=FULL),
-            "optimizer": get_optimizer_state_dict(state["model"], state["optimizer"], options=FULL),
-            "ema": get_model_state_dict(state["ema"], options=FULL),
-            "progress": state["progress"].state_dict(),
-            "stopper": state["stopper"].state_dict()}
+    return {
+        "model": get_model_state_dict(state["model"], options=FULL),
+        "optimizer": get_optimizer_state_dict(
+            state["model"], state["optimizer"], options=FULL
+        ),
+        "ema": get_model_state_dict(state["ema"], options=FULL),
+        "progress": state["progress"].state_dict(),
+        "stopper": state["stopper"].state_dict(),
+    }
 
 
 def differences(a: object, b: object, where: str = "") -> list[str]:
@@ -80,7 +91,11 @@ def differences(a: object, b: object, where: str = "") -> list[str]:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             return [f"{where}: lengths {len(a)} != {len(b)}"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{where}[{i}]")]
+        return [
+            d
+            for i, (x, y) in enumerate(zip(a, b))
+            for d in differences(x, y, f"{where}[{i}]")
+        ]
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
         return [] if same else [f"{where}: tensors differ"]
@@ -105,12 +120,16 @@ def main() -> None:
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                     with torch.no_grad():
-                        for average, param in zip(state["ema"].parameters(), model.parameters()):
+                        for average, param in zip(
+                            state["ema"].parameters(), model.parameters()
+                        ):
                             average.lerp_(param, 0.25)
                     progress.advance(samples=idx.shape[0], tokens=idx.numel())
                     val_loss = {"val_loss": 3.0 - progress.batch}
                     state["stopper"].update(progress, val_loss, Time.parse("10ba"))
-                checkpointer = checkpoint.Checkpointer(root / parallelism, async_save=parallelism == "ddp")
+                checkpointer = checkpoint.Checkpointer(
+                    root / parallelism, async_save=parallelism == "ddp"
+                )
                 checkpointer.save(state)
                 reference = full_state(state)
                 checkpointer.close()
@@ -127,8 +146,13 @@ def main() -> None:
                 assert state["stopper"].best == 0.0, env.rank
                 loaded = full_state(state)
                 if env.rank == 0:
-                    reference = torch.load(root / f"{saved}-reference.pt", weights_only=True)
-                    failures += [f"{saved} -> {parallelism}: {d}" for d in differences(reference, loaded)]
+                    reference = torch.load(
+                        root / f"{saved}-reference.pt", weights_only=True
+                    )
+                    failures += [
+                        f"{saved} -> {parallelism}: {d}"
+                        for d in differences(reference, loaded)
+                    ]
             if failures:
                 print("\n".join(failures[:20]), file=sys.stderr)
                 raise SystemExit(1)

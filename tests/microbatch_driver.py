@@ -38,6 +38,8 @@ try:
         settled.clear()
         sys.argv = ["train.py", *run["args"]]
         train.main()
-        (out_dir / f"{run['name']}-rank{rank}.json").write_text(json.dumps({"settled": settled}))
+        (out_dir / f"{run['name']}-rank{rank}.json").write_text(
+            json.dumps({"settled": settled})
+        )
 finally:
     dist.shutdown()

@@ -40,8 +40,13 @@ def build() -> nn.Module:
     """Matrices of uneven row counts: 40, 24, 7 (4 + 3 rows on 2 ranks) and 1 (a rank with none)."""
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(16, 40, bias=False), nn.ReLU(), nn.Linear(40, 24, bias=False), nn.ReLU(),
-        nn.Linear(24, 7, bias=False), nn.ReLU(), nn.Linear(7, 1, bias=False),
+        nn.Linear(16, 40, bias=False),
+        nn.ReLU(),
+        nn.Linear(40, 24, bias=False),
+        nn.ReLU(),
+        nn.Linear(24, 7, bias=False),
+        nn.ReLU(),
+        nn.Linear(7, 1, bias=False),
     )
 
 
@@ -50,17 +55,24 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 16), torch.randn(8, 1)
 
 
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, world: int) -> None:
+def train(
+    model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, world: int
+) -> None:
     x, y = batch()
     x, y = x.tensor_split(world)[rank], y.tensor_split(world)[rank]
     for _ in range(STEPS):
-        ((model(x) - y) ** 2).mean().backward()  # FSDP averages over ranks: the global mean
+        (
+            (model(x) - y) ** 2
+        ).mean().backward()  # FSDP averages over ranks: the global mean
         optimizer.step()
         optimizer.zero_grad()
 
 
 def full(model: nn.Module) -> list[torch.Tensor]:
-    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+    return [
+        p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        for p in model.parameters()
+    ]
 
 
 def collectives(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -84,26 +96,56 @@ def main() -> None:
 
     # One process: runtime.muon.Muon and torch.optim.Muon on plain tensors.
     reference = build()
-    train(reference, muon.Muon(reference.parameters(), newton_schulz, lr=LR,
-                               weight_decay=WEIGHT_DECAY, momentum=MOMENTUM), 0, 1)
+    train(
+        reference,
+        muon.Muon(
+            reference.parameters(),
+            newton_schulz,
+            lr=LR,
+            weight_decay=WEIGHT_DECAY,
+            momentum=MOMENTUM,
+        ),
+        0,
+        1,
+    )
     with_torch = build()
-    train(with_torch, torch.optim.Muon(with_torch.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
-                                       momentum=MOMENTUM), 0, 1)
+    train(
+        with_torch,
+        torch.optim.Muon(
+            with_torch.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM
+        ),
+        0,
+        1,
+    )
     # FSDP2 over all ranks, each layer its own unit.
     sharded = build()
     for layer in sharded:
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
     fully_shard(sharded)
-    optimizer = muon.Muon(sharded.parameters(), counted, lr=LR, weight_decay=WEIGHT_DECAY,
-                          momentum=MOMENTUM)
+    optimizer = muon.Muon(
+        sharded.parameters(),
+        counted,
+        lr=LR,
+        weight_decay=WEIGHT_DECAY,
+        momentum=MOMENTUM,
+    )
     train(sharded, optimizer, rank, world)
     ours_calls = len(calls) // STEPS
-    diff = max((a - b).abs().max().item() for a, b in zip(full(sharded), full(reference)))
-    diff_torch = max((a - b).abs().max().item() for a, b in zip(full(with_torch), full(reference)))
-    moved = max((a - b).abs().max().item() for a, b in zip(full(reference), full(build())))
+    diff = max(
+        (a - b).abs().max().item() for a, b in zip(full(sharded), full(reference))
+    )
+    diff_torch = max(
+        (a - b).abs().max().item() for a, b in zip(full(with_torch), full(reference))
+    )
+    moved = max(
+        (a - b).abs().max().item() for a, b in zip(full(reference), full(build()))
+    )
     # The optimizer state is sharded like the parameters: full momentum buffers agree too.
-    buffers = [optimizer.state[p]["momentum_buffer"].full_tensor() for p in sharded.parameters()]
+    buffers = [
+        optimizer.state[p]["momentum_buffer"].full_tensor()
+        for p in sharded.parameters()
+    ]
     ours = collectives(sharded, optimizer)
     theirs_model = build()
     for layer in theirs_model:

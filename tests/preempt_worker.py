@@ -1,6 +1,6 @@
 """torchrun worker for test_preempt: rank 1 signals itself during step 3; every rank writes where it stopped to rank<R>.txt.
 
-    torchrun --standalone --nproc_per_node=2 preempt_worker.py SIGNAL
+torchrun --standalone --nproc_per_node=2 preempt_worker.py SIGNAL
 """
 
 import os
@@ -28,7 +28,9 @@ for step in range(1, 50):
         break
 # A file per rank: two ranks printing to torchrun's shared stdout can interleave their lines.
 with open(f"rank{rank}.txt", "w") as out:
-    out.write(f"rank {rank} stopped at {stopped_at} by {preemption.stopped_by} received {preemption.received}")
+    out.write(
+        f"rank {rank} stopped at {stopped_at} by {preemption.stopped_by} received {preemption.received}"
+    )
 preemption.close()
 dist.barrier()
 dist.destroy_process_group()

@@ -18,14 +18,18 @@ REPO = Path(__file__).resolve().parent.parent
 
 def checkout_env() -> dict[str, str]:
     """The environment for subprocesses: generated projects import *this* checkout's runtime."""
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    path = os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p
+    )
     return {**os.environ, "PYTHONPATH": path}
 
 
 @contextmanager
 def project_modules(project: Path) -> Iterator[dict[str, ModuleType]]:
     """Import a generated project's train/model/data modules (fresh, and forgotten afterwards)."""
-    saved = {name: sys.modules.pop(name) for name in PROJECT_MODULES if name in sys.modules}
+    saved = {
+        name: sys.modules.pop(name) for name in PROJECT_MODULES if name in sys.modules
+    }
     sys.path.insert(0, str(project))
     try:
         yield {name: importlib.import_module(name) for name in PROJECT_MODULES}
@@ -36,7 +40,9 @@ def project_modules(project: Path) -> Iterator[dict[str, ModuleType]]:
         sys.modules.update(saved)
 
 
-def run_train(project: Path, workdir: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+def run_train(
+    project: Path, workdir: Path, *args: str, timeout: int = 300
+) -> subprocess.CompletedProcess[str]:
     """`python train.py ARGS` in `workdir` (runs/ lands there), on the CPU."""
     return subprocess.run(
         [sys.executable, str(project / "train.py"), "--device=cpu", *args],
@@ -54,15 +60,33 @@ def read_metrics(workdir: Path, run_name: str) -> list[dict]:
 
 
 # A tiny 2-rank run (each step a few hundred ms here): the reference for pre-emption tests.
-TINY = ["--device=cpu", "--model=tiny", "--seq_len=32", "--global_batch_size=4", "--device_microbatch_size=2",
-        "--eval_interval=1000ba", "--eval_batches=1", "--dist_timeout=60", "--save_interval=1000ba"]
+TINY = [
+    "--device=cpu",
+    "--model=tiny",
+    "--seq_len=32",
+    "--global_batch_size=4",
+    "--device_microbatch_size=2",
+    "--eval_interval=1000ba",
+    "--eval_batches=1",
+    "--dist_timeout=60",
+    "--save_interval=1000ba",
+]
 TINY_STEPS = 10
 
 
 def torchrun_command(project: Path, nproc: int, *args: str) -> list[str]:
     """`torchrun --standalone --nproc_per_node=N train.py` with the TINY settings."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            str(project / "train.py"), *TINY, f"--max_duration={TINY_STEPS}ba", *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(project / "train.py"),
+        *TINY,
+        f"--max_duration={TINY_STEPS}ba",
+        *args,
+    ]
 
 
 def train_workers(workdir: Path, run_name: str) -> list[int]:
@@ -75,9 +99,14 @@ def train_workers(workdir: Path, run_name: str) -> list[int]:
                 continue
         except (OSError, ValueError):
             continue
-        if f"--run_name={run_name}" in argv and any(a.endswith("train.py") for a in argv) \
-                and not any("torchrun" in a or a.endswith("torch.distributed.run") for a in argv) \
-                and "torch.distributed.run" not in argv:
+        if (
+            f"--run_name={run_name}" in argv
+            and any(a.endswith("train.py") for a in argv)
+            and not any(
+                "torchrun" in a or a.endswith("torch.distributed.run") for a in argv
+            )
+            and "torch.distributed.run" not in argv
+        ):
             found.append(int(entry.name))
     return sorted(found)
 
@@ -85,7 +114,11 @@ def train_workers(workdir: Path, run_name: str) -> list[int]:
 def pending_signals(pid: int) -> int:
     """The signals waiting to be delivered to `pid` (a bit mask, bit N-1 for signal N)."""
     status = Path(f"/proc/{pid}/status").read_text()
-    masks = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("SigPnd:", "ShdPnd:"))]
+    masks = [
+        int(line.split()[1], 16)
+        for line in status.splitlines()
+        if line.startswith(("SigPnd:", "ShdPnd:"))
+    ]
     return masks[0] | masks[1]
 
 
@@ -113,13 +146,21 @@ def hand_counted_forward_flops(model, *args, **kwargs) -> int:
     def count(module, inputs, output) -> None:
         nonlocal total
         if isinstance(module, torch.nn.Conv2d):
-            per_output = module.in_channels // module.groups * module.kernel_size[0] * module.kernel_size[1]
+            per_output = (
+                module.in_channels
+                // module.groups
+                * module.kernel_size[0]
+                * module.kernel_size[1]
+            )
             total += 2 * output.numel() * per_output
         else:
             total += 2 * output.numel() * module.in_features
 
-    hooks = [m.register_forward_hook(count) for m in model.modules()
-             if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+    hooks = [
+        m.register_forward_hook(count)
+        for m in model.modules()
+        if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))
+    ]
     try:
         with torch.no_grad():
             model.eval()(*args, **kwargs)

@@ -56,7 +56,10 @@ class SlurmCluster:
     @classmethod
     def start(cls, folder: Path, cpus: int | None = None) -> SlurmCluster:
         folder.mkdir(parents=True, exist_ok=True)
-        for parent in [folder, *folder.parents]:  # munge's socket must be reachable by all
+        for parent in [
+            folder,
+            *folder.parents,
+        ]:  # munge's socket must be reachable by all
             if parent.stat().st_mode & 0o005 != 0o005:
                 parent.chmod(parent.stat().st_mode | 0o755)
         cluster = cls(folder, cpus or os.cpu_count() or 1)
@@ -77,8 +80,7 @@ class SlurmCluster:
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         node = socket.gethostname().split(".")[0]
-        (f / "slurm.conf").write_text(
-            f"""ClusterName=scaffoldtest
+        (f / "slurm.conf").write_text(f"""ClusterName=scaffoldtest
 SlurmctldHost={node}
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
@@ -107,14 +109,16 @@ JobRequeue=1
 MinJobAge=300
 NodeName={node} CPUs={self.cpus} State=UNKNOWN
 PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
-"""
-        )
+""")
         self.env = {**os.environ, "SLURM_CONF": str(f / "slurm.conf")}
 
     def _spawn(self, name: str, *args: str) -> None:
         log = open(self.folder / f"{name}.out", "w")
         process = subprocess.Popen(
-            [_program(name), *args], stdout=log, stderr=subprocess.STDOUT, env=self.env,
+            [_program(name), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
             start_new_session=True,
         )
         self.pids[name] = process.pid
@@ -122,12 +126,24 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
     def _start_daemons(self) -> None:
         m = self.folder / "munge"
         self._spawn(
-            "munged", "-F", "--force", f"--key-file={m}/munge.key", f"--socket={m}/munge.sock",
-            f"--pid-file={m}/munged.pid", f"--log-file={m}/munged.log", f"--seed-file={m}/munged.seed",
+            "munged",
+            "-F",
+            "--force",
+            f"--key-file={m}/munge.key",
+            f"--socket={m}/munge.sock",
+            f"--pid-file={m}/munged.pid",
+            f"--log-file={m}/munged.log",
+            f"--seed-file={m}/munged.seed",
         )
-        self._until(lambda: (m / "munge.sock").exists(), "munged's socket", "munge/munged.log")
+        self._until(
+            lambda: (m / "munge.sock").exists(), "munged's socket", "munge/munged.log"
+        )
         self._spawn("slurmctld", "-D", "-i")
-        self._until(lambda: self._run("scontrol", "ping").returncode == 0, "slurmctld", "slurmctld.log")
+        self._until(
+            lambda: self._run("scontrol", "ping").returncode == 0,
+            "slurmctld",
+            "slurmctld.log",
+        )
         self._spawn("slurmd", "-D")
         self._until(self._node_idle, "the node to come up idle", "slurmd.log")
 
@@ -140,7 +156,9 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
         while not ready():
             for name, pid in self.pids.items():
                 if _exited(pid):
-                    raise RuntimeError(f"{name} exited while waiting for {what}: {self._tail(log)}")
+                    raise RuntimeError(
+                        f"{name} exited while waiting for {what}: {self._tail(log)}"
+                    )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"timed out waiting for {what}: {self._tail(log)}")
             time.sleep(0.1)
@@ -149,15 +167,23 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
         path = self.folder / log
         return path.read_text()[-2000:] if path.exists() else f"({log} not written)"
 
-    def _run(self, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None):
+    def _run(
+        self, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+    ):
         return subprocess.run(
-            [_program(args[0]), *args[1:]], capture_output=True, text=True, cwd=cwd,
-            env={**self.env, **(env or {})}, timeout=60,
+            [_program(args[0]), *args[1:]],
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+            env={**self.env, **(env or {})},
+            timeout=60,
         )
 
     # ------------------------------------------------------------------ for the tests
 
-    def sbatch(self, args: list[str], cwd: Path, env: dict[str, str] | None = None) -> int:
+    def sbatch(
+        self, args: list[str], cwd: Path, env: dict[str, str] | None = None
+    ) -> int:
         result = self._run("sbatch", "--parsable", *args, cwd=cwd, env=env)
         assert result.returncode == 0, result.stderr
         return int(result.stdout.strip().split(";")[0])
@@ -167,18 +193,26 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
         out = self._run("scontrol", "-o", "show", "job", str(job_id)).stdout
         return dict(item.split("=", 1) for item in out.split() if "=" in item)
 
-    def wait_state(self, job_id: int, states: tuple[str, ...], timeout: float = 240.0) -> dict[str, str]:
+    def wait_state(
+        self, job_id: int, states: tuple[str, ...], timeout: float = 240.0
+    ) -> dict[str, str]:
         deadline = time.monotonic() + timeout
         while True:
             info = self.job(job_id)
             if info.get("JobState") in states:
                 return info
             if time.monotonic() > deadline:
-                raise TimeoutError(f"job {job_id} not in {states} after {timeout} s: {info}")
+                raise TimeoutError(
+                    f"job {job_id} not in {states} after {timeout} s: {info}"
+                )
             time.sleep(0.2)
 
     def wait(self, job_id: int, timeout: float = 240.0) -> dict[str, str]:
-        return self.wait_state(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), timeout)
+        return self.wait_state(
+            job_id,
+            ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"),
+            timeout,
+        )
 
     def signal_batch(self, job_id: int, sig: str = "USR1") -> None:
         result = self._run("scancel", f"--signal={sig}", "--batch", str(job_id))
@@ -191,8 +225,13 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 out = self._run("squeue", "-h", "-t", "all", "-o", "%i %T")
-                live = [line for line in out.stdout.splitlines() if "COMPLET" not in line
-                        and "CANCELLED" not in line and "FAILED" not in line]
+                live = [
+                    line
+                    for line in out.stdout.splitlines()
+                    if "COMPLET" not in line
+                    and "CANCELLED" not in line
+                    and "FAILED" not in line
+                ]
                 if out.returncode != 0 or not live:
                     break
                 time.sleep(0.2)

@@ -10,7 +10,12 @@ import torch
 
 from projects import project_modules, read_metrics, run_train
 
-TINY = ["--seq_len=64", "--global_batch_size=4", "--eval_batches=1", "--eval_interval=100ba"]
+TINY = [
+    "--seq_len=64",
+    "--global_batch_size=4",
+    "--eval_batches=1",
+    "--eval_interval=100ba",
+]
 
 
 @pytest.fixture(scope="module")
@@ -47,24 +52,32 @@ def test_alibi_bias_penalises_distance_and_masks_the_future(speedup) -> None:
                 if j > i:
                     assert bias[h, i, j] == float("-inf")
                 else:
-                    assert bias[h, i, j].item() == pytest.approx(-slopes[h].item() * (i - j))
+                    assert bias[h, i, j].item() == pytest.approx(
+                        -slopes[h].item() * (i - j)
+                    )
 
 
 def test_alibi_attention_matches_a_manual_softmax(speedup) -> None:
     model = speedup["model"]
-    config = model.GPTConfig(vocab_size=256, max_seq_len=16, n_layer=1, n_head=4, n_embd=32)
+    config = model.GPTConfig(
+        vocab_size=256, max_seq_len=16, n_layer=1, n_head=4, n_embd=32
+    )
     attention = model.CausalSelfAttention(config)
     torch.manual_seed(0)
     x = torch.randn(2, 7, 32)
     bias = model.alibi_bias(4, 7)
     actual = attention(x, bias)
-    q, k, v = (t.view(2, 7, 4, 8).transpose(1, 2) for t in attention.qkv(x).split(32, dim=2))
+    q, k, v = (
+        t.view(2, 7, 4, 8).transpose(1, 2) for t in attention.qkv(x).split(32, dim=2)
+    )
     scores = q @ k.transpose(-1, -2) / math.sqrt(8) + bias
     manual = (scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 7, 32)
     torch.testing.assert_close(actual, attention.proj(manual), rtol=1e-5, atol=1e-5)
 
 
-def test_alibi_flex_attention_forward_matches_the_explicit_bias(speedup, monkeypatch) -> None:
+def test_alibi_flex_attention_forward_matches_the_explicit_bias(
+    speedup, monkeypatch
+) -> None:
     """CUDA's path (FlexAttention, ALiBi score_mod, causal block mask) against the CPU's
     (SDPA with the dense bias). FlexAttention runs forward only on the CPU (no backward),
     eagerly here: the compiled kernel is CUDA's concern (bench/gpu.py)."""
@@ -73,15 +86,25 @@ def test_alibi_flex_attention_forward_matches_the_explicit_bias(speedup, monkeyp
     model = speedup["model"]
     monkeypatch.setattr(model, "fused_flex_attention", flex_attention)
     generator = torch.Generator().manual_seed(0)
-    for heads, seq in ((4, 16), (12, 200)):  # 200: not a multiple of the 128-token block
-        q, k, v = (torch.randn(2, heads, seq, 32, generator=generator) for _ in range(3))
+    for heads, seq in (
+        (4, 16),
+        (12, 200),
+    ):  # 200: not a multiple of the 128-token block
+        q, k, v = (
+            torch.randn(2, heads, seq, 32, generator=generator) for _ in range(3)
+        )
         expected = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=model.alibi_bias(heads, seq))
-        flex = model.alibi_flex_attention(q, k, v, model.causal_block_mask(seq, torch.device("cpu")))
+            q, k, v, attn_mask=model.alibi_bias(heads, seq)
+        )
+        flex = model.alibi_flex_attention(
+            q, k, v, model.causal_block_mask(seq, torch.device("cpu"))
+        )
         torch.testing.assert_close(flex, expected, atol=1e-5, rtol=1e-5)
     # The whole model: forcing the CUDA path on the CPU gives the same logits.
     torch.manual_seed(0)
-    gpt = model.GPT(model.GPTConfig(vocab_size=256, max_seq_len=64, n_layer=2, n_head=4, n_embd=64))
+    gpt = model.GPT(
+        model.GPTConfig(vocab_size=256, max_seq_len=64, n_layer=2, n_head=4, n_embd=64)
+    )
     idx = torch.randint(0, 256, (2, 40), generator=generator)
     with torch.no_grad():
         dense = gpt(idx)
@@ -93,13 +116,17 @@ def test_alibi_flex_attention_forward_matches_the_explicit_bias(speedup, monkeyp
 def test_alibi_uses_flex_on_cuda_without_dropout_only(speedup) -> None:
     uses_flex = speedup["model"].alibi_uses_flex
     assert uses_flex(torch.device("cuda", 0), 0.0)
-    assert not uses_flex(torch.device("cuda", 0), 0.1) and not uses_flex(torch.device("cpu"), 0.0)
+    assert not uses_flex(torch.device("cuda", 0), 0.1) and not uses_flex(
+        torch.device("cpu"), 0.0
+    )
 
 
 def test_alibi_model_has_no_position_embeddings(speedup, baseline) -> None:
     def build(modules):
         model = modules["model"]
-        return model.GPT(model.GPTConfig(vocab_size=256, max_seq_len=32, **model.PRESETS["tiny"]))
+        return model.GPT(
+            model.GPTConfig(vocab_size=256, max_seq_len=32, **model.PRESETS["tiny"])
+        )
 
     alibi_names = {name for name, _ in build(speedup).named_parameters()}
     baseline_names = {name for name, _ in build(baseline).named_parameters()}
@@ -114,7 +141,9 @@ def test_alibi_model_has_no_position_embeddings(speedup, baseline) -> None:
 def test_gpt2_preset_has_124m_parameters(baseline) -> None:
     model = baseline["model"]
     with torch.device("meta"):
-        gpt2 = model.GPT(model.GPTConfig(vocab_size=50257, max_seq_len=1024, **model.PRESETS["gpt2"]))
+        gpt2 = model.GPT(
+            model.GPTConfig(vocab_size=50257, max_seq_len=1024, **model.PRESETS["gpt2"])
+        )
     assert round(gpt2.num_params() / 1e6) == 124
 
 
@@ -124,39 +153,76 @@ def test_gpt2_preset_has_124m_parameters(baseline) -> None:
 def test_seq_length_warmup_schedule(speedup) -> None:
     length = speedup["train"].seq_length_warmup_len
     assert length(0.0, 8, 128) == 8
-    assert length(0.5, 8, 128) == 64  # 8 + 0.5 * 120 = 68, rounded down to a multiple of 8
+    assert (
+        length(0.5, 8, 128) == 64
+    )  # 8 + 0.5 * 120 = 68, rounded down to a multiple of 8
     assert length(1.0, 8, 128) == 128 and length(3.0, 8, 128) == 128
     schedule = [length(k / 100, 8, 128) for k in range(101)]
     assert schedule == sorted(schedule) and all(n % 8 == 0 for n in schedule)
-    assert length(0.999, 8, 100) == 96 and length(1.0, 8, 100) == 100  # full length not a multiple of 8
+    assert (
+        length(0.999, 8, 100) == 96 and length(1.0, 8, 100) == 100
+    )  # full length not a multiple of 8
     assert length(0.0, 5, 100) == 5  # never below the minimum
 
 
-def test_seq_length_warmup_in_the_training_loop(generated: dict[str, Path], tmp_path: Path) -> None:
+def test_seq_length_warmup_in_the_training_loop(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
     """The loop trains on the scheduled length each step, reaching full length after 30%."""
-    result = run_train(generated["gpt2-speedup"], tmp_path, *TINY, "--max_duration=10ba",
-                       "--seq_length_warmup_duration=0.5dur", "--run_name=swu")
+    result = run_train(
+        generated["gpt2-speedup"],
+        tmp_path,
+        *TINY,
+        "--max_duration=10ba",
+        "--seq_length_warmup_duration=0.5dur",
+        "--run_name=swu",
+    )
     assert result.returncode == 0, result.stderr
     lengths = [r["seq_len"] for r in read_metrics(tmp_path, "swu")]
-    expected = [min(64, max(8, int(8 + 56 * (k / 10) / 0.5) // 8 * 8)) if k < 5 else 64 for k in range(10)]
+    expected = [
+        min(64, max(8, int(8 + 56 * (k / 10) / 0.5) // 8 * 8)) if k < 5 else 64
+        for k in range(10)
+    ]
     assert lengths == expected == [8, 16, 24, 40, 48, 64, 64, 64, 64, 64]
 
 
 # ---------------------------------------------------------------- gradient clipping
 
 
-def test_gradient_clipping_bounds_the_update(generated: dict[str, Path], tmp_path: Path) -> None:
+def test_gradient_clipping_bounds_the_update(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
     """With a tiny max_norm the logged pre-clip norm exceeds it, and training still runs."""
-    result = run_train(generated["gpt2-baseline"], tmp_path, *TINY, "--max_duration=3ba",
-                       "--gradient_clipping_max_norm=0.01", "--run_name=clip")
+    result = run_train(
+        generated["gpt2-baseline"],
+        tmp_path,
+        *TINY,
+        "--max_duration=3ba",
+        "--gradient_clipping_max_norm=0.01",
+        "--run_name=clip",
+    )
     assert result.returncode == 0, result.stderr
     assert all(r["grad_norm"] > 0.01 for r in read_metrics(tmp_path, "clip"))
 
 
-def test_gradient_clipping_changes_training(generated: dict[str, Path], tmp_path: Path) -> None:
+def test_gradient_clipping_changes_training(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
     common = [*TINY, "--max_duration=4ba", "--lr=0.01"]
-    run_train(generated["gpt2-baseline"], tmp_path, *common, "--gradient_clipping_max_norm=1e-3", "--run_name=a")
-    run_train(generated["gpt2-baseline"], tmp_path, *common, "--gradient_clipping_max_norm=1e3", "--run_name=b")
+    run_train(
+        generated["gpt2-baseline"],
+        tmp_path,
+        *common,
+        "--gradient_clipping_max_norm=1e-3",
+        "--run_name=a",
+    )
+    run_train(
+        generated["gpt2-baseline"],
+        tmp_path,
+        *common,
+        "--gradient_clipping_max_norm=1e3",
+        "--run_name=b",
+    )
     clipped, free = read_metrics(tmp_path, "a"), read_metrics(tmp_path, "b")
     assert clipped[0]["loss"] == free[0]["loss"]  # same start
     assert clipped[-1]["loss"] != free[-1]["loss"]  # different updates
@@ -171,19 +237,31 @@ def test_lr_schedule_warms_up_then_decays(baseline) -> None:
     assert train.lr_at(0.0, cfg) == 0.0
     assert train.lr_at(0.05, cfg) == pytest.approx(0.5)
     assert train.lr_at(0.1, cfg) == pytest.approx(1.0)
-    assert train.lr_at(0.55, cfg) == pytest.approx(0.55)  # cosine midpoint between 1.0 and 0.1
+    assert train.lr_at(0.55, cfg) == pytest.approx(
+        0.55
+    )  # cosine midpoint between 1.0 and 0.1
     assert train.lr_at(1.0, cfg) == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("recipe", ["gpt2-baseline", "gpt2-speedup"])
-def test_gradient_accumulation_is_invariant_to_microbatch_size(recipe: str, generated: dict[str, Path], tmp_path: Path) -> None:
+def test_gradient_accumulation_is_invariant_to_microbatch_size(
+    recipe: str, generated: dict[str, Path], tmp_path: Path
+) -> None:
     """Microbatches of 4 (no accumulation), 3 (uneven: 3 + 1) and 1 take the same steps."""
     losses = {}
     for microbatch in (4, 3, 1):
-        result = run_train(generated[recipe], tmp_path, *TINY, "--max_duration=4ba",
-                           f"--device_microbatch_size={microbatch}", f"--run_name=mb{microbatch}")
+        result = run_train(
+            generated[recipe],
+            tmp_path,
+            *TINY,
+            "--max_duration=4ba",
+            f"--device_microbatch_size={microbatch}",
+            f"--run_name=mb{microbatch}",
+        )
         assert result.returncode == 0, result.stderr
-        losses[microbatch] = [r["loss"] for r in read_metrics(tmp_path, f"mb{microbatch}")]
+        losses[microbatch] = [
+            r["loss"] for r in read_metrics(tmp_path, f"mb{microbatch}")
+        ]
     assert len(losses[4]) == 4
     for microbatch in (3, 1):
         # Same gradients up to float summation order: agreement to ~1e-6 over 4 steps.

@@ -24,25 +24,42 @@ from scaffold.paths import template_dir
 TEMPLATE = template_dir()
 
 
-def resolved(recipe_text: str, tmp_path: Path, overrides: list[str] = (), name: str = "proj") -> dict:
+def resolved(
+    recipe_text: str, tmp_path: Path, overrides: list[str] = (), name: str = "proj"
+) -> dict:
     path = tmp_path / "recipe.toml"
     path.write_text(recipe_text)
-    return resolve(apply_overrides(load_recipe(str(path), TEMPLATE), list(overrides)), TEMPLATE, name)
+    return resolve(
+        apply_overrides(load_recipe(str(path), TEMPLATE), list(overrides)),
+        TEMPLATE,
+        name,
+    )
 
 
 def test_shipped_recipes_resolve_with_defaults_filled() -> None:
     speedup = resolve(load_recipe("gpt2-speedup", TEMPLATE), TEMPLATE, "my-gpt")
-    assert list(speedup["algorithms"]) == ["alibi", "gradient_clipping", "seq_length_warmup"]
-    assert speedup["algorithms"]["seq_length_warmup"] == {"duration": "0.3dur", "min_len": 8}
+    assert list(speedup["algorithms"]) == [
+        "alibi",
+        "gradient_clipping",
+        "seq_length_warmup",
+    ]
+    assert speedup["algorithms"]["seq_length_warmup"] == {
+        "duration": "0.3dur",
+        "min_len": 8,
+    }
     assert speedup["algorithms"]["gradient_clipping"] == {"max_norm": 1.0}
     baseline = resolve(load_recipe("gpt2-baseline", TEMPLATE), TEMPLATE, "my-gpt")
     assert list(baseline["algorithms"]) == ["gradient_clipping"]
-    assert baseline["project_name"] == "my-gpt" and baseline["recipe"] == "gpt2-baseline"
+    assert (
+        baseline["project_name"] == "my-gpt" and baseline["recipe"] == "gpt2-baseline"
+    )
 
 
 def test_algorithm_defaults_fill_missing_hyperparameters(tmp_path: Path) -> None:
     answers = resolved("[algorithms.seq_length_warmup]\nmin_len = 16\n", tmp_path)
-    assert answers["algorithms"] == {"seq_length_warmup": {"duration": "0.3dur", "min_len": 16}}
+    assert answers["algorithms"] == {
+        "seq_length_warmup": {"duration": "0.3dur", "min_len": 16}
+    }
 
 
 def test_overrides_set_answers_and_hyperparameters(tmp_path: Path) -> None:
@@ -66,13 +83,25 @@ def test_parse_override_reads_toml_values() -> None:
 @pytest.mark.parametrize(
     ("recipe_text", "overrides", "message"),
     [
-        ("[algorithms.alibbi]\n", [], "unknown algorithm 'alibbi' (did you mean 'alibi'?)"),
+        (
+            "[algorithms.alibbi]\n",
+            [],
+            "unknown algorithm 'alibbi' (did you mean 'alibi'?)",
+        ),
         ("[answers]\nlrr = 1.0\n", [], "unknown answer 'lrr' (did you mean 'lr'?)"),
         ("[answers]\nlr = 'fast'\n", [], "answer 'lr' = 'fast' must be of type float"),
-        ("[answers]\nmodel = 'gpt5'\n", [], "answer 'model' = 'gpt5' is not a gpt preset"),
+        (
+            "[answers]\nmodel = 'gpt5'\n",
+            [],
+            "answer 'model' = 'gpt5' is not a gpt preset",
+        ),
         ("[answers]\nmax_duration = '10bb'\n", [], "unknown unit 'bb'"),
         ("[answers]\nrecipe = 'x'\n", [], "'recipe' is set by scaffold itself"),
-        ("[algorithms.seq_length_warmup]\nmin_length = 3\n", [], "no hyperparameter 'min_length'"),
+        (
+            "[algorithms.seq_length_warmup]\nmin_length = 3\n",
+            [],
+            "no hyperparameter 'min_length'",
+        ),
         ("[algorithms.seq_length_warmup]\nduration = 3\n", [], "must be of type time"),
         ("colour = 'red'\n", [], "unknown top-level key 'colour'"),
         ("algorithms = ['alibi']\n", [], "write each algorithm as a table"),
@@ -80,7 +109,9 @@ def test_parse_override_reads_toml_values() -> None:
         ("", ["alibi.x=1"], "algorithm 'alibi' is not in recipe"),
     ],
 )
-def test_bad_recipes_are_refused_with_the_fix(recipe_text: str, overrides: list[str], message: str, tmp_path: Path) -> None:
+def test_bad_recipes_are_refused_with_the_fix(
+    recipe_text: str, overrides: list[str], message: str, tmp_path: Path
+) -> None:
     with pytest.raises(RecipeError) as error:
         resolved(recipe_text, tmp_path, overrides)
     assert message in str(error.value)
@@ -103,9 +134,15 @@ def test_conflicts_and_requirements_are_enforced(tmp_path: Path) -> None:
     template = tmp_path / "template"
     shutil.copytree(TEMPLATE, template)
     alibi_meta = template / "algorithms" / "alibi" / "algorithm.toml"
-    alibi_meta.write_text(alibi_meta.read_text().replace("conflicts = []", 'conflicts = ["seq_length_warmup"]'))
+    alibi_meta.write_text(
+        alibi_meta.read_text().replace(
+            "conflicts = []", 'conflicts = ["seq_length_warmup"]'
+        )
+    )
     clip_meta = template / "algorithms" / "gradient_clipping" / "algorithm.toml"
-    clip_meta.write_text(clip_meta.read_text().replace("requires = []", 'requires = ["alibi"]'))
+    clip_meta.write_text(
+        clip_meta.read_text().replace("requires = []", 'requires = ["alibi"]')
+    )
     recipe = tmp_path / "r.toml"
     recipe.write_text("[algorithms.alibi]\n[algorithms.seq_length_warmup]\n")
     with pytest.raises(RecipeError, match="'alibi' and 'seq_length_warmup' conflict"):
@@ -121,7 +158,10 @@ def test_every_algorithm_is_complete() -> None:
         assert algorithm.summary and algorithm.paper and algorithm.tasks, algorithm.name
         assert algorithm.spots and set(algorithm.events) <= set(EVENTS), algorithm.name
         for hp in algorithm.hyperparameters.values():
-            assert hp.type in ("int", "float", "bool", "str", "time") and hp.help, (algorithm.name, hp.name)
+            assert hp.type in ("int", "float", "bool", "str", "time") and hp.help, (
+                algorithm.name,
+                hp.name,
+            )
 
 
 # ---------------------------------------------------------------- the command line
@@ -133,7 +173,13 @@ def test_cli_lists_recipes_and_algorithms() -> None:
     assert "gpt2-speedup" in recipes.stdout and "gpt2-baseline" in recipes.stdout
     algorithms = scaffold_cli("algorithms")
     assert algorithms.returncode == 0
-    for name in ("alibi", "seq_length_warmup", "gradient_clipping", "BATCH_START", "min_len=8"):
+    for name in (
+        "alibi",
+        "seq_length_warmup",
+        "gradient_clipping",
+        "BATCH_START",
+        "min_len=8",
+    ):
         assert name in algorithms.stdout
 
 
@@ -147,7 +193,10 @@ def test_cli_version_comes_from_package_metadata() -> None:
     from importlib import metadata
 
     result = scaffold_cli("--version")
-    assert result.returncode == 0 and result.stdout.strip() == f"scaffold {metadata.version('scaffold')}"
+    assert (
+        result.returncode == 0
+        and result.stdout.strip() == f"scaffold {metadata.version('scaffold')}"
+    )
 
 
 @pytest.mark.parametrize(
@@ -161,24 +210,32 @@ def test_cli_version_comes_from_package_metadata() -> None:
         (["--name", "9lives"], "not a valid name"),
     ],
 )
-def test_cli_bad_input_exits_2_with_one_line_and_leaves_nothing(args: list[str], message: str, tmp_path: Path) -> None:
+def test_cli_bad_input_exits_2_with_one_line_and_leaves_nothing(
+    args: list[str], message: str, tmp_path: Path
+) -> None:
     dest = tmp_path / "out" / "proj"
     result = scaffold_cli("new", str(dest), *args)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+    assert (
+        len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+    ), result.stderr
     assert not dest.exists()
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
 
 
-def test_cli_refuses_a_non_empty_destination_and_touches_nothing(tmp_path: Path) -> None:
+def test_cli_refuses_a_non_empty_destination_and_touches_nothing(
+    tmp_path: Path,
+) -> None:
     dest = tmp_path / "proj"
     dest.mkdir()
     (dest / "notes.txt").write_text("mine")
     result = scaffold_cli("new", str(dest))
     assert result.returncode == 2 and "already exists and is not empty" in result.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["proj"]
-    assert [p.name for p in dest.iterdir()] == ["notes.txt"] and (dest / "notes.txt").read_text() == "mine"
+    assert [p.name for p in dest.iterdir()] == ["notes.txt"] and (
+        dest / "notes.txt"
+    ).read_text() == "mine"
 
 
 def test_cli_fills_an_existing_empty_destination(tmp_path: Path) -> None:
@@ -187,24 +244,30 @@ def test_cli_fills_an_existing_empty_destination(tmp_path: Path) -> None:
     result = scaffold_cli("new", str(dest), "--recipe", "gpt2-baseline")
     assert result.returncode == 0, result.stderr
     assert (dest / "train.py").is_file() and (dest / ".git").is_dir()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["proj"]  # no staging folder left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "proj"
+    ]  # no staging folder left
 
 
 def test_cli_accepts_a_recipe_file(tmp_path: Path) -> None:
     recipe = tmp_path / "mine.toml"
-    recipe.write_text('description = "mine"\n[answers]\nseq_len = 64\n[algorithms.seq_length_warmup]\nmin_len = 16\n')
+    recipe.write_text(
+        'description = "mine"\n[answers]\nseq_len = 64\n[algorithms.seq_length_warmup]\nmin_len = 16\n'
+    )
     dest = tmp_path / "proj"
     result = scaffold_cli("new", str(dest), "--recipe", str(recipe))
     assert result.returncode == 0, result.stderr
     train = (dest / "train.py").read_text()
-    assert "seq_len: int = 64" in train and "seq_length_warmup_min_len: int = 16" in train
+    assert (
+        "seq_len: int = 64" in train and "seq_length_warmup_min_len: int = 16" in train
+    )
     assert "# algorithm: gradient_clipping" not in train
     assert "recipe: mine" in (dest / ".copier-answers.yml").read_text()
 
 
 def test_user_strings_are_escaped_not_pasted(tmp_path: Path) -> None:
     dest = tmp_path / "proj"
-    result = scaffold_cli("new", str(dest), "--set", 'lr_warmup=10ba', "--name", "q_x")
+    result = scaffold_cli("new", str(dest), "--set", "lr_warmup=10ba", "--name", "q_x")
     assert result.returncode == 0, result.stderr
     recipe = tmp_path / "evil.toml"
     recipe.write_text('[answers]\nmodel = "tiny\\"; import os"\n')
@@ -219,19 +282,43 @@ def test_user_strings_are_escaped_not_pasted(tmp_path: Path) -> None:
     ("algorithm", "old", "new", "message"),
     [
         # `replaces` names default code a snippet does not already stand for
-        ("rotary", 'replaces = ["model.gpt.position_embedding"]', 'replaces = ["model.gpt.embed"]',
-         "replaces 'model.gpt.embed'"),
-        ("rotary", 'replaces = ["model.gpt.position_embedding"]', 'replaces = ["train.checks"]',
-         "replaces 'train.checks'"),
+        (
+            "rotary",
+            'replaces = ["model.gpt.position_embedding"]',
+            'replaces = ["model.gpt.embed"]',
+            "replaces 'model.gpt.embed'",
+        ),
+        (
+            "rotary",
+            'replaces = ["model.gpt.position_embedding"]',
+            'replaces = ["train.checks"]',
+            "replaces 'train.checks'",
+        ),
         # the architecture phrase is formatted with the algorithm's own hyperparameters
-        ("logit_softcap", "soft-capped at {cap}", "soft-capped at {limit}", "architecture names 'limit'"),
+        (
+            "logit_softcap",
+            "soft-capped at {cap}",
+            "soft-capped at {limit}",
+            "architecture names 'limit'",
+        ),
         # choices hold the default, and are of the declared type
-        ("augmix", 'default = "all"', 'default = "most"', "its default 'most' is not one of its choices"),
-        ("augmix", 'choices = ["all", "safe"]', 'choices = ["all", 2]', "must be of type str"),
+        (
+            "augmix",
+            'default = "all"',
+            'default = "most"',
+            "its default 'most' is not one of its choices",
+        ),
+        (
+            "augmix",
+            'choices = ["all", "safe"]',
+            'choices = ["all", 2]',
+            "must be of type str",
+        ),
     ],
 )
-def test_malformed_declarations_are_catalog_errors(algorithm: str, old: str, new: str, message: str,
-                                                   tmp_path: Path) -> None:
+def test_malformed_declarations_are_catalog_errors(
+    algorithm: str, old: str, new: str, message: str, tmp_path: Path
+) -> None:
     from scaffold.catalog import CatalogError
 
     template = tmp_path / "template"
@@ -245,25 +332,45 @@ def test_malformed_declarations_are_catalog_errors(algorithm: str, old: str, new
 
 def test_declared_spots_replaces_and_checks() -> None:
     """`spots` holds the snippets, the declared `replaces`, and train.checks where a Config
-    field has a declared range (its check is rendered); `params` fills declared defaults in."""
+    field has a declared range (its check is rendered); `params` fills declared defaults in.
+    """
     catalog = load_algorithms(TEMPLATE)
     rotary = catalog["rotary"]
-    assert "model.gpt.position_embedding" in rotary.spots and rotary.replaces == ("model.gpt.position_embedding",)
+    assert "model.gpt.position_embedding" in rotary.spots and rotary.replaces == (
+        "model.gpt.position_embedding",
+    )
     assert "MODEL" in rotary.events
-    assert "train.checks" in catalog["label_smoothing"].spots  # no snippet: only the declared range
-    assert not (TEMPLATE / "algorithms" / "label_smoothing" / "train.checks.py.jinja").exists()
-    assert "train.checks" not in catalog["logit_softcap"].spots  # a range, but no Config field
-    assert catalog["ema"].params({"half_life": "5ba"}) == {"half_life": "5ba", "update_interval": "1ba",
-                                                          "export": True}
-    assert catalog["stochastic_depth"].hyperparameters["mode"].literal == "Literal['block', 'sample']"
+    assert (
+        "train.checks" in catalog["label_smoothing"].spots
+    )  # no snippet: only the declared range
+    assert not (
+        TEMPLATE / "algorithms" / "label_smoothing" / "train.checks.py.jinja"
+    ).exists()
+    assert (
+        "train.checks" not in catalog["logit_softcap"].spots
+    )  # a range, but no Config field
+    assert catalog["ema"].params({"half_life": "5ba"}) == {
+        "half_life": "5ba",
+        "update_interval": "1ba",
+        "export": True,
+    }
+    assert (
+        catalog["stochastic_depth"].hyperparameters["mode"].literal
+        == "Literal['block', 'sample']"
+    )
 
 
-def test_cli_add_refuses_a_value_out_of_range_with_one_line_and_changes_nothing(tmp_path: Path) -> None:
+def test_cli_add_refuses_a_value_out_of_range_with_one_line_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
     dest = tmp_path / "proj"
     assert scaffold_cli("new", str(dest), "--recipe", "gpt2-baseline").returncode == 0
     result = scaffold_cli("add", "seq_length_warmup", str(dest), "--set", "min_len=0")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "error: seq_length_warmup.min_len = 0 is outside its range [1, inf); fix the recipe or the --set value"]
-    status = subprocess.run(["git", "status", "--porcelain"], cwd=dest, capture_output=True, text=True)
+        "error: seq_length_warmup.min_len = 0 is outside its range [1, inf); fix the recipe or the --set value"
+    ]
+    status = subprocess.run(
+        ["git", "status", "--porcelain"], cwd=dest, capture_output=True, text=True
+    )
     assert status.stdout == ""

@@ -34,16 +34,39 @@ TASKS = load_tasks(TEMPLATE)
 STOP_AFTER = Path(__file__).resolve().parent / "stop_after.py"
 
 # A tiny, fast configuration per task (offline data, tiny models); 6 steps, a save every 2.
-RUN = ["--device=cpu", "--max_duration=6ba", "--save_interval=2ba", "--eval_interval=3ba",
-       "--save_num_checkpoints_to_keep=0", "--dist_timeout=60"]
+RUN = [
+    "--device=cpu",
+    "--max_duration=6ba",
+    "--save_interval=2ba",
+    "--eval_interval=3ba",
+    "--save_num_checkpoints_to_keep=0",
+    "--dist_timeout=60",
+]
 TASK_ARGS = {
-    "image_classification": ["--model=tiny", "--precision=fp32", "--global_batch_size=8",
-                             "--device_microbatch_size=4", "--bn_group_size=2", "--lr=0.2",
-                             "--eval_batches=1"],
-    "causal_lm": ["--model=tiny", "--seq_len=32", "--global_batch_size=4", "--device_microbatch_size=2",
-                  "--eval_batches=1"],
-    "text_classification": ["--model=tiny", "--max_seq_len=16", "--global_batch_size=4",
-                            "--device_microbatch_size=2", "--eval_batches=1", "--lr=1e-3"],
+    "image_classification": [
+        "--model=tiny",
+        "--precision=fp32",
+        "--global_batch_size=8",
+        "--device_microbatch_size=4",
+        "--bn_group_size=2",
+        "--lr=0.2",
+        "--eval_batches=1",
+    ],
+    "causal_lm": [
+        "--model=tiny",
+        "--seq_len=32",
+        "--global_batch_size=4",
+        "--device_microbatch_size=2",
+        "--eval_batches=1",
+    ],
+    "text_classification": [
+        "--model=tiny",
+        "--max_seq_len=16",
+        "--global_batch_size=4",
+        "--device_microbatch_size=2",
+        "--eval_batches=1",
+        "--lr=1e-3",
+    ],
 }
 # Hyperparameters that make an algorithm act within 6 steps (its defaults act later, or
 # barely); algorithms not named here train with their defaults.
@@ -61,13 +84,19 @@ UNTIMED = re.compile(r"(_s|_ms|_gb|_mb|per_s|mfu|_bytes)$")
 
 
 def task_of(spec: Algorithm) -> str:
-    return next(task for task in (*spec.tasks, *TASKS) if task in TASKS and task in spec.tasks)
+    return next(
+        task for task in (*spec.tasks, *TASKS) if task in TASKS and task in spec.tasks
+    )
 
 
 def fast_cases() -> set[str]:
     fast = {name for name in FAST if name in CATALOG}
     for task in TASKS:
-        applies = [name for name, spec in CATALOG.items() if spec.tasks and task_of(spec) == task]
+        applies = [
+            name
+            for name, spec in CATALOG.items()
+            if spec.tasks and task_of(spec) == task
+        ]
         if applies and not fast & set(applies):
             fast.add(sorted(applies)[0])
     return fast
@@ -76,7 +105,11 @@ def fast_cases() -> set[str]:
 def cases() -> list[Any]:
     fast = fast_cases()
     marks = {name: () if name in fast else (pytest.mark.slow,) for name in CATALOG}
-    return [pytest.param(name, id=name, marks=marks[name]) for name in CATALOG if CATALOG[name].tasks]
+    return [
+        pytest.param(name, id=name, marks=marks[name])
+        for name in CATALOG
+        if CATALOG[name].tasks
+    ]
 
 
 def recipe(name: str) -> str:
@@ -92,17 +125,35 @@ def recipe(name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def train(project: Path, task: str, run: str, kill_in_save: int = 0) -> subprocess.CompletedProcess[str]:
+def train(
+    project: Path, task: str, run: str, kill_in_save: int = 0
+) -> subprocess.CompletedProcess[str]:
     """`python train.py` in the project's parent folder (runs/ lands there)."""
     prefix = [str(STOP_AFTER), f"kill:{kill_in_save}"] if kill_in_save else []
     args = [f"--run_name={run}"]
-    command = [sys.executable, *prefix, str(project / "train.py"), *RUN, *TASK_ARGS[task], *args]
-    return subprocess.run(command, cwd=project.parent, env={**checkout_env(), "HF_HUB_OFFLINE": "1"},
-                          capture_output=True, text=True, timeout=600)
+    command = [
+        sys.executable,
+        *prefix,
+        str(project / "train.py"),
+        *RUN,
+        *TASK_ARGS[task],
+        *args,
+    ]
+    return subprocess.run(
+        command,
+        cwd=project.parent,
+        env={**checkout_env(), "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def logged(workdir: Path, run: str) -> list[dict[str, Any]]:
-    return [{k: v for k, v in row.items() if not UNTIMED.search(k)} for row in read_metrics(workdir, run)]
+    return [
+        {k: v for k, v in row.items() if not UNTIMED.search(k)}
+        for row in read_metrics(workdir, run)
+    ]
 
 
 @pytest.mark.parametrize("name", cases())
@@ -118,7 +169,9 @@ def test_kill_9_resumes_bitwise(name: str, tmp_path: Path) -> None:
     assert killed.returncode == -9, killed.stderr[-4000:]
     resumed = train(project, task, "killed")
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
-    assert "resumed from" in resumed.stdout and "step-2" in resumed.stdout, resumed.stdout[-2000:]
+    assert (
+        "resumed from" in resumed.stdout and "step-2" in resumed.stdout
+    ), resumed.stdout[-2000:]
 
     expected = logged(tmp_path, "whole")
     assert [row["step"] for row in expected] == [1, 2, 3, 4, 5, 6]

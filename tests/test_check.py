@@ -48,7 +48,10 @@ CLIP_STEP = (
     "                model.parameters(), cfg.gradient_clipping_max_norm\n"
     "            )\n"
 )
-CLIP_FENCE = re.compile(r"[ ]*# algorithm: gradient_clipping\n.*?# end algorithm: gradient_clipping\n\n", re.S)
+CLIP_FENCE = re.compile(
+    r"[ ]*# algorithm: gradient_clipping\n.*?# end algorithm: gradient_clipping\n\n",
+    re.S,
+)
 
 
 @pytest.fixture
@@ -60,7 +63,11 @@ def project(generated: dict[str, Path], project_copy: Callable[[Path], Path]) ->
 def newer(tmp_path_factory: pytest.TempPathFactory) -> TemplateRelease:
     """A later template version (one line of train.py changed), for `upgrade`."""
     root = tmp_path_factory.mktemp("newer")
-    template = make_template(root, {"tasks/causal_lm/train.py.jinja": ('f"done: step', 'f"finished: step')}, {})
+    template = make_template(
+        root,
+        {"tasks/causal_lm/train.py.jinja": ('f"done: step', 'f"finished: step')},
+        {},
+    )
     major, minor, patch = __version__.split("+")[0].split(".")
     return TemplateRelease(template, f"{major}.{minor}.{int(patch) + 1}")
 
@@ -80,11 +87,16 @@ def status(report: Report, algorithm: str) -> str:
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_an_unedited_project_is_clean_and_its_diff_is_empty(recipe: str, generated: dict[str, Path]) -> None:
+def test_an_unedited_project_is_clean_and_its_diff_is_empty(
+    recipe: str, generated: dict[str, Path]
+) -> None:
     project = generated[recipe]
     report = check(project)
     assert report.ok, report.problems
-    recorded = yaml.safe_load((project / ".copier-answers.yml").read_text())["algorithms"] or {}
+    recorded = (
+        yaml.safe_load((project / ".copier-answers.yml").read_text())["algorithms"]
+        or {}
+    )
     assert sorted(a.name for a in report.algorithms) == sorted(recorded)
     assert all(a.status == INTACT for a in report.algorithms)
     assert report.markers and all(m.status == "present" for m in report.markers)
@@ -98,9 +110,17 @@ def test_cli_check_and_diff_of_an_unedited_project(generated: dict[str, Path]) -
     project = generated[RECIPE]
     result = scaffold_cli("check", str(project))
     assert result.returncode == 0, result.stderr
-    for name in ("gradient_clipping", "alibi"):  # every fenced block of theirs, in any file
-        count = sum(path.read_text().count(f"# algorithm: {name}\n") for path in project.glob("*.py"))
-        assert re.search(rf"{name} +intact +{count}/{count}", result.stdout), result.stdout
+    for name in (
+        "gradient_clipping",
+        "alibi",
+    ):  # every fenced block of theirs, in any file
+        count = sum(
+            path.read_text().count(f"# algorithm: {name}\n")
+            for path in project.glob("*.py")
+        )
+        assert re.search(
+            rf"{name} +intact +{count}/{count}", result.stdout
+        ), result.stdout
     assert "event markers: 14 of 14 in place" in result.stdout
     assert "ok: upgrade, add and remove can proceed" in result.stdout
     result = scaffold_cli("diff", str(project))
@@ -116,18 +136,29 @@ def test_cli_check_of_a_folder_that_is_no_project_exits_2(tmp_path: Path) -> Non
 
 
 def test_an_answer_the_template_cannot_render_is_one_clear_error(project: Path) -> None:
-    replace_once(project / ".copier-answers.yml", "    alibi: {}\n", "    no_such_algorithm: {}\n")
+    replace_once(
+        project / ".copier-answers.yml",
+        "    alibi: {}\n",
+        "    no_such_algorithm: {}\n",
+    )
     result = scaffold_cli("check", str(project))
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "cannot render this project's answers" in result.stderr and result.stderr.count("\n") == 1
+    assert (
+        "cannot render this project's answers" in result.stderr
+        and result.stderr.count("\n") == 1
+    )
 
 
 def test_fences_are_comments_not_text_in_strings() -> None:
-    source = ('"""Docs:\n# algorithm: fake\n"""\n\n\ndef f():\n    # event: INIT\n\n'
-              '    # algorithm: real\n    x = "# end algorithm: real"\n    # end algorithm: real\n    return x\n')
+    source = (
+        '"""Docs:\n# algorithm: fake\n"""\n\n\ndef f():\n    # event: INIT\n\n'
+        '    # algorithm: real\n    x = "# end algorithm: real"\n    # end algorithm: real\n    return x\n'
+    )
     found = read_py("f.py", source)
     assert found.fence_errors == []
-    assert [(b.algorithm, b.start, b.end, b.scope, b.event) for b in found.blocks] == [("real", 9, 11, "f", "INIT")]
+    assert [(b.algorithm, b.start, b.end, b.scope, b.event) for b in found.blocks] == [
+        ("real", 9, 11, "f", "INIT")
+    ]
     assert found.events == [("INIT", 7)]
 
 
@@ -137,23 +168,46 @@ def test_fences_are_comments_not_text_in_strings() -> None:
 def clip_block_lines(project: Path) -> tuple[int, int]:
     """The 1-based first and last lines of gradient clipping's AFTER_BACKWARD fence in train.py."""
     lines = (project / "train.py").read_text().splitlines()
-    first = next(i for i, line in enumerate(lines, 1)
-                 if line == "            # algorithm: gradient_clipping")
-    last = next(i for i, line in enumerate(lines, 1)
-                if i > first and line == "            # end algorithm: gradient_clipping")
+    first = next(
+        i
+        for i, line in enumerate(lines, 1)
+        if line == "            # algorithm: gradient_clipping"
+    )
+    last = next(
+        i
+        for i, line in enumerate(lines, 1)
+        if i > first and line == "            # end algorithm: gradient_clipping"
+    )
     return first, last
 
 
-def test_an_edited_block_is_reported_and_diffed_under_its_algorithm(project: Path) -> None:
-    edit(project, "            grad_norm = fsdp.clip_grad_norm_(\n", "            grad_norm = 2 * fsdp.clip_grad_norm_(\n")
-    edit(project, "    beta2: float = 0.95\n", "    beta2: float = 0.99\n", "outside any block")
+def test_an_edited_block_is_reported_and_diffed_under_its_algorithm(
+    project: Path,
+) -> None:
+    edit(
+        project,
+        "            grad_norm = fsdp.clip_grad_norm_(\n",
+        "            grad_norm = 2 * fsdp.clip_grad_norm_(\n",
+    )
+    edit(
+        project,
+        "    beta2: float = 0.95\n",
+        "    beta2: float = 0.99\n",
+        "outside any block",
+    )
 
     report = check(project)
 
     assert report.ok, report.problems
     assert status(report, "gradient_clipping") == EDITED
-    assert f"train.py:{clip_block_lines(project)[0]}" in report.state("gradient_clipping").detail
-    assert status(report, "seq_length_warmup") == INTACT and status(report, "alibi") == INTACT
+    assert (
+        f"train.py:{clip_block_lines(project)[0]}"
+        in report.state("gradient_clipping").detail
+    )
+    assert (
+        status(report, "seq_length_warmup") == INTACT
+        and status(report, "alibi") == INTACT
+    )
     lines = diff(project)
     text = "\n".join(lines)
     assert "=== train.py: algorithm gradient_clipping" in lines
@@ -164,44 +218,90 @@ def test_an_edited_block_is_reported_and_diffed_under_its_algorithm(project: Pat
     assert sum(line.startswith("@@") for line in lines) == 2
 
 
-def test_the_diff_applied_to_the_pristine_render_gives_the_users_files(project: Path, tmp_path: Path) -> None:
-    edit(project, "            grad_norm = fsdp.clip_grad_norm_(\n", "            grad_norm = 2 * fsdp.clip_grad_norm_(\n")
-    edit(project, 'metrics["grad_norm"] = grad_norm.item()', 'metrics["grad_norm"] = grad_norm.item() * 1')
-    edit(project, "            # event: BATCH_END\n\n", "            # event: BATCH_END\n\n            pass\n")
+def test_the_diff_applied_to_the_pristine_render_gives_the_users_files(
+    project: Path, tmp_path: Path
+) -> None:
+    edit(
+        project,
+        "            grad_norm = fsdp.clip_grad_norm_(\n",
+        "            grad_norm = 2 * fsdp.clip_grad_norm_(\n",
+    )
+    edit(
+        project,
+        'metrics["grad_norm"] = grad_norm.item()',
+        'metrics["grad_norm"] = grad_norm.item() * 1',
+    )
+    edit(
+        project,
+        "            # event: BATCH_END\n\n",
+        "            # event: BATCH_END\n\n            pass\n",
+    )
     edit(project, "    beta2: float = 0.95\n", "    beta2: float = 0.99\n")
-    (project / "README.md").write_text((project / "README.md").read_text() + "My notes.\n")
+    (project / "README.md").write_text(
+        (project / "README.md").read_text() + "My notes.\n"
+    )
     commit_all(project, "edits")
     result = scaffold_cli("diff", str(project))
     assert result.returncode == 0, result.stderr
     headers = [line for line in result.stdout.splitlines() if line.startswith("===")]
-    assert headers == ["=== README.md", "=== train.py: Config", "=== train.py: algorithm gradient_clipping",
-                       "=== train.py: event BATCH_END"]
+    assert headers == [
+        "=== README.md",
+        "=== train.py: Config",
+        "=== train.py: algorithm gradient_clipping",
+        "=== train.py: event BATCH_END",
+    ]
     with pristine_render(read_answers(project), __version__) as pristine:
         shutil.copytree(pristine, tmp_path / "pristine")
     (tmp_path / "changes.patch").write_text(result.stdout)
     subprocess.run(["git", "init", "--quiet"], cwd=tmp_path / "pristine", check=True)
-    subprocess.run(["git", "apply", str(tmp_path / "changes.patch")], cwd=tmp_path / "pristine", check=True)
+    subprocess.run(
+        ["git", "apply", str(tmp_path / "changes.patch")],
+        cwd=tmp_path / "pristine",
+        check=True,
+    )
     for name in ("train.py", "README.md"):
-        assert (tmp_path / "pristine" / name).read_text() == (project / name).read_text()
+        assert (tmp_path / "pristine" / name).read_text() == (
+            project / name
+        ).read_text()
 
 
 def test_diff_gives_each_event_its_own_hunk() -> None:
-    old = ("def main():\n    # event: A\n\n    a = 1\n    b = 2\n    # event: B\n\n    c = 3\n"
-           "    # algorithm: x\n    d = 4\n    # end algorithm: x\n")
-    new = old.replace("a = 1", "a = 10").replace("c = 3", "c = 30").replace("d = 4", "d = 40")
+    old = (
+        "def main():\n    # event: A\n\n    a = 1\n    b = 2\n    # event: B\n\n    c = 3\n"
+        "    # algorithm: x\n    d = 4\n    # end algorithm: x\n"
+    )
+    new = (
+        old.replace("a = 1", "a = 10")
+        .replace("c = 3", "c = 30")
+        .replace("d = 4", "d = 40")
+    )
     hunks = diff_texts("train.py", old, new)
     assert [label for label, _ in hunks] == ["event A", "event B", "algorithm x"]
-    assert hunks[0][1].splitlines() == ["@@ -1,7 +1,7 @@", " def main():", "     # event: A", " ",
-                                        "-    a = 1", "+    a = 10", "     b = 2", "     # event: B", " "]
+    assert hunks[0][1].splitlines() == [
+        "@@ -1,7 +1,7 @@",
+        " def main():",
+        "     # event: A",
+        " ",
+        "-    a = 1",
+        "+    a = 10",
+        "     b = 2",
+        "     # event: B",
+        " ",
+    ]
     assert "+    d = 40" in hunks[2][1] and "+    c = 30" not in hunks[2][1]
 
 
 def test_a_deleted_algorithm_and_a_partly_deleted_one(project: Path) -> None:
     text, cuts = CLIP_FENCE.subn("", (project / "train.py").read_text())
-    assert cuts == 4  # its Config field, its range check in setup(), the clipping, its metric
+    assert (
+        cuts == 4
+    )  # its Config field, its range check in setup(), the clipping, its metric
     # seq_length_warmup loses only its metric
-    text = text.replace('                # algorithm: seq_length_warmup\n                metrics["seq_len"] = '
-                        'inputs.shape[1]\n                # end algorithm: seq_length_warmup\n\n', "")
+    text = text.replace(
+        '                # algorithm: seq_length_warmup\n                metrics["seq_len"] = '
+        "inputs.shape[1]\n                # end algorithm: seq_length_warmup\n\n",
+        "",
+    )
     (project / "train.py").write_text(text)
     commit_all(project, "delete")
 
@@ -210,7 +310,9 @@ def test_a_deleted_algorithm_and_a_partly_deleted_one(project: Path) -> None:
     assert report.ok, report.problems
     assert status(report, "gradient_clipping") == DELETED
     assert status(report, "seq_length_warmup") == EDITED
-    assert "1 of 5 blocks deleted in train.py" in report.state("seq_length_warmup").detail
+    assert (
+        "1 of 5 blocks deleted in train.py" in report.state("seq_length_warmup").detail
+    )
     assert "=== train.py: algorithm gradient_clipping" in diff(project)
 
 
@@ -218,10 +320,17 @@ def test_a_moved_block_is_reported_with_where_it_went(project: Path) -> None:
     # the clipping moved after the optimizer step (at BATCH_END): same code, other place
     train = project / "train.py"
     text = train.read_text()
-    block = re.search(r"            # algorithm: gradient_clipping\n(.*?)# end algorithm: gradient_clipping\n\n",
-                      text[text.index("# event: AFTER_BACKWARD"):], re.S)[0]
+    block = re.search(
+        r"            # algorithm: gradient_clipping\n(.*?)# end algorithm: gradient_clipping\n\n",
+        text[text.index("# event: AFTER_BACKWARD") :],
+        re.S,
+    )[0]
     text = text.replace(block, "", 1)
-    text = text.replace("            # event: BATCH_END\n\n", "            # event: BATCH_END\n\n" + block, 1)
+    text = text.replace(
+        "            # event: BATCH_END\n\n",
+        "            # event: BATCH_END\n\n" + block,
+        1,
+    )
     train.write_text(text)
     commit_all(project, "move")
 
@@ -233,9 +342,12 @@ def test_a_moved_block_is_reported_with_where_it_went(project: Path) -> None:
 
 
 def test_an_unlisted_fence_is_reported_but_does_not_block(project: Path) -> None:
-    edit(project, "            # event: BATCH_END\n\n",
-         "            # event: BATCH_END\n\n            # algorithm: my_trick\n            pass\n"
-         "            # end algorithm: my_trick\n\n")
+    edit(
+        project,
+        "            # event: BATCH_END\n\n",
+        "            # event: BATCH_END\n\n            # algorithm: my_trick\n            pass\n"
+        "            # end algorithm: my_trick\n\n",
+    )
     report = check(project)
     assert report.ok and status(report, "my_trick") == UNLISTED
     assert report.state("my_trick").detail.startswith("train.py:")
@@ -245,24 +357,39 @@ def test_an_unlisted_fence_is_reported_but_does_not_block(project: Path) -> None
 
 
 def _duplicated(project: Path) -> None:
-    edit(project, CLIP_STEP + "            # end algorithm: gradient_clipping\n",
-         CLIP_STEP + "            # end algorithm: gradient_clipping\n\n            # algorithm: gradient_clipping\n"
-         + CLIP_STEP + "            # end algorithm: gradient_clipping\n")
+    edit(
+        project,
+        CLIP_STEP + "            # end algorithm: gradient_clipping\n",
+        CLIP_STEP
+        + "            # end algorithm: gradient_clipping\n\n            # algorithm: gradient_clipping\n"
+        + CLIP_STEP
+        + "            # end algorithm: gradient_clipping\n",
+    )
 
 
 def _end_fence_deleted(project: Path) -> None:
-    edit(project, CLIP_STEP + "            # end algorithm: gradient_clipping\n", CLIP_STEP)
+    edit(
+        project,
+        CLIP_STEP + "            # end algorithm: gradient_clipping\n",
+        CLIP_STEP,
+    )
 
 
 def _start_fence_misspelt(project: Path) -> None:
-    edit(project, "    # algorithm: seq_length_warmup\n    seq_length_warmup_duration",
-         "    # algoritm: seq_length_warmup\n    seq_length_warmup_duration")
+    edit(
+        project,
+        "    # algorithm: seq_length_warmup\n    seq_length_warmup_duration",
+        "    # algoritm: seq_length_warmup\n    seq_length_warmup_duration",
+    )
 
 
 def _fences_crossed(project: Path) -> None:
-    edit(project, "    gradient_clipping_max_norm: float = 1.0  # max global L2 norm\n"
-         "    # end algorithm: gradient_clipping\n",
-         "    gradient_clipping_max_norm: float = 1.0  # max global L2 norm\n    # end algorithm: alibi\n")
+    edit(
+        project,
+        "    gradient_clipping_max_norm: float = 1.0  # max global L2 norm\n"
+        "    # end algorithm: gradient_clipping\n",
+        "    gradient_clipping_max_norm: float = 1.0  # max global L2 norm\n    # end algorithm: alibi\n",
+    )
 
 
 def _marker_removed(project: Path) -> None:
@@ -271,43 +398,91 @@ def _marker_removed(project: Path) -> None:
 
 def _markers_swapped(project: Path) -> None:
     text = (project / "train.py").read_text()
-    text = text.replace("# event: EPOCH_END", "# event: @").replace("# event: FIT_END", "# event: EPOCH_END")
+    text = text.replace("# event: EPOCH_END", "# event: @").replace(
+        "# event: FIT_END", "# event: EPOCH_END"
+    )
     (project / "train.py").write_text(text.replace("# event: @", "# event: FIT_END"))
     commit_all(project, "swap")
 
 
 def _field_renamed(project: Path) -> None:
     train = project / "train.py"
-    train.write_text(train.read_text().replace("gradient_clipping_max_norm", "clip_norm"))
+    train.write_text(
+        train.read_text().replace("gradient_clipping_max_norm", "clip_norm")
+    )
     commit_all(project, "rename")
 
 
 def _conflict_left(project: Path) -> None:
-    edit(project, "            optimizer.step()\n",
-         "<<<<<<< before updating\n            optimizer.step()\n=======\n>>>>>>> after updating\n")
+    edit(
+        project,
+        "            optimizer.step()\n",
+        "<<<<<<< before updating\n            optimizer.step()\n=======\n>>>>>>> after updating\n",
+    )
 
 
 PROBLEMS = [
-    (_duplicated, "gradient_clipping", DUPLICATED, "gradient_clipping is duplicated: 5 blocks in train.py where "
-     "the template has 4"),
-    (_end_fence_deleted, "gradient_clipping", BROKEN, "`# algorithm: gradient_clipping` has no `# end algorithm: "
-     "gradient_clipping` before line"),
-    (_start_fence_misspelt, "seq_length_warmup", BROKEN, "`# end algorithm: seq_length_warmup` has no "
-     "`# algorithm: seq_length_warmup` above it"),
-    (_fences_crossed, "gradient_clipping", BROKEN, "`# algorithm: gradient_clipping` is closed by "
-     "`# end algorithm: alibi`"),
-    (_marker_removed, None, None, "train.py: the marker `# event: BATCH_END` is missing"),
+    (
+        _duplicated,
+        "gradient_clipping",
+        DUPLICATED,
+        "gradient_clipping is duplicated: 5 blocks in train.py where "
+        "the template has 4",
+    ),
+    (
+        _end_fence_deleted,
+        "gradient_clipping",
+        BROKEN,
+        "`# algorithm: gradient_clipping` has no `# end algorithm: "
+        "gradient_clipping` before line",
+    ),
+    (
+        _start_fence_misspelt,
+        "seq_length_warmup",
+        BROKEN,
+        "`# end algorithm: seq_length_warmup` has no "
+        "`# algorithm: seq_length_warmup` above it",
+    ),
+    (
+        _fences_crossed,
+        "gradient_clipping",
+        BROKEN,
+        "`# algorithm: gradient_clipping` is closed by " "`# end algorithm: alibi`",
+    ),
+    (
+        _marker_removed,
+        None,
+        None,
+        "train.py: the marker `# event: BATCH_END` is missing",
+    ),
     (_markers_swapped, None, None, "the marker `# event: EPOCH_END` is out of order"),
-    (_field_renamed, "gradient_clipping", EDITED, "Config field `gradient_clipping_max_norm`, which algorithm "
-     "gradient_clipping reads, is missing (removed or renamed)"),
+    (
+        _field_renamed,
+        "gradient_clipping",
+        EDITED,
+        "Config field `gradient_clipping_max_norm`, which algorithm "
+        "gradient_clipping reads, is missing (removed or renamed)",
+    ),
     (_conflict_left, "gradient_clipping", UNREADABLE, "train.py does not parse (line"),
 ]
-PROBLEM_IDS = ["duplicated", "end-fence-deleted", "start-fence-misspelt", "fences-crossed", "marker-removed",
-               "markers-swapped", "field-renamed", "conflict-markers"]
+PROBLEM_IDS = [
+    "duplicated",
+    "end-fence-deleted",
+    "start-fence-misspelt",
+    "fences-crossed",
+    "marker-removed",
+    "markers-swapped",
+    "field-renamed",
+    "conflict-markers",
+]
 
 
-@pytest.mark.parametrize(("spoil", "algorithm", "expected", "message"), PROBLEMS, ids=PROBLEM_IDS)
-def test_check_names_the_problem_and_exits_1(spoil, algorithm, expected, message, project: Path) -> None:
+@pytest.mark.parametrize(
+    ("spoil", "algorithm", "expected", "message"), PROBLEMS, ids=PROBLEM_IDS
+)
+def test_check_names_the_problem_and_exits_1(
+    spoil, algorithm, expected, message, project: Path
+) -> None:
     spoil(project)
 
     report = check(project)
@@ -318,49 +493,73 @@ def test_check_names_the_problem_and_exits_1(spoil, algorithm, expected, message
         assert status(report, algorithm) == expected
     result = scaffold_cli("check", str(project))
     assert result.returncode == 1, result.stdout + result.stderr
-    assert message in result.stderr and "upgrade, add and remove refuse" in result.stderr
+    assert (
+        message in result.stderr and "upgrade, add and remove refuse" in result.stderr
+    )
 
 
 def test_a_marker_report_names_each_missing_marker(project: Path) -> None:
     _marker_removed(project)
     report = check(project)
-    assert [(m.name, m.status) for m in report.markers if m.status != "present"] == [("BATCH_END", "missing")]
+    assert [(m.name, m.status) for m in report.markers if m.status != "present"] == [
+        ("BATCH_END", "missing")
+    ]
     assert "  train.py: BATCH_END missing" in scaffold_cli("check", str(project)).stdout
 
 
-@pytest.mark.parametrize(("spoil", "message"), [(p[0], p[3]) for p in PROBLEMS[:2] + PROBLEMS[4:7]],
-                         ids=[PROBLEM_IDS[i] for i in (0, 1, 4, 5, 6)])
-def test_upgrade_add_and_remove_refuse_and_touch_nothing(spoil, message: str, project: Path,
-                                                         newer: TemplateRelease) -> None:
+@pytest.mark.parametrize(
+    ("spoil", "message"),
+    [(p[0], p[3]) for p in PROBLEMS[:2] + PROBLEMS[4:7]],
+    ids=[PROBLEM_IDS[i] for i in (0, 1, 4, 5, 6)],
+)
+def test_upgrade_add_and_remove_refuse_and_touch_nothing(
+    spoil, message: str, project: Path, newer: TemplateRelease
+) -> None:
     spoil(project)
     before = snapshot(project)
     operations = [lambda: upgrade(project, newer)]
-    if spoil is _duplicated:  # each command runs the same check; one spoil is enough for the others
-        operations += [lambda: upgrade(project, newer, dry_run=True), lambda: remove(project, "alibi")]
+    if (
+        spoil is _duplicated
+    ):  # each command runs the same check; one spoil is enough for the others
+        operations += [
+            lambda: upgrade(project, newer, dry_run=True),
+            lambda: remove(project, "alibi"),
+        ]
     for operation in operations:
         with pytest.raises(UpdateError, match=re.escape(message)):
             operation()
         assert snapshot(project) == before
 
 
-def test_cli_add_refuses_with_a_missing_marker(generated: dict[str, Path], project_copy) -> None:
+def test_cli_add_refuses_with_a_missing_marker(
+    generated: dict[str, Path], project_copy
+) -> None:
     project = project_copy(generated["gpt2-baseline"])
     _marker_removed(project)
     before = snapshot(project)
     result = scaffold_cli("add", "seq_length_warmup", str(project))
     assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stderr.startswith("error: train.py: the marker `# event: BATCH_END` is missing")
+    assert result.stderr.startswith(
+        "error: train.py: the marker `# event: BATCH_END` is missing"
+    )
     assert result.stderr.count("\n") == 1 and "nothing was changed" in result.stderr
     assert snapshot(project) == before
 
 
-def test_add_refuses_over_an_unlisted_fence_of_the_same_name(generated: dict[str, Path], project_copy) -> None:
+def test_add_refuses_over_an_unlisted_fence_of_the_same_name(
+    generated: dict[str, Path], project_copy
+) -> None:
     project = project_copy(generated["gpt2-baseline"])
-    edit(project, "            # event: BATCH_END\n\n",
-         "            # event: BATCH_END\n\n            # algorithm: seq_length_warmup\n            pass\n"
-         "            # end algorithm: seq_length_warmup\n\n")
+    edit(
+        project,
+        "            # event: BATCH_END\n\n",
+        "            # event: BATCH_END\n\n            # algorithm: seq_length_warmup\n            pass\n"
+        "            # end algorithm: seq_length_warmup\n\n",
+    )
     before = snapshot(project)
-    with pytest.raises(UpdateError, match="already has fenced `# algorithm: seq_length_warmup` blocks"):
+    with pytest.raises(
+        UpdateError, match="already has fenced `# algorithm: seq_length_warmup` blocks"
+    ):
         add(project, "seq_length_warmup")
     assert snapshot(project) == before
 
@@ -369,8 +568,17 @@ def test_add_refuses_over_an_unlisted_fence_of_the_same_name(generated: dict[str
 
 
 def test_remove_of_an_edited_block_shows_it_and_asks_for_force(project: Path) -> None:
-    edit(project, "            grad_norm = fsdp.clip_grad_norm_(\n", "            grad_norm = 2 * fsdp.clip_grad_norm_(\n")
-    edit(project, "    beta2: float = 0.95\n", "    beta2: float = 0.99\n", "an edit elsewhere")
+    edit(
+        project,
+        "            grad_norm = fsdp.clip_grad_norm_(\n",
+        "            grad_norm = 2 * fsdp.clip_grad_norm_(\n",
+    )
+    edit(
+        project,
+        "    beta2: float = 0.95\n",
+        "    beta2: float = 0.99\n",
+        "an edit elsewhere",
+    )
     before = snapshot(project)
 
     result = scaffold_cli("remove", "gradient_clipping", str(project))
@@ -379,7 +587,9 @@ def test_remove_of_an_edited_block_shows_it_and_asks_for_force(project: Path) ->
     assert "you changed gradient_clipping's code" in result.stderr
     first, last = clip_block_lines(project)
     assert f"train.py:{first}-{last} (main after AFTER_BACKWARD)" in result.stderr
-    assert "    grad_norm = 2 * fsdp.clip_grad_norm_(" in result.stderr  # the edited block, shown
+    assert (
+        "    grad_norm = 2 * fsdp.clip_grad_norm_(" in result.stderr
+    )  # the edited block, shown
     assert "scaffold remove gradient_clipping --force" in result.stderr
     assert snapshot(project) == before
 
@@ -387,10 +597,15 @@ def test_remove_of_an_edited_block_shows_it_and_asks_for_force(project: Path) ->
 
     assert result.returncode == 0, result.stdout + result.stderr
     train = (project / "train.py").read_text()
-    assert "gradient_clipping" not in train and "grad_norm" not in train and "<<<<<<<" not in train
+    assert (
+        "gradient_clipping" not in train
+        and "grad_norm" not in train
+        and "<<<<<<<" not in train
+    )
     assert "beta2: float = 0.99" in train  # the other edit stays
-    status_lines = subprocess.run(["git", "status", "--porcelain"], cwd=project, capture_output=True,
-                                  text=True).stdout.splitlines()
+    status_lines = subprocess.run(
+        ["git", "status", "--porcelain"], cwd=project, capture_output=True, text=True
+    ).stdout.splitlines()
     assert " M train.py" in status_lines  # resolved: not left unmerged
     black = subprocess.run(["black", "--check", "--quiet", "train.py"], cwd=project)
     assert black.returncode == 0
@@ -401,10 +616,15 @@ def test_remove_of_an_edited_block_shows_it_and_asks_for_force(project: Path) ->
 def test_remove_force_also_removes_a_moved_block(project: Path) -> None:
     train = project / "train.py"
     text = train.read_text()
-    block = ('                # algorithm: gradient_clipping\n                metrics["grad_norm"] = grad_norm.item()\n'
-             "                # end algorithm: gradient_clipping\n\n")
-    text = text.replace(block, "", 1).replace('                monitor.log(progress, **metrics)\n',
-                                              '                monitor.log(progress, **metrics)\n\n' + block, 1)
+    block = (
+        '                # algorithm: gradient_clipping\n                metrics["grad_norm"] = grad_norm.item()\n'
+        "                # end algorithm: gradient_clipping\n\n"
+    )
+    text = text.replace(block, "", 1).replace(
+        "                monitor.log(progress, **metrics)\n",
+        "                monitor.log(progress, **metrics)\n\n" + block,
+        1,
+    )
     train.write_text(text)
     commit_all(project, "move the metric below the log call")
     assert status(check(project), "gradient_clipping") == MOVED
@@ -414,9 +634,15 @@ def test_remove_force_also_removes_a_moved_block(project: Path) -> None:
     result = remove(project, "gradient_clipping", force=True)
 
     assert result.changes.conflicted == []
-    assert "gradient_clipping" not in train.read_text() and "grad_norm" not in train.read_text()
+    assert (
+        "gradient_clipping" not in train.read_text()
+        and "grad_norm" not in train.read_text()
+    )
 
 
 def test_remove_of_an_intact_algorithm_needs_no_force(project: Path) -> None:
     result = remove(project, "gradient_clipping")
-    assert result.changes.conflicted == [] and "gradient_clipping" not in (project / "train.py").read_text()
+    assert (
+        result.changes.conflicted == []
+        and "gradient_clipping" not in (project / "train.py").read_text()
+    )

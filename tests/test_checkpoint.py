@@ -21,7 +21,9 @@ from runtime.time import Progress
 BATCHES_PER_EPOCH = 5
 
 
-def build(hidden: int = 8, layers: int = 2, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(
+    hidden: int = 8, layers: int = 2, seed: int = 0
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     """A small model and AdamW with two parameter groups, like the generated train.py."""
     torch.manual_seed(seed)
     modules: list[nn.Module] = [nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 3)]
@@ -41,7 +43,9 @@ def build(hidden: int = 8, layers: int = 2, seed: int = 0) -> tuple[nn.Module, t
     return model, optimizer
 
 
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, progress: Progress, steps: int) -> None:
+def train(
+    model: nn.Module, optimizer: torch.optim.Optimizer, progress: Progress, steps: int
+) -> None:
     for _ in range(steps):
         loss = model(torch.randn(6, 4)).pow(2).mean()
         loss.backward()
@@ -50,8 +54,12 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, progress: Progress
         progress.advance(samples=6, tokens=24)
 
 
-def state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-          progress: Progress | None = None, **more: object) -> dict:
+def state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    progress: Progress | None = None,
+    **more: object,
+) -> dict:
     """What the generated loop checkpoints (the model alone: a weights-only load)."""
     entries = {"model": model, "optimizer": optimizer, "progress": progress, **more}
     return {name: value for name, value in entries.items() if value is not None}
@@ -76,7 +84,11 @@ def same_params(a: nn.Module, b: nn.Module) -> bool:
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture
@@ -86,14 +98,23 @@ def saved(tmp_path: Path) -> dict:
     progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
     train(model, optimizer, progress, 7)
     for group in optimizer.param_groups:
-        group["lr"] = 3e-3  # as a schedule would: a fresh optimizer (lr=1e-2) must take this value
+        group["lr"] = (
+            3e-3  # as a schedule would: a fresh optimizer (lr=1e-2) must take this value
+        )
     folder = tmp_path / "checkpoints"
     note = Note(microbatch=3, note="x")
     checkpointer = checkpoint.Checkpointer(folder)
     path = checkpointer.save(state(model, optimizer, progress, note=note))
     next_rand = torch.rand(8)
-    return {"folder": folder, "path": path, "model": model, "optimizer": optimizer,
-            "progress": progress, "note": note, "next_rand": next_rand}
+    return {
+        "folder": folder,
+        "path": path,
+        "model": model,
+        "optimizer": optimizer,
+        "progress": progress,
+        "note": note,
+        "next_rand": next_rand,
+    }
 
 
 # ---------------------------------------------------------------- round trip
@@ -130,13 +151,20 @@ def test_load_restores_model_optimizer_progress_rng_bitwise(saved: dict) -> None
     assert progress.batch == 7 and progress.epoch == 1 and progress.batch_in_epoch == 2
     assert same_params(model, saved["model"])
     original = saved["optimizer"]
-    for p_saved, p_loaded in zip(saved["model"].parameters(), model.parameters(), strict=True):
+    for p_saved, p_loaded in zip(
+        saved["model"].parameters(), model.parameters(), strict=True
+    ):
         s_saved, s_loaded = original.state[p_saved], optimizer.state[p_loaded]
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(s_saved[key], s_loaded[key]), key
         assert float(s_loaded["step"]) == 7
-    for g_saved, g_loaded in zip(original.param_groups, optimizer.param_groups, strict=True):
-        assert g_loaded["weight_decay"] == g_saved["weight_decay"] and g_loaded["lr"] == g_saved["lr"] == 3e-3
+    for g_saved, g_loaded in zip(
+        original.param_groups, optimizer.param_groups, strict=True
+    ):
+        assert (
+            g_loaded["weight_decay"] == g_saved["weight_decay"]
+            and g_loaded["lr"] == g_saved["lr"] == 3e-3
+        )
         assert len(g_loaded["params"]) == len(g_saved["params"])
 
     # One more identical step on both: still bitwise equal (the optimizer state is really live).
@@ -177,7 +205,9 @@ def test_latest_ignores_incomplete_and_foreign_names(tmp_path: Path) -> None:
     for name in ("step-12.tmp", "step-x", "other", "step-", "final-step-99"):
         make_dir(folder, name, complete=True)
     (folder / "step-50").write_text("a file, not a checkpoint")
-    assert checkpoint.latest(folder) == folder / "step-10"  # numeric order, not "step-9" > "step-10"
+    assert (
+        checkpoint.latest(folder) == folder / "step-10"
+    )  # numeric order, not "step-9" > "step-10"
 
 
 def test_remove_incomplete_deletes_only_incomplete_step_folders(tmp_path: Path) -> None:
@@ -215,7 +245,11 @@ def test_rotation_keeps_newest_complete(tmp_path: Path) -> None:
     # keep=0 keeps everything.
     train(model, optimizer, progress, 1)
     checkpoint.Checkpointer(folder, keep=0).save(state(model, optimizer, progress))
-    assert sorted(p.name for p in folder.iterdir() if checkpoint.is_complete(p)) == ["step-4", "step-6", "step-7"]
+    assert sorted(p.name for p in folder.iterdir() if checkpoint.is_complete(p)) == [
+        "step-4",
+        "step-6",
+        "step-7",
+    ]
 
 
 def test_saving_same_step_twice_is_a_noop(saved: dict) -> None:
@@ -232,7 +266,9 @@ def test_saving_same_step_twice_is_a_noop(saved: dict) -> None:
     note = Note()
     checkpoint.load(again, state(fresh, note=note))
     assert note.values["note"] == "x"
-    assert not same_params(fresh, model)  # the first save's weights, not the changed ones
+    assert not same_params(
+        fresh, model
+    )  # the first save's weights, not the changed ones
 
 
 # ---------------------------------------------------------------- load errors
@@ -249,7 +285,9 @@ def test_load_without_marker_names_the_path(saved: dict) -> None:
 
 
 @pytest.mark.parametrize("keep_bytes", [0.5, 0.0])
-def test_truncated_shard_raises_and_deletes_nothing(saved: dict, keep_bytes: float) -> None:
+def test_truncated_shard_raises_and_deletes_nothing(
+    saved: dict, keep_bytes: float
+) -> None:
     path = saved["path"]
     shard = sorted(path.glob("*.distcp"))[0]
     data = shard.read_bytes()
@@ -277,22 +315,39 @@ def test_missing_metadata_raises(saved: dict) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "expected"),
     [
-        ({"hidden": 16}, ["different shapes", "0.weight (saved [8, 4], model [16, 4])", "2.weight", "0.bias"]),
+        (
+            {"hidden": 16},
+            [
+                "different shapes",
+                "0.weight (saved [8, 4], model [16, 4])",
+                "2.weight",
+                "0.bias",
+            ],
+        ),
         ({"layers": 3}, ["missing from the checkpoint", "4.weight", "4.bias"]),
-        ({"layers": 1}, ["in the checkpoint but not in this model", "2.weight", "2.bias"]),
+        (
+            {"layers": 1},
+            ["in the checkpoint but not in this model", "2.weight", "2.bias"],
+        ),
     ],
     ids=["other-shapes", "checkpoint-lacks-keys", "model-lacks-keys"],
 )
-def test_other_model_names_the_mismatch(saved: dict, kwargs: dict, expected: list[str]) -> None:
+def test_other_model_names_the_mismatch(
+    saved: dict, kwargs: dict, expected: list[str]
+) -> None:
     for optimizer_too in (True, False):
         model, optimizer = build(seed=1, **kwargs)
         before = {k: v.clone() for k, v in model.state_dict().items()}
         with pytest.raises(CheckpointError, match="different model") as info:
-            checkpoint.load(saved["path"], state(model, optimizer if optimizer_too else None))
+            checkpoint.load(
+                saved["path"], state(model, optimizer if optimizer_too else None)
+            )
         for text in expected:
             assert text in str(info.value)
         assert str(saved["path"]) in str(info.value)
-        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing half-loaded
+        assert all(
+            torch.equal(before[k], v) for k, v in model.state_dict().items()
+        )  # nothing half-loaded
 
 
 @pytest.mark.parametrize(
@@ -300,12 +355,26 @@ def test_other_model_names_the_mismatch(saved: dict, kwargs: dict, expected: lis
     [
         lambda text: text[: len(text) // 2],
         lambda text: "[]",
-        lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "progress"}),
+        lambda text: json.dumps(
+            {k: v for k, v in json.loads(text).items() if k != "progress"}
+        ),
         lambda text: json.dumps({**json.loads(text), "world_size": "one"}),
-        lambda text: json.dumps({**json.loads(text), "progress": {**json.loads(text)["progress"], "batch": -1}}),
+        lambda text: json.dumps(
+            {
+                **json.loads(text),
+                "progress": {**json.loads(text)["progress"], "batch": -1},
+            }
+        ),
         lambda text: json.dumps({**json.loads(text), "progress": {"batch": 7}}),
     ],
-    ids=["truncated", "not-an-object", "no-progress", "bad-world-size", "negative-counter", "partial-progress"],
+    ids=[
+        "truncated",
+        "not-an-object",
+        "no-progress",
+        "bad-world-size",
+        "negative-counter",
+        "partial-progress",
+    ],
 )
 def test_damaged_train_state_raises(saved: dict, damage) -> None:
     file = saved["path"] / TRAIN_STATE
@@ -314,7 +383,9 @@ def test_damaged_train_state_raises(saved: dict, damage) -> None:
         model, optimizer = build(seed=1)
         with pytest.raises(CheckpointError, match=TRAIN_STATE):
             checkpoint.load(saved["path"], state(model, optimizer, progress))
-        assert not same_params(model, saved["model"])  # rejected before anything was restored
+        assert not same_params(
+            model, saved["model"]
+        )  # rejected before anything was restored
         if progress is not None:
             assert progress.batch == 0
 
@@ -330,7 +401,9 @@ def test_other_batches_per_epoch_raises_before_restoring(saved: dict) -> None:
 # ---------------------------------------------------------------- RNG across world sizes
 
 
-def next_rand_after_load(path: Path, seed: int, noise: int) -> tuple[torch.Tensor, bool]:
+def next_rand_after_load(
+    path: Path, seed: int, noise: int
+) -> tuple[torch.Tensor, bool]:
     model, optimizer = build(seed=1)
     torch.manual_seed(noise)  # a different RNG state before each load
     progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
@@ -346,7 +419,9 @@ def test_other_world_size_reseeds_deterministically(saved: dict) -> None:
     other_seed, _ = next_rand_after_load(saved["path"], seed=1, noise=1)
     assert restored_first is False and restored_second is False
     assert torch.equal(first, second)
-    assert not torch.equal(first, saved["next_rand"])  # not the saved (other world size) state
+    assert not torch.equal(
+        first, saved["next_rand"]
+    )  # not the saved (other world size) state
     assert not torch.equal(first, other_seed)
 
 
@@ -377,7 +452,9 @@ def test_metadata_naming_other_classes_is_refused(saved: dict, tmp_path: Path) -
     metadata = saved["path"] / ".metadata"
     metadata.write_bytes(pickle.dumps(Boom(str(flag))))
     model, optimizer = build(seed=1)
-    with pytest.raises(CheckpointError, match=r"\.metadata.*not allowed in checkpoint metadata"):
+    with pytest.raises(
+        CheckpointError, match=r"\.metadata.*not allowed in checkpoint metadata"
+    ):
         checkpoint.load(saved["path"], state(model, optimizer))
     with pytest.raises(CheckpointError, match="not allowed"):
         checkpoint.export_safetensors(saved["path"], tmp_path / "out.safetensors")
@@ -394,11 +471,17 @@ def test_non_tensor_entries_load_with_weights_only(saved: dict, tmp_path: Path) 
     model_state, optimizer_state = get_state_dict(model, optimizer)
     optimizer_state["param_groups"][0]["lr"] = Boom(str(flag))
     evil = saved["folder"] / "step-8"
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=evil, no_dist=True)
+    dcp.save(
+        {"model": model_state, "optimizer": optimizer_state},
+        checkpoint_id=evil,
+        no_dist=True,
+    )
     for name in ("train_state.json", "COMPLETE"):
         (evil / name).write_bytes((saved["path"] / name).read_bytes())
     fresh, fresh_optimizer = build(seed=1)
-    with pytest.raises(CheckpointError, match="__0_0.distcp is unreadable .*not plain data; refused"):
+    with pytest.raises(
+        CheckpointError, match="__0_0.distcp is unreadable .*not plain data; refused"
+    ):
         checkpoint.load(evil, state(fresh, fresh_optimizer))
     assert not flag.exists()
 
@@ -425,7 +508,9 @@ def test_async_save_copies_the_state_and_marks_after_writing(saved: dict) -> Non
             p.add_(1.0)
     checkpointer.wait()
     assert checkpoint.is_complete(path) and path.name == "step-8"
-    assert sorted(p.name for p in saved["folder"].iterdir()) == ["step-8"]  # rotated after the marker
+    assert sorted(p.name for p in saved["folder"].iterdir()) == [
+        "step-8"
+    ]  # rotated after the marker
     fresh, _ = build(seed=1)
     checkpoint.load(path, state(fresh))
     assert all(torch.equal(expected[k], v) for k, v in fresh.state_dict().items())
@@ -438,7 +523,9 @@ def test_next_save_waits_for_async_save(saved: dict) -> None:
     for _ in range(2):
         train(model, optimizer, progress, 1)
         checkpointer.save(state(model, optimizer, progress))
-    assert checkpoint.is_complete(saved["folder"] / "step-8")  # waited for by the second save
+    assert checkpoint.is_complete(
+        saved["folder"] / "step-8"
+    )  # waited for by the second save
     checkpointer.wait()
     assert checkpoint.latest(saved["folder"]) == saved["folder"] / "step-9"
 
@@ -458,7 +545,9 @@ def test_resume_autoresumes_and_cleans_up(saved: dict) -> None:
     make_dir(saved["folder"], "step-9", complete=False)
     resumed, model, _, progress, _ = fresh_resume(saved["folder"])
     assert resumed.path == saved["path"] and resumed.step == 7 and progress.batch == 7
-    assert resumed.rng_restored and resumed.describe() == [f"resumed from {saved['path']} at step 7"]
+    assert resumed.rng_restored and resumed.describe() == [
+        f"resumed from {saved['path']} at step 7"
+    ]
     assert not (saved["folder"] / "step-9").exists()
     assert same_params(model, saved["model"])
     assert fresh_resume(saved["folder"], autoresume=False)[0] is None
@@ -473,31 +562,51 @@ def test_resume_load_path_errors(saved: dict, tmp_path: Path) -> None:
         fresh_resume(tmp_path / "run", load_path=str(tmp_path / "half"))
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
         fresh_resume(tmp_path / "run", load_path=str(tmp_path / "half" / "step-3"))
-    assert (tmp_path / "half" / "step-3").is_dir()  # never deleted: not this run's folder
+    assert (
+        tmp_path / "half" / "step-3"
+    ).is_dir()  # never deleted: not this run's folder
 
 
-def test_load_path_weights_only_then_restart_continues(saved: dict, tmp_path: Path) -> None:
+def test_load_path_weights_only_then_restart_continues(
+    saved: dict, tmp_path: Path
+) -> None:
     """A fine-tune starts from load_path; restarted after a preemption it continues itself."""
     run_dir = tmp_path / "finetune"
-    for source in (saved["path"], saved["folder"], saved["folder"].parent):  # step, checkpoints, run
-        resumed, model, optimizer, progress, checkpointer = fresh_resume(run_dir, load_path=str(source),
-                                                                         weights_only=True)
+    for source in (
+        saved["path"],
+        saved["folder"],
+        saved["folder"].parent,
+    ):  # step, checkpoints, run
+        resumed, model, optimizer, progress, checkpointer = fresh_resume(
+            run_dir, load_path=str(source), weights_only=True
+        )
         assert resumed.path == saved["path"] and resumed.weights_only
-        assert same_params(model, saved["model"]) and progress.batch == 0 and not optimizer.state
+        assert (
+            same_params(model, saved["model"])
+            and progress.batch == 0
+            and not optimizer.state
+        )
         assert resumed.describe()[-1].startswith("loaded model weights from")
     train(model, optimizer, progress, 2)
     checkpointer.save(state(model, optimizer, progress))  # records where it started
     # The same command again: this run's own checkpoint, not the weights it started from.
-    resumed, again, _, progress, _ = fresh_resume(run_dir, load_path=str(saved["folder"].parent),
-                                               weights_only=True)
-    assert resumed.path == run_dir / "step-2" and progress.batch == 2 and not resumed.weights_only
+    resumed, again, _, progress, _ = fresh_resume(
+        run_dir, load_path=str(saved["folder"].parent), weights_only=True
+    )
+    assert (
+        resumed.path == run_dir / "step-2"
+        and progress.batch == 2
+        and not resumed.weights_only
+    )
     assert "continuing this run" in resumed.describe()[0]
     assert same_params(again, model)
     # Another load_path is a new start: it takes precedence over the run's own checkpoint.
     other = tmp_path / "other"
     shutil.copytree(saved["path"], other / "step-7")
     resumed, *_ = fresh_resume(run_dir, load_path=str(other))
-    assert resumed.path == other / "step-7" and "takes precedence" in resumed.describe()[0]
+    assert (
+        resumed.path == other / "step-7" and "takes precedence" in resumed.describe()[0]
+    )
 
 
 # ---------------------------------------------------------------- export
@@ -521,14 +630,21 @@ def test_export_safetensors_with_tied_weights(tmp_path: Path) -> None:
     progress.advance(samples=1, tokens=2)
     checkpointer = checkpoint.Checkpointer(tmp_path / "run" / "checkpoints")
     checkpointer.save(state(model, optimizer, progress))
-    info = checkpoint.export_safetensors(tmp_path / "run", tmp_path / "model.safetensors")
+    info = checkpoint.export_safetensors(
+        tmp_path / "run", tmp_path / "model.safetensors"
+    )
     assert info["step"] == 1 and info["tensors"] == 2
     weights = load_file(tmp_path / "model.safetensors")
-    assert sorted(weights) == ["0.weight", "1.weight"]  # the tied weight under both names
+    assert sorted(weights) == [
+        "0.weight",
+        "1.weight",
+    ]  # the tied weight under both names
     torch.manual_seed(1)
     other = tied()
     other.load_state_dict(weights)  # strict: every key present
-    assert other[1].weight is other[0].weight and torch.equal(other[0].weight, model[0].weight)
+    assert other[1].weight is other[0].weight and torch.equal(
+        other[0].weight, model[0].weight
+    )
     with safe_open(tmp_path / "model.safetensors", "pt") as handle:
         assert handle.metadata()["step"] == "1"
     with pytest.raises(CheckpointError, match="does not exist"):
@@ -538,7 +654,9 @@ def test_export_safetensors_with_tied_weights(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- the Checkpointer object
 
 
-def test_checkpointers_share_no_save_in_flight_and_no_origin(saved: dict, tmp_path: Path) -> None:
+def test_checkpointers_share_no_save_in_flight_and_no_origin(
+    saved: dict, tmp_path: Path
+) -> None:
     """Two runs in one process: run A started from a load_path and saves asynchronously (its
     write fails), run B is fresh and saves synchronously. B neither waits for nor inherits
     A's failed save, and B's checkpoint does not claim A's origin."""
@@ -547,13 +665,18 @@ def test_checkpointers_share_no_save_in_flight_and_no_origin(saved: dict, tmp_pa
     progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
     assert a.resume(state(model, optimizer, progress), load_path=str(saved["path"]))
     b = checkpoint.Checkpointer(tmp_path / "b")
-    (tmp_path / "a" / "step-7" / ".metadata.tmp").mkdir(parents=True)  # A's write fails here
+    (tmp_path / "a" / "step-7" / ".metadata.tmp").mkdir(
+        parents=True
+    )  # A's write fails here
     a.save(state(model, optimizer, progress))
     b_path = b.save(state(model, optimizer, progress))
     assert checkpoint.is_complete(b_path)
     assert json.loads((b_path / TRAIN_STATE).read_text())["origin"] is None
-    with pytest.raises(CheckpointError, match=r"checkpoint step-7 was not saved to .*a/step-7: "
-                       r"Is a directory \[errno 21\] .*\.metadata\.tmp.*a rerun resumes from .*checkpoints/step-7$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint step-7 was not saved to .*a/step-7: "
+        r"Is a directory \[errno 21\] .*\.metadata\.tmp.*a rerun resumes from .*checkpoints/step-7$",
+    ):
         a.wait()
     assert not checkpoint.is_complete(tmp_path / "a" / "step-7")
     a.close()  # nothing left in flight
@@ -569,22 +692,43 @@ def test_checkpoint_modules_hold_no_mutable_state() -> None:
 
     from runtime import dist
 
-    immutable = (int, float, str, bytes, type(None), re.Pattern, type, types.ModuleType,
-                 types.FunctionType, types.BuiltinFunctionType)
+    immutable = (
+        int,
+        float,
+        str,
+        bytes,
+        type(None),
+        re.Pattern,
+        type,
+        types.ModuleType,
+        types.FunctionType,
+        types.BuiltinFunctionType,
+    )
 
     def frozen(value: object) -> bool:
         if isinstance(value, (tuple, frozenset)):
             return all(frozen(item) for item in value)
-        return isinstance(value, immutable) or type(value).__module__ in ("typing", "__future__")
+        return isinstance(value, immutable) or type(value).__module__ in (
+            "typing",
+            "__future__",
+        )
 
-    names = [f"{checkpoint.__name__}.{info.name}" for info in pkgutil.iter_modules(getattr(checkpoint, "__path__", []))]
+    names = [
+        f"{checkpoint.__name__}.{info.name}"
+        for info in pkgutil.iter_modules(getattr(checkpoint, "__path__", []))
+    ]
     modules = [checkpoint, dist, *(__import__(name, fromlist=["_"]) for name in names)]
     assert len(modules) >= 6, names  # the package's modules were found
     for module in modules:
         tree = ast.parse(inspect.getsource(module))
-        assert not [node for node in ast.walk(tree) if isinstance(node, ast.Global)], module.__name__
-        mutable = [name for name, value in vars(module).items()
-                   if not name.startswith("__") and not frozen(value)]
+        assert not [
+            node for node in ast.walk(tree) if isinstance(node, ast.Global)
+        ], module.__name__
+        mutable = [
+            name
+            for name, value in vars(module).items()
+            if not name.startswith("__") and not frozen(value)
+        ]
         assert not mutable, f"{module.__name__}: {mutable}"
 
 
@@ -605,8 +749,14 @@ def full_state(seed: int) -> dict:
     model, optimizer = build(seed=seed)
     ema, _ = build(seed=seed + 10)  # as an EMA of the model would be: a second module
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-    return {"model": model, "optimizer": optimizer, "ema": ema, "scheduler": scheduler,
-            "counter": Counter(), "progress": Progress(BATCHES_PER_EPOCH)}
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "ema": ema,
+        "scheduler": scheduler,
+        "counter": Counter(),
+        "progress": Progress(BATCHES_PER_EPOCH),
+    }
 
 
 def test_extra_state_entries_are_saved_and_resumed(tmp_path: Path) -> None:
@@ -625,17 +775,26 @@ def test_extra_state_entries_are_saved_and_resumed(tmp_path: Path) -> None:
     loaded = full_state(seed=1)
     resumed = checkpoint.Checkpointer(tmp_path).resume(loaded)
     assert resumed.path == path and resumed.step == 3 and loaded["progress"].batch == 3
-    assert same_params(loaded["ema"], saved["ema"]) and same_params(loaded["model"], saved["model"])
+    assert same_params(loaded["ema"], saved["ema"]) and same_params(
+        loaded["model"], saved["model"]
+    )
     assert loaded["scheduler"].state_dict() == saved["scheduler"].state_dict()
-    assert loaded["optimizer"].param_groups[0]["lr"] == saved["optimizer"].param_groups[0]["lr"] == 5e-3
+    assert (
+        loaded["optimizer"].param_groups[0]["lr"]
+        == saved["optimizer"].param_groups[0]["lr"]
+        == 5e-3
+    )
     assert torch.equal(loaded["counter"].count, torch.tensor([1.0, 2.0]))
     assert loaded["counter"].label == "three steps"
 
     # Weights only (a fine-tune): every module's weights, nothing else.
     fine_tune = full_state(seed=1)
-    checkpoint.Checkpointer(tmp_path / "ft").resume(fine_tune, load_path=str(path),
-                                                   weights_only=True)
-    assert same_params(fine_tune["ema"], saved["ema"]) and not fine_tune["optimizer"].state
+    checkpoint.Checkpointer(tmp_path / "ft").resume(
+        fine_tune, load_path=str(path), weights_only=True
+    )
+    assert (
+        same_params(fine_tune["ema"], saved["ema"]) and not fine_tune["optimizer"].state
+    )
     assert fine_tune["scheduler"].last_epoch == 0 and fine_tune["counter"].label == ""
     assert fine_tune["progress"].batch == 0
 
@@ -643,8 +802,11 @@ def test_extra_state_entries_are_saved_and_resumed(tmp_path: Path) -> None:
     plain = state(saved["model"], saved["optimizer"], saved["progress"])
     checkpoint.Checkpointer(tmp_path / "plain").save(plain)
     later = full_state(seed=1)
-    with pytest.raises(CheckpointError, match=r"step-3 holds no ema, scheduler, "
-                       r"counter \(it holds model, optimizer, progress\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"step-3 holds no ema, scheduler, "
+        r"counter \(it holds model, optimizer, progress\)",
+    ):
         checkpoint.load(tmp_path / "plain" / "step-3", later)
     assert not same_params(later["model"], saved["model"])
     assert later["progress"].batch == 0
@@ -658,7 +820,9 @@ def test_state_entries_that_cannot_be_saved_are_named(tmp_path: Path) -> None:
     progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
     with pytest.raises(TypeError, match=r"state\['step'\] is a int"):
         checkpointer.save({"model": model, "step": 3, "progress": progress})
-    with pytest.raises(TypeError, match=r"state\['optimizer'\] optimizes parameters of no module"):
+    with pytest.raises(
+        TypeError, match=r"state\['optimizer'\] optimizes parameters of no module"
+    ):
         checkpointer.save({"optimizer": optimizer, "progress": progress})
     with pytest.raises(TypeError, match=r"state\['origin'\]: train_state.json keeps"):
         checkpointer.save({"model": model, "progress": progress, "origin": Note()})
@@ -672,11 +836,16 @@ def test_state_entries_that_cannot_be_saved_are_named(tmp_path: Path) -> None:
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_a_writer_thread_that_fails_fails_the_save(saved: dict, monkeypatch: pytest.MonkeyPatch,
-                                                   capfd: pytest.CaptureFixture, async_save: bool) -> None:
+def test_a_writer_thread_that_fails_fails_the_save(
+    saved: dict,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture,
+    async_save: bool,
+) -> None:
     """torch's extra DCP writer threads die with a printed traceback and their files are left
     out of the save (torch 2.13). Ours report the error: the save fails with one line naming
-    the cause, prints no traceback, and is never marked complete (nor rotates a good one out)."""
+    the cause, prints no traceback, and is never marked complete (nor rotates a good one out).
+    """
     import threading
 
     from torch.distributed.checkpoint import filesystem
@@ -686,23 +855,31 @@ def test_a_writer_thread_that_fails_fails_the_save(saved: dict, monkeypatch: pyt
 
     def disk_full_in_extra_thread(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         if threading.current_thread().name == "checkpoint-writer-1":  # the 2nd writer
-            kwargs["file_queue"].get()  # takes a file's items off the queue, writes nothing
+            kwargs[
+                "file_queue"
+            ].get()  # takes a file's items off the queue, writes nothing
             took.set()
             raise OSError(28, "No space left on device")
         took.wait(10)
         return write(*args, **kwargs)
 
-    monkeypatch.setattr(filesystem, "_write_files_from_queue", disk_full_in_extra_thread)
+    monkeypatch.setattr(
+        filesystem, "_write_files_from_queue", disk_full_in_extra_thread
+    )
     model, optimizer, progress = saved["model"], saved["optimizer"], saved["progress"]
     train(model, optimizer, progress, 1)
-    checkpointer = checkpoint.Checkpointer(saved["folder"], keep=1, async_save=async_save)
+    checkpointer = checkpoint.Checkpointer(
+        saved["folder"], keep=1, async_save=async_save
+    )
     with pytest.raises(checkpoint.StorageError) as raised:
         checkpointer.save(state(model, optimizer, progress))
         checkpointer.wait()
     assert took.is_set()
-    assert str(raised.value) == (f"checkpoint step-8 was not saved to {saved['folder'] / 'step-8'}: No space "
-                                 f"left on device [errno 28]; the checkpoints before it are intact: a rerun "
-                                 f"resumes from {saved['path']}")
+    assert str(raised.value) == (
+        f"checkpoint step-8 was not saved to {saved['folder'] / 'step-8'}: No space "
+        f"left on device [errno 28]; the checkpoints before it are intact: a rerun "
+        f"resumes from {saved['path']}"
+    )
     assert "Traceback" not in capfd.readouterr().err
     assert not checkpoint.is_complete(saved["folder"] / "step-8")
     assert checkpoint.latest(saved["folder"]) == saved["path"]  # step-7 kept
@@ -712,8 +889,9 @@ def test_a_writer_thread_that_fails_fails_the_save(saved: dict, monkeypatch: pyt
 
 REPO = Path(__file__).resolve().parent.parent
 RELEASE_0_2_0 = "e505f85f8df8c7d945cd7d7096dac869c9ada644"  # main before this format
-ONE_PROCESS = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1,
-                      device=torch.device("cpu"))
+ONE_PROCESS = DistEnv(
+    rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu")
+)
 # Trains 4 steps with 0.2.0's runtime and saves as its train.py did: the microbatch
 # search's and the early stopper's state merged into `extra`. OOMs above 2 samples.
 SAVE_0_2_0 = """
@@ -758,13 +936,18 @@ torch.save(saved, out / "saved.pt")
 
 def runtime_of(commit: str, dest: Path) -> Path:
     """The runtime package of a past commit of this repository, in `dest`."""
-    found = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=REPO,
-                           capture_output=True)
+    found = subprocess.run(
+        ["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=REPO, capture_output=True
+    )
     if found.returncode != 0:
         pytest.skip(f"this checkout's git history lacks commit {commit[:7]} (shallow?)")
     dest.mkdir()
-    archive = subprocess.run(["git", "archive", "--format=tar", commit, "runtime"],
-                             cwd=REPO, capture_output=True, check=True)
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", commit, "runtime"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    )
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
     return dest
 
@@ -776,26 +959,40 @@ def test_a_0_2_0_checkpoint_resumes_with_every_entry(tmp_path: Path) -> None:
     from runtime.time import Time
 
     old = runtime_of(RELEASE_0_2_0, tmp_path / "runtime-0.2.0")
-    run = subprocess.run([sys.executable, "-c", SAVE_0_2_0, str(tmp_path)],
-                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(old)},
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", SAVE_0_2_0, str(tmp_path)],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(old)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     step = tmp_path / "checkpoints" / "step-4"
     assert json.loads((step / TRAIN_STATE).read_text())["extra"] == {
-        "microbatch_size": 2, "microbatch_seq_len": 16, "microbatch_world_size": 1,
-        "early_stop": {"best": 1.0, "best_step": 2, "best_at": 2, "stopped": True}}
+        "microbatch_size": 2,
+        "microbatch_seq_len": 16,
+        "microbatch_world_size": 1,
+        "early_stop": {"best": 1.0, "best_step": 2, "best_at": 2, "stopped": True},
+    }
 
     def fresh() -> tuple[dict, list[str]]:
         torch.manual_seed(1)  # other initial weights
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
         lines: list[str] = []
-        search = microbatch.Search(model, [model[0]], ONE_PROCESS, "auto",
-                                   per_rank_batch=8, log=lines.append)
+        search = microbatch.Search(
+            model, [model[0]], ONE_PROCESS, "auto", per_rank_batch=8, log=lines.append
+        )
         patience = Time.parse("2ba")
         stopper = early_stop.EarlyStopper("val_loss", patience, log=lines.append)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        return {"model": model, "optimizer": optimizer, "progress": Progress(3),
-                "microbatch": search, "stopper": stopper}, lines
+        return {
+            "model": model,
+            "optimizer": optimizer,
+            "progress": Progress(3),
+            "microbatch": search,
+            "stopper": stopper,
+        }, lines
 
     state, lines = fresh()
     resumed = checkpoint.Checkpointer(tmp_path / "checkpoints").resume(state)
@@ -805,12 +1002,22 @@ def test_a_0_2_0_checkpoint_resumes_with_every_entry(tmp_path: Path) -> None:
     assert all(torch.equal(saved["model"][k], model_state[k]) for k in model_state)
     optimizer_state = state["optimizer"].state_dict()["state"]
     for index, expected in saved["optimizer"]["state"].items():
-        assert all(torch.equal(value, optimizer_state[index][k])
-                   for k, value in expected.items())
+        assert all(
+            torch.equal(value, optimizer_state[index][k])
+            for k, value in expected.items()
+        )
     assert state["progress"].state_dict() == {
-        "batches_per_epoch": 3, "epoch": 1, "batch": 4, "sample": 32, "token": 512,
-        "batch_in_epoch": 1, "previous_epoch": 1, "previous_batch": 3,
-        "previous_sample": 24, "previous_token": 384}
+        "batches_per_epoch": 3,
+        "epoch": 1,
+        "batch": 4,
+        "sample": 32,
+        "token": 512,
+        "batch_in_epoch": 1,
+        "previous_epoch": 1,
+        "previous_batch": 3,
+        "previous_sample": 24,
+        "previous_token": 384,
+    }
     search, stopper = state["microbatch"], state["stopper"]
     assert (search.size, search.settled_len) == (2, 16)
     assert [a.searching for a in search.attempts(seq_len=16)] == [False]  # no search
@@ -838,9 +1045,12 @@ def test_an_entry_a_0_2_0_checkpoint_lacks_and_its_extra_cannot_restore_is_named
     legacy = {**json.loads(file.read_text()), "extra": {"microbatch_size": 2}}
     file.write_text(json.dumps(legacy))
     model, optimizer = build(seed=1)
-    with pytest.raises(CheckpointError, match=r"step-7 \(saved by scaffold 0.2.0 or "
-                       r"before\) holds no counter, and its extra state does not "
-                       r"restore it \(KeyError"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"step-7 \(saved by scaffold 0.2.0 or "
+        r"before\) holds no counter, and its extra state does not "
+        r"restore it \(KeyError",
+    ):
         checkpoint.load(saved["path"], state(model, optimizer, counter=Counter()))
 
 
@@ -866,14 +1076,31 @@ def test_0_1_0_module_functions_save_and_resume(tmp_path: Path) -> None:
     assert same_params(fresh, model)
     assert resumed.describe() == [f"resumed from {path} at step 3"]
     # 0.1.0's train.py hands the extra to the search's constructor.
-    search = microbatch.Search(fresh, [fresh[0]], ONE_PROCESS, "auto", per_rank_batch=8,
-                               resumed=resumed.extra, log=lambda line: None)
+    search = microbatch.Search(
+        fresh,
+        [fresh[0]],
+        ONE_PROCESS,
+        "auto",
+        per_rank_batch=8,
+        resumed=resumed.extra,
+        log=lambda line: None,
+    )
     assert (search.size, search.settled_len) == (2, 16)
 
     upgraded, upgraded_optimizer = build(seed=1)
-    search = microbatch.Search(upgraded, [upgraded[0]], ONE_PROCESS, "auto",
-                               per_rank_batch=8, log=lambda line: None)
-    state = {"model": upgraded, "optimizer": upgraded_optimizer, "search": search,
-             "progress": Progress(batches_per_epoch=BATCHES_PER_EPOCH)}
+    search = microbatch.Search(
+        upgraded,
+        [upgraded[0]],
+        ONE_PROCESS,
+        "auto",
+        per_rank_batch=8,
+        log=lambda line: None,
+    )
+    state = {
+        "model": upgraded,
+        "optimizer": upgraded_optimizer,
+        "search": search,
+        "progress": Progress(batches_per_epoch=BATCHES_PER_EPOCH),
+    }
     assert checkpoint.Checkpointer(tmp_path).resume(state).step == 3
     assert (search.size, search.settled_len) == (2, 16)

@@ -51,7 +51,15 @@ def test_defaults_when_no_arguments() -> None:
 def test_all_argument_forms_and_types() -> None:
     cfg = config.from_args(
         Config,
-        ["--run_name=exp 1", "--batch-size", "1_024", "--lr=0.1", "--compile", "--max_duration", "0.5dur"],
+        [
+            "--run_name=exp 1",
+            "--batch-size",
+            "1_024",
+            "--lr=0.1",
+            "--compile",
+            "--max_duration",
+            "0.5dur",
+        ],
     )
     assert cfg.run_name == "exp 1"
     assert cfg.batch_size == 1024
@@ -225,11 +233,16 @@ def test_config_file_strings_for_union_fields(tmp_path: Path) -> None:
         ('precision = "fp8"\n', ["'precision'", "'bf16'"]),
         ("lrr = 0.1\n", ["unknown config key 'lrr'", "did you mean 'lr'?"]),
         ("[section]\nlr = 1\n", ["'section'", "is a table", "flat"]),
-        ("max-duration = '1ep'\nmax_duration = '2ep'\n", ["'max_duration' appears twice"]),
+        (
+            "max-duration = '1ep'\nmax_duration = '2ep'\n",
+            ["'max_duration' appears twice"],
+        ),
         ("lr = = 1\n", ["invalid TOML"]),
     ],
 )
-def test_config_file_errors_name_file_and_key(tmp_path: Path, text: str, fragments: list[str]) -> None:
+def test_config_file_errors_name_file_and_key(
+    tmp_path: Path, text: str, fragments: list[str]
+) -> None:
     path = write(tmp_path, text)
     message = parse_error([f"--config={path}"])
     assert repr(path) in message
@@ -252,13 +265,19 @@ def test_unreadable_config_file(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- help
 
 
-def test_help_lists_fields_with_type_default_and_comment(capsys: pytest.CaptureFixture[str]) -> None:
+def test_help_lists_fields_with_type_default_and_comment(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     with pytest.raises(SystemExit) as caught:
         config.parse(Config, ["--lr=1", "--help"])
     assert caught.value.code == 0
     out = capsys.readouterr().out
-    lr_line = next(line for line in out.splitlines() if line.strip().startswith("--lr "))
-    assert "float" in lr_line and "0.0003" in lr_line and "peak learning rate" in lr_line
+    lr_line = next(
+        line for line in out.splitlines() if line.strip().startswith("--lr ")
+    )
+    assert (
+        "float" in lr_line and "0.0003" in lr_line and "peak learning rate" in lr_line
+    )
     precision_line = next(line for line in out.splitlines() if "--precision" in line)
     assert "{fp32,bf16,fp16}" in precision_line and "autocast dtype" in precision_line
     assert "int | {auto}" in out
@@ -269,7 +288,11 @@ def test_field_comments_are_read_from_source_and_missing_source_is_tolerated() -
     comments = config.field_comments(Config)
     assert comments["max_duration"] == "how long to train"
     assert "amp" not in comments
-    dynamic = type("Dynamic", (), {"__annotations__": {"x": int}, "x": 1, "__module__": "not_a_module"})
+    dynamic = type(
+        "Dynamic",
+        (),
+        {"__annotations__": {"x": int}, "x": 1, "__module__": "not_a_module"},
+    )
     assert config.field_comments(dataclass(dynamic)) == {}
 
 

@@ -25,9 +25,13 @@ def test_default_data_is_the_stdlib_source(data) -> None:
     assert len(tokens.train) > 1_000_000  # megabytes of real Python
     text = bytes(tokens.train[:200_000]).decode("utf-8", errors="replace")
     assert "def " in text and "import " in text
-    assert len(tokens.val) == pytest.approx(0.02 * (len(tokens.train) + len(tokens.val)), rel=0.01)
+    assert len(tokens.val) == pytest.approx(
+        0.02 * (len(tokens.train) + len(tokens.val)), rel=0.01
+    )
     again = data.load_tokens("")
-    assert np.array_equal(tokens.train[:10_000], again.train[:10_000])  # deterministic order
+    assert np.array_equal(
+        tokens.train[:10_000], again.train[:10_000]
+    )  # deterministic order
 
 
 def test_text_file_and_folder(data, tmp_path: Path) -> None:
@@ -43,7 +47,9 @@ def test_text_file_and_folder(data, tmp_path: Path) -> None:
     (folder / ".hidden").write_text("h" * 500)
     both = data.load_tokens(str(folder))
     joined = bytes(both.train) + bytes(both.val)
-    assert joined.count(b"a") == 500 and joined.count(b"b") == 500 and b"h" not in joined
+    assert (
+        joined.count(b"a") == 500 and joined.count(b"b") == 500 and b"h" not in joined
+    )
 
 
 def test_uint16_bin_with_and_without_val_bin(data, tmp_path: Path) -> None:
@@ -54,7 +60,9 @@ def test_uint16_bin_with_and_without_val_bin(data, tmp_path: Path) -> None:
     assert np.array_equal(np.concatenate([tail.train, tail.val]), ids)
     np.arange(300, dtype=np.uint16).tofile(tmp_path / "val.bin")
     split = data.load_tokens(str(tmp_path / "train.bin"))
-    assert np.array_equal(split.train, ids) and np.array_equal(split.val, np.arange(300))
+    assert np.array_equal(split.train, ids) and np.array_equal(
+        split.val, np.arange(300)
+    )
     (tmp_path / "odd.bin").write_bytes(b"abc")
     with pytest.raises(ValueError, match="odd number of bytes"):
         data.load_tokens(str(tmp_path / "odd.bin"))
@@ -89,12 +97,23 @@ def test_too_little_data_is_a_clear_error(data) -> None:
         data.Batches(np.arange(50, dtype=np.uint16), seq_len=10, batch_size=8, seed=0)
 
 
-def test_training_on_a_user_text_file(generated: dict[str, Path], tmp_path: Path) -> None:
+def test_training_on_a_user_text_file(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 2000)
-    result = run_train(generated["gpt2-speedup"], tmp_path, f"--data={corpus}", "--seq_len=32",
-                       "--global_batch_size=8", "--max_duration=20ba", "--eval_interval=10ba",
-                       "--eval_batches=2", "--run_name=fox", "--lr=0.01")
+    result = run_train(
+        generated["gpt2-speedup"],
+        tmp_path,
+        f"--data={corpus}",
+        "--seq_len=32",
+        "--global_batch_size=8",
+        "--max_duration=20ba",
+        "--eval_interval=10ba",
+        "--eval_batches=2",
+        "--run_name=fox",
+        "--lr=0.01",
+    )
     assert result.returncode == 0, result.stderr
     records = read_metrics(tmp_path, "fox")
     val = [r["val_loss"] for r in records if "val_loss" in r]
@@ -104,8 +123,11 @@ def test_training_on_a_user_text_file(generated: dict[str, Path], tmp_path: Path
 def nanogpt_char_data(folder: Path, text: str) -> dict:
     """nanoGPT's shakespeare_char layout: train.bin, val.bin (uint16) and meta.pkl."""
     chars = sorted(set(text))
-    meta = {"vocab_size": len(chars), "itos": dict(enumerate(chars)),
-            "stoi": {c: i for i, c in enumerate(chars)}}
+    meta = {
+        "vocab_size": len(chars),
+        "itos": dict(enumerate(chars)),
+        "stoi": {c: i for i, c in enumerate(chars)},
+    }
     ids = np.array([meta["stoi"][c] for c in text], dtype=np.uint16)
     split = int(0.9 * len(ids))
     ids[:split].tofile(folder / "train.bin")
@@ -125,7 +147,9 @@ class Payload:
 
 
 def test_meta_pkl_gives_the_vocabulary(data, tmp_path: Path) -> None:
-    meta = nanogpt_char_data(tmp_path, "to be or not to be, that is the question. " * 50)
+    meta = nanogpt_char_data(
+        tmp_path, "to be or not to be, that is the question. " * 50
+    )
     tokens = data.load_tokens(str(tmp_path / "train.bin"))
     assert tokens.vocab_size == meta["vocab_size"] == 15 and "meta.pkl" in tokens.source
     # --vocab_size overrides it (and meta.pkl is not read); too small for the ids: refused.
@@ -134,7 +158,9 @@ def test_meta_pkl_gives_the_vocabulary(data, tmp_path: Path) -> None:
         data.load_tokens(str(tmp_path / "train.bin"), vocab_size=10)
     # A meta.pkl too small for the ids, or without vocab_size: named, with the fix.
     (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 5}))
-    with pytest.raises(ValueError, match="says vocab_size=5 but the data holds token id 14"):
+    with pytest.raises(
+        ValueError, match="says vocab_size=5 but the data holds token id 14"
+    ):
         data.load_tokens(str(tmp_path / "train.bin"))
     (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"itos": {0: "a"}}))
     with pytest.raises(ValueError, match="no positive integer vocab_size"):
@@ -143,7 +169,9 @@ def test_meta_pkl_gives_the_vocabulary(data, tmp_path: Path) -> None:
     (tmp_path / "meta.pkl").unlink()
     assert data.load_tokens(str(tmp_path / "train.bin")).vocab_size == 50304
     np.array([0, 60_000] * 50, dtype=np.uint16).tofile(tmp_path / "train.bin")
-    assert data.load_tokens(str(tmp_path / "train.bin")).vocab_size == 60_032  # 938 * 64
+    assert (
+        data.load_tokens(str(tmp_path / "train.bin")).vocab_size == 60_032
+    )  # 938 * 64
 
 
 def test_a_meta_pkl_that_would_run_code_is_refused(data, tmp_path: Path) -> None:
@@ -164,8 +192,13 @@ def test_training_honours_meta_pkl_and_refuses_a_bad_one(
     data_dir = tmp_path / "chars"
     data_dir.mkdir()
     nanogpt_char_data(data_dir, "the quick brown fox jumps over the lazy dog. " * 400)
-    args = (f"--data={data_dir / 'train.bin'}", "--seq_len=32", "--global_batch_size=4",
-            "--max_duration=2ba", "--eval_batches=1")
+    args = (
+        f"--data={data_dir / 'train.bin'}",
+        "--seq_len=32",
+        "--global_batch_size=4",
+        "--max_duration=2ba",
+        "--eval_batches=1",
+    )
     result = run_train(generated["gpt2-baseline"], tmp_path, *args, "--run_name=chars")
     assert result.returncode == 0, result.stderr
     log = (tmp_path / "runs" / "chars" / "log.txt").read_text()
@@ -177,5 +210,8 @@ def test_training_honours_meta_pkl_and_refuses_a_bad_one(
     (data_dir / "meta.pkl").write_bytes(pickle.dumps(Payload(marker)))
     result = run_train(generated["gpt2-baseline"], tmp_path, *args, "--run_name=evil")
     assert result.returncode == 2
-    assert result.stderr.strip().count("\n") == 0 and "refused (it names posix.mkdir)" in result.stderr
+    assert (
+        result.stderr.strip().count("\n") == 0
+        and "refused (it names posix.mkdir)" in result.stderr
+    )
     assert not marker.exists() and not (tmp_path / "runs" / "evil").exists()

@@ -37,10 +37,17 @@ def imports(path: Path) -> list[tuple[str, bool, int]]:
     def visit(node: ast.AST, nested: bool) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.Import):
-                found.extend((alias.name.split(".")[0], not nested, child.lineno) for alias in child.names)
-            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                found.extend(
+                    (alias.name.split(".")[0], not nested, child.lineno)
+                    for alias in child.names
+                )
+            elif (
+                isinstance(child, ast.ImportFrom) and child.level == 0 and child.module
+            ):
                 found.append((child.module.split(".")[0], not nested, child.lineno))
-            inner = nested or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Try))
+            inner = nested or isinstance(
+                child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Try)
+            )
             visit(child, inner)
 
     visit(tree, False)
@@ -49,8 +56,11 @@ def imports(path: Path) -> list[tuple[str, bool, int]]:
 
 def distributions(module: str) -> list[str]:
     """The distributions that provide an import name (the import name when none is installed):
-    mlflow's `mlflow` package comes from mlflow-skinny too, and declaring either is enough."""
-    return [_normalize(name) for name in _packages_distributions().get(module, [module])]
+    mlflow's `mlflow` package comes from mlflow-skinny too, and declaring either is enough.
+    """
+    return [
+        _normalize(name) for name in _packages_distributions().get(module, [module])
+    ]
 
 
 @functools.cache
@@ -66,25 +76,44 @@ def distribution(module: str) -> str:
 def test_third_party_imports_are_declared() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     required = {_requirement_name(r) for r in project["dependencies"]}
-    optional = {_requirement_name(r) for group in project.get("optional-dependencies", {}).values() for r in group}
+    optional = {
+        _requirement_name(r)
+        for group in project.get("optional-dependencies", {}).values()
+        for r in group
+    }
     undeclared = []
     for package in ("scaffold", "runtime"):
         for path in sorted((REPO / package).rglob("*.py")):
             for module, top_level, line in imports(path):
-                if module in sys.stdlib_module_names or module in FIRST_PARTY or module == "__future__":
+                if (
+                    module in sys.stdlib_module_names
+                    or module in FIRST_PARTY
+                    or module == "__future__"
+                ):
                     continue
                 names = set(distributions(module))
                 name = distribution(module)
                 if names & required or (not top_level and names & optional):
                     continue
-                where = "dependencies" if top_level else "dependencies or an optional extra"
-                undeclared.append(f"{path.relative_to(REPO)}:{line} imports {module} ({name}), not in {where}")
+                where = (
+                    "dependencies" if top_level else "dependencies or an optional extra"
+                )
+                undeclared.append(
+                    f"{path.relative_to(REPO)}:{line} imports {module} ({name}), not in {where}"
+                )
     assert not undeclared, "\n".join(undeclared)
 
 
 def test_the_check_sees_nested_and_from_imports(tmp_path: Path) -> None:
     source = tmp_path / "m.py"
-    source.write_text("import os.path\nfrom rich.table import Table\nfrom . import x\n"
-                      "def f():\n    import tomli_w\ntry:\n    import yaml\nexcept ImportError:\n    pass\n")
-    assert imports(source) == [("os", True, 1), ("rich", True, 2), ("tomli_w", False, 5), ("yaml", False, 7)]
+    source.write_text(
+        "import os.path\nfrom rich.table import Table\nfrom . import x\n"
+        "def f():\n    import tomli_w\ntry:\n    import yaml\nexcept ImportError:\n    pass\n"
+    )
+    assert imports(source) == [
+        ("os", True, 1),
+        ("rich", True, 2),
+        ("tomli_w", False, 5),
+        ("yaml", False, 7),
+    ]
     assert distribution("yaml") == "pyyaml"

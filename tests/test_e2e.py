@@ -12,7 +12,6 @@ import pytest
 from conftest import RECIPES
 from projects import checkout_env, read_metrics, run_train
 
-
 # One recipe per task in every run (gpt2-speedup is README's main job); the others with --slow:
 # their own tests differ only in answers, and test_vision_recipes, test_image, test_modern and
 # test_text_classification train those recipes in every run.
@@ -20,36 +19,74 @@ OWN_TESTS_EVERY_RUN = ("gpt2-speedup", "cifar-resnet56-baseline", "bert-sst2-spe
 
 
 @pytest.mark.parametrize(
-    "recipe", [r if r in OWN_TESTS_EVERY_RUN else pytest.param(r, marks=pytest.mark.slow) for r in RECIPES]
+    "recipe",
+    [
+        r if r in OWN_TESTS_EVERY_RUN else pytest.param(r, marks=pytest.mark.slow)
+        for r in RECIPES
+    ],
 )
-def test_generated_project_passes_its_own_tests(recipe: str, generated: dict[str, Path], project_copy) -> None:
+def test_generated_project_passes_its_own_tests(
+    recipe: str, generated: dict[str, Path], project_copy
+) -> None:
     """The project's smoke tests: the loss falls, and a killed-and-resumed run is bitwise identical."""
     project = project_copy(generated[recipe])
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
-                            cwd=project, env=checkout_env(), capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+        cwd=project,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 passed" in result.stdout
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_generated_python_is_black_clean_and_readable(recipe: str, generated: dict[str, Path]) -> None:
+def test_generated_python_is_black_clean_and_readable(
+    recipe: str, generated: dict[str, Path]
+) -> None:
     from scaffold.jinja_black import BLACK_MODE
 
     for path in generated[recipe].rglob("*.py"):
         source = path.read_text()
-        assert black.format_str(source, mode=BLACK_MODE) == source, f"{path.name} is not black-formatted"
+        assert (
+            black.format_str(source, mode=BLACK_MODE) == source
+        ), f"{path.name} is not black-formatted"
         long = [line for line in source.splitlines() if len(line) > 88]
         assert not long, f"{path.name} has lines over 88 characters: {long}"
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_every_event_point_is_marked_in_order(recipe: str, generated: dict[str, Path]) -> None:
-    events = ["INIT", "MODEL", "OPTIMIZER", "FIT_START", "EPOCH_START", "BATCH_START", "MICROBATCH_START",
-              "AFTER_FORWARD", "LOSS", "AFTER_BACKWARD", "BATCH_END", "EVAL", "EPOCH_END", "FIT_END"]
+def test_every_event_point_is_marked_in_order(
+    recipe: str, generated: dict[str, Path]
+) -> None:
+    events = [
+        "INIT",
+        "MODEL",
+        "OPTIMIZER",
+        "FIT_START",
+        "EPOCH_START",
+        "BATCH_START",
+        "MICROBATCH_START",
+        "AFTER_FORWARD",
+        "LOSS",
+        "AFTER_BACKWARD",
+        "BATCH_END",
+        "EVAL",
+        "EPOCH_END",
+        "FIT_END",
+    ]
     lines = (generated[recipe] / "train.py").read_text().splitlines()
-    marked = [line.strip().removeprefix("# event: ") for line in lines if line.strip().startswith("# event: ")]
+    marked = [
+        line.strip().removeprefix("# event: ")
+        for line in lines
+        if line.strip().startswith("# event: ")
+    ]
     assert marked == events
-    for i, line in enumerate(lines):  # each marker is followed by a template-owned blank line
+    for i, line in enumerate(
+        lines
+    ):  # each marker is followed by a template-owned blank line
         if line.strip().startswith("# event: "):
             assert lines[i + 1] == "", f"no blank line after {line.strip()}"
 
@@ -69,18 +106,29 @@ def test_algorithm_blocks_are_fenced_and_placed(generated: dict[str, Path]) -> N
                 event = "MODULE"
             if stripped == f"# algorithm: {name}":
                 found.append(event if line.startswith(" ") else "MODULE")
-        assert source.count(f"# algorithm: {name}\n") == source.count(f"# end algorithm: {name}\n")
+        assert source.count(f"# algorithm: {name}\n") == source.count(
+            f"# end algorithm: {name}\n"
+        )
         return found
 
     # Config field, config check, helper function (module level), the batch truncation, a metric.
-    assert events_of(train, "seq_length_warmup") == ["MODULE", "MODULE", "MODULE", "BATCH_START", "EVAL"]
+    assert events_of(train, "seq_length_warmup") == [
+        "MODULE",
+        "MODULE",
+        "MODULE",
+        "BATCH_START",
+        "EVAL",
+    ]
     assert events_of(train, "gradient_clipping") == ["MODULE", "AFTER_BACKWARD", "EVAL"]
     assert events_of(train, "alibi") == []  # ALiBi only touches the model
     # imports (FlexAttention), helpers, no position embedding, token embedding only, the
     # bias (or block mask), the attention call
     assert len(events_of(model, "alibi")) == 6
     baseline = (generated["gpt2-baseline"] / "train.py").read_text()
-    assert "seq_length_warmup" not in baseline and "alibi" not in (generated["gpt2-baseline"] / "model.py").read_text()
+    assert (
+        "seq_length_warmup" not in baseline
+        and "alibi" not in (generated["gpt2-baseline"] / "model.py").read_text()
+    )
 
 
 @pytest.mark.parametrize(
@@ -98,39 +146,70 @@ def test_algorithm_blocks_are_fenced_and_placed(generated: dict[str, Path]) -> N
         (["--config", "/no/such.toml"], "/no/such.toml"),
     ],
 )
-def test_train_rejects_bad_config_with_one_line_and_exit_2(args: list[str], message: str, generated: dict[str, Path], tmp_path: Path) -> None:
+def test_train_rejects_bad_config_with_one_line_and_exit_2(
+    args: list[str], message: str, generated: dict[str, Path], tmp_path: Path
+) -> None:
     result = run_train(generated["gpt2-speedup"], tmp_path, *args)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+    assert (
+        len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+    ), result.stderr
     assert not (tmp_path / "runs").exists()  # nothing written
 
 
 def test_train_help_lists_every_key(generated: dict[str, Path], tmp_path: Path) -> None:
     result = run_train(generated["gpt2-speedup"], tmp_path, "--help")
     assert result.returncode == 0
-    for key in ("run_name", "max_duration", "global_batch_size", "device_microbatch_size", "seq_len",
-                "model", "lr", "save_interval", "eval_interval", "log_interval", "seed", "data"):
+    for key in (
+        "run_name",
+        "max_duration",
+        "global_batch_size",
+        "device_microbatch_size",
+        "seq_len",
+        "model",
+        "lr",
+        "save_interval",
+        "eval_interval",
+        "log_interval",
+        "seed",
+        "data",
+    ):
         assert key in result.stdout
 
 
-def test_run_outputs_and_config_file(generated: dict[str, Path], tmp_path: Path) -> None:
+def test_run_outputs_and_config_file(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
     """runs/<name>/ holds the resolved config, the source that ran, a log, metrics and checkpoints."""
-    (tmp_path / "run.toml").write_text('run_name = "fromfile"\nseq_len = 32\nglobal_batch_size = 4\n'
-                                       'max_duration = "6ba"\nsave_interval = "2ba"\neval_batches = 1\n')
-    result = run_train(generated["gpt2-speedup"], tmp_path, "--config", "run.toml", "--eval_interval=3ba",
-                       "--save_num_checkpoints_to_keep=2")
+    (tmp_path / "run.toml").write_text(
+        'run_name = "fromfile"\nseq_len = 32\nglobal_batch_size = 4\n'
+        'max_duration = "6ba"\nsave_interval = "2ba"\neval_batches = 1\n'
+    )
+    result = run_train(
+        generated["gpt2-speedup"],
+        tmp_path,
+        "--config",
+        "run.toml",
+        "--eval_interval=3ba",
+        "--save_num_checkpoints_to_keep=2",
+    )
     assert result.returncode == 0, result.stderr
     run = tmp_path / "runs" / "fromfile"
     assert 'max_duration = "6ba"' in (run / "config.toml").read_text()
-    assert (run / "train.py").read_text() == (generated["gpt2-speedup"] / "train.py").read_text()
+    assert (run / "train.py").read_text() == (
+        generated["gpt2-speedup"] / "train.py"
+    ).read_text()
     assert "torch" in (run / "log.txt").read_text()
     records = read_metrics(tmp_path, "fromfile")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
     for record in records:
         assert {"step", "loss", "lr", "tokens_per_s"} <= set(record)
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-4", "step-6"]  # keep 2
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step-4",
+        "step-6",
+    ]  # keep 2
     # Rerunning the finished run resumes at its end and trains no further.
     again = run_train(generated["gpt2-speedup"], tmp_path, "--config", "run.toml")
     assert again.returncode == 0 and "resumed from" in again.stdout

@@ -9,7 +9,9 @@ from runtime.time import Progress, Time
 MAX = Time.parse("100ba")
 
 
-def run(stopper: EarlyStopper, values: list[float | None], progress: Progress | None = None) -> int | None:
+def run(
+    stopper: EarlyStopper, values: list[float | None], progress: Progress | None = None
+) -> int | None:
     """Feed one value per step (None: not logged that step); the step it stopped at, or None."""
     progress = progress or Progress(batches_per_epoch=1000)
     for value in values:
@@ -26,20 +28,53 @@ def test_stops_after_patience_on_a_plateau_and_not_before() -> None:
     # Improves until step 4 (best 1.0), then flat: 3 batches later (step 7) it stops.
     assert run(stopper, [4.0, 3.0, 2.0, 1.0, 1.0, 1.5, 1.0, 0.5]) == 7
     assert stopper.stopped and stopper.best == 1.0 and stopper.best_step == 4
-    assert "early stopping at step 7: val_loss has not improved" in lines[-1] and "at step 4" in lines[-1]
+    assert (
+        "early stopping at step 7: val_loss has not improved" in lines[-1]
+        and "at step 4" in lines[-1]
+    )
     # Still improving, slowly: never stops.
-    assert run(EarlyStopper("val_loss", Time.parse("3ba"), log=lines.append), [5 - i / 10 for i in range(20)]) is None
+    assert (
+        run(
+            EarlyStopper("val_loss", Time.parse("3ba"), log=lines.append),
+            [5 - i / 10 for i in range(20)],
+        )
+        is None
+    )
 
 
 def test_patience_counts_steps_not_evaluations_and_min_delta_and_mode() -> None:
     quiet = {"log": lambda line: None}
     # Logged every 2nd step: patience 5ba passes between step 2 (best) and step 8.
-    assert run(EarlyStopper("val_loss", Time.parse("5ba"), **quiet), [None, 2.0, None, 2.0, None, 2.0, None, 2.0]) == 8
+    assert (
+        run(
+            EarlyStopper("val_loss", Time.parse("5ba"), **quiet),
+            [None, 2.0, None, 2.0, None, 2.0, None, 2.0],
+        )
+        == 8
+    )
     # Improvements of 0.01 are not more than min_delta 0.05: step 1 stays the best.
-    assert run(EarlyStopper("val_loss", Time.parse("2ba"), 0.05, **quiet), [1.0, 0.99, 0.98, 0.97]) == 3
+    assert (
+        run(
+            EarlyStopper("val_loss", Time.parse("2ba"), 0.05, **quiet),
+            [1.0, 0.99, 0.98, 0.97],
+        )
+        == 3
+    )
     # mode=max: a rising accuracy keeps going; a falling one stops. 0.1dur of 100ba = 10ba.
-    assert run(EarlyStopper("val_loss", Time.parse("0.1dur"), mode="max", **quiet), [i / 30 for i in range(30)]) is None
-    assert run(EarlyStopper("val_loss", Time.parse("0.1dur"), mode="max", **quiet), [0.5] + [0.4] * 20) == 11
+    assert (
+        run(
+            EarlyStopper("val_loss", Time.parse("0.1dur"), mode="max", **quiet),
+            [i / 30 for i in range(30)],
+        )
+        is None
+    )
+    assert (
+        run(
+            EarlyStopper("val_loss", Time.parse("0.1dur"), mode="max", **quiet),
+            [0.5] + [0.4] * 20,
+        )
+        == 11
+    )
     # Off: never stops, saves nothing.
     off = EarlyStopper("", Time.parse("1ba"), **quiet)
     assert run(off, [1.0] * 10) is None and off.state_dict() == {}
@@ -49,7 +84,9 @@ def test_state_survives_a_checkpoint() -> None:
     lines: list[str] = []
     first = EarlyStopper("val_loss", Time.parse("4ba"), log=lines.append)
     progress = Progress(batches_per_epoch=1000)
-    assert run(first, [2.0, 1.0, 1.0], progress) is None  # best at step 2, 1 step of patience used
+    assert (
+        run(first, [2.0, 1.0, 1.0], progress) is None
+    )  # best at step 2, 1 step of patience used
     resumed = EarlyStopper("val_loss", Time.parse("4ba"), log=lines.append)
     resumed.load_state_dict(first.state_dict())
     assert run(resumed, [1.0, 1.0, 1.0], progress) == 6  # keeps counting from step 2

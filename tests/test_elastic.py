@@ -37,11 +37,21 @@ TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "elastic_worker.py"
 STOP_AFTER = TESTS / "stop_after.py"
 # global_batch_size 12 divides by 1, 2 and 3 ranks.
-SMALL = ["--device=cpu", "--seq_len=32", "--global_batch_size=12", "--device_microbatch_size=3",
-         "--eval_batches=1", "--dist_timeout=120"]
+SMALL = [
+    "--device=cpu",
+    "--seq_len=32",
+    "--global_batch_size=12",
+    "--device_microbatch_size=3",
+    "--eval_batches=1",
+    "--dist_timeout=120",
+]
 # Issue 4's scenario, smaller: 12 steps with a checkpoint every 4 (all kept).
-ELASTIC = ["--max_duration=12ba", "--save_interval=4ba", "--eval_interval=4ba",
-           "--save_num_checkpoints_to_keep=0"]
+ELASTIC = [
+    "--max_duration=12ba",
+    "--save_interval=4ba",
+    "--eval_interval=4ba",
+    "--save_num_checkpoints_to_keep=0",
+]
 
 # Losses after a world-size change differ from the uninterrupted run only by the order of
 # floating-point reductions (FSDP's reduce-scatter over 2 vs 3 ranks, the loss all-reduce).
@@ -52,16 +62,38 @@ ELASTIC = ["--max_duration=12ba", "--save_interval=4ba", "--eval_interval=4ba",
 LOSS_TOLERANCE = 2e-5
 
 
-def torchrun(nproc: int, *args: str, cwd: Path, timeout: int = 400) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               *map(str, args)]
-    return subprocess.run(command, cwd=cwd, env=checkout_env(), capture_output=True, text=True,
-                          timeout=timeout)
+def torchrun(
+    nproc: int, *args: str, cwd: Path, timeout: int = 400
+) -> subprocess.CompletedProcess[str]:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *map(str, args),
+    ]
+    return subprocess.run(
+        command,
+        cwd=cwd,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-def python(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=checkout_env(),
-                          capture_output=True, text=True, timeout=timeout)
+def python(
+    *args: str, cwd: Path, timeout: int = 300
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *map(str, args)],
+        cwd=cwd,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def ok(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
@@ -73,14 +105,19 @@ def ok(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """~250 kB of text: enough windows for every run here, quicker to load than the default."""
     source = Path(json.__file__).parent.parent
-    text = "".join((source / name).read_text() for name in ("argparse.py", "typing.py", "inspect.py"))
+    text = "".join(
+        (source / name).read_text()
+        for name in ("argparse.py", "typing.py", "inspect.py")
+    )
     path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
     path.write_text(text[:250_000])
     return path
 
 
 def trajectory(workdir: Path, run: str) -> list[tuple]:
-    return [(r["step"], r["loss"], r.get("val_loss")) for r in read_metrics(workdir, run)]
+    return [
+        (r["step"], r["loss"], r.get("val_loss")) for r in read_metrics(workdir, run)
+    ]
 
 
 def weights(workdir: Path, run: str, step: int) -> dict[str, torch.Tensor]:
@@ -100,20 +137,31 @@ def weights(workdir: Path, run: str, step: int) -> dict[str, torch.Tensor]:
 def test_saved_state_comes_back_bitwise_on_any_world_size(tmp_path: Path) -> None:
     """FSDP2 and DDP on 2 ranks -> FSDP2 on 3 ranks and one process: model, AdamW and EMA exact."""
     ok(torchrun(2, WORKER, "save", tmp_path, cwd=tmp_path))
-    assert all((tmp_path / run / "step-3" / "COMPLETE").is_file() for run in ("fsdp", "ddp"))
-    assert sorted(p.name for p in (tmp_path / "fsdp" / "step-3").glob("rng-rank*.pt")) == [
-        "rng-rank0.pt", "rng-rank1.pt"]
-    assert "identical on 3 rank(s) (fsdp)" in ok(torchrun(3, WORKER, "load", tmp_path, cwd=tmp_path)).stdout
-    assert "identical on 1 rank(s) (none)" in ok(python(WORKER, "load", tmp_path, cwd=tmp_path)).stdout
+    assert all(
+        (tmp_path / run / "step-3" / "COMPLETE").is_file() for run in ("fsdp", "ddp")
+    )
+    assert sorted(
+        p.name for p in (tmp_path / "fsdp" / "step-3").glob("rng-rank*.pt")
+    ) == ["rng-rank0.pt", "rng-rank1.pt"]
+    assert (
+        "identical on 3 rank(s) (fsdp)"
+        in ok(torchrun(3, WORKER, "load", tmp_path, cwd=tmp_path)).stdout
+    )
+    assert (
+        "identical on 1 rank(s) (none)"
+        in ok(python(WORKER, "load", tmp_path, cwd=tmp_path)).stdout
+    )
 
 
 # ---------------------------------------------------------------- generated project
 
 
-def test_generated_project_resumes_bitwise_and_elastically(generated: dict[str, Path], tmp_path: Path,
-                                                          corpus: Path) -> None:
+def test_generated_project_resumes_bitwise_and_elastically(
+    generated: dict[str, Path], tmp_path: Path, corpus: Path
+) -> None:
     """Issue 4's done-when: 2 ranks to step 4, then 3 ranks to step 8, then 1 rank to the end,
-    all with the same command line (`--parallelism=fsdp` included, also on one process)."""
+    all with the same command line (`--parallelism=fsdp` included, also on one process).
+    """
     train = generated["gpt2-speedup"] / "train.py"
     common = [*SMALL, *ELASTIC, f"--data={corpus}", "--parallelism=fsdp"]
     ok(torchrun(2, train, *common, "--run_name=ref", cwd=tmp_path))
@@ -130,13 +178,20 @@ def test_generated_project_resumes_bitwise_and_elastically(generated: dict[str, 
     assert "resumed from runs/same/checkpoints/step-4 at step 4" in same.stdout
     assert "re-seeded" not in same.stdout  # RNG restored exactly
     assert trajectory(tmp_path, "same") == reference
-    ref_weights, same_weights = weights(tmp_path, "ref", 12), weights(tmp_path, "same", 12)
+    ref_weights, same_weights = weights(tmp_path, "ref", 12), weights(
+        tmp_path, "same", 12
+    )
     assert ref_weights.keys() == same_weights.keys()
     assert all(torch.equal(ref_weights[k], same_weights[k]) for k in ref_weights)
 
     # Elastic: 3 ranks to step 8, then one process to the end.
-    three = ok(torchrun(3, STOP_AFTER, 8, train, *common, "--run_name=elastic", cwd=tmp_path))
-    assert "resumed from runs/elastic/checkpoints/step-4 at step 4 (saved on 2 rank(s), now 3)" in three.stdout
+    three = ok(
+        torchrun(3, STOP_AFTER, 8, train, *common, "--run_name=elastic", cwd=tmp_path)
+    )
+    assert (
+        "resumed from runs/elastic/checkpoints/step-4 at step 4 (saved on 2 rank(s), now 3)"
+        in three.stdout
+    )
     assert "RNG re-seeded from (seed, step, rank)" in three.stdout
     one = ok(python(train, *common, "--run_name=elastic", cwd=tmp_path))
     assert "at step 8 (saved on 3 rank(s), now 1)" in one.stdout
@@ -144,45 +199,90 @@ def test_generated_project_resumes_bitwise_and_elastically(generated: dict[str, 
     elastic = trajectory(tmp_path, "elastic")
     assert [step for step, *_ in elastic] == list(range(1, 13))  # each step logged once
     assert elastic[:4] == reference[:4]
-    for (step, loss, val), (_, ref_loss, ref_val) in zip(elastic, reference, strict=True):
+    for (step, loss, val), (_, ref_loss, ref_val) in zip(
+        elastic, reference, strict=True
+    ):
         assert abs(loss - ref_loss) <= LOSS_TOLERANCE, (step, loss, ref_loss)
-        assert (val is None) == (ref_val is None) and abs((val or 0) - (ref_val or 0)) <= LOSS_TOLERANCE
+        assert (val is None) == (ref_val is None) and abs(
+            (val or 0) - (ref_val or 0)
+        ) <= LOSS_TOLERANCE
     steps = [loss for _, loss, _ in reference]
-    assert min(abs(a - b) for a, b in zip(steps, steps[1:])) > 100 * LOSS_TOLERANCE  # a meaningful bound
+    assert (
+        min(abs(a - b) for a, b in zip(steps, steps[1:])) > 100 * LOSS_TOLERANCE
+    )  # a meaningful bound
     elastic_weights = weights(tmp_path, "elastic", 12)
-    assert max((elastic_weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights) < 1e-4
+    assert (
+        max(
+            (elastic_weights[k] - ref_weights[k]).abs().max().item()
+            for k in ref_weights
+        )
+        < 1e-4
+    )
 
     # Asynchronous saves change nothing about training, and every checkpoint is complete.
-    asynchronous = ok(torchrun(2, train, *common, "--run_name=async", "--save_async=true", cwd=tmp_path))
+    asynchronous = ok(
+        torchrun(
+            2, train, *common, "--run_name=async", "--save_async=true", cwd=tmp_path
+        )
+    )
     assert "done: step 12" in asynchronous.stdout
     assert trajectory(tmp_path, "async") == reference
     folder = tmp_path / "runs" / "async" / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == ["step-12", "step-4", "step-8"]
     assert all((p / "COMPLETE").is_file() for p in folder.iterdir())
     async_weights = weights(tmp_path, "async", 8)
-    assert all(torch.equal(async_weights[k], v) for k, v in weights(tmp_path, "ref", 8).items())
+    assert all(
+        torch.equal(async_weights[k], v) for k, v in weights(tmp_path, "ref", 8).items()
+    )
 
 
 # ---------------------------------------------------------------- kill -9
 
 
 def complete_steps(folder: Path) -> list[int]:
-    return sorted(int(p.name.removeprefix("step-")) for p in folder.glob("step-*") if (p / "COMPLETE").is_file())
+    return sorted(
+        int(p.name.removeprefix("step-"))
+        for p in folder.glob("step-*")
+        if (p / "COMPLETE").is_file()
+    )
 
 
-def kill_trials(project: Path, workdir: Path, trials: int, seed: int, nproc: int = 1) -> dict[str, int]:
+def kill_trials(
+    project: Path, workdir: Path, trials: int, seed: int, nproc: int = 1
+) -> dict[str, int]:
     """Start, kill -9 at a random moment, check, restart; until `trials` kills were made.
 
     Every run must end with exactly the reference trajectory (so no step was lost or logged
     twice), and each restart must resume from the newest complete checkpoint there was.
     """
     rng = random.Random(seed)
-    common = [*SMALL, "--max_duration=16ba", "--save_interval=1ba", "--eval_interval=8ba",
-              "--save_num_checkpoints_to_keep=2", f"--data={workdir / 'corpus.txt'}"]
-    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-              if nproc > 1 else [sys.executable])
-    reference = subprocess.run([*launch, str(project / "train.py"), *common, "--run_name=reference"],
-                               cwd=workdir, env=checkout_env(), capture_output=True, text=True, timeout=300)
+    common = [
+        *SMALL,
+        "--max_duration=16ba",
+        "--save_interval=1ba",
+        "--eval_interval=8ba",
+        "--save_num_checkpoints_to_keep=2",
+        f"--data={workdir / 'corpus.txt'}",
+    ]
+    launch = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+        ]
+        if nproc > 1
+        else [sys.executable]
+    )
+    reference = subprocess.run(
+        [*launch, str(project / "train.py"), *common, "--run_name=reference"],
+        cwd=workdir,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     ok(reference)
     expected = trajectory(workdir, "reference")
     stats = {"kills": 0, "in_save": 0, "runs": 0}
@@ -195,13 +295,21 @@ def kill_trials(project: Path, workdir: Path, trials: int, seed: int, nproc: int
             run, expect_resume = f"killed{stats['runs']}", None
         folder = workdir / "runs" / run / "checkpoints"
         args = [str(project / "train.py"), *common, f"--run_name={run}"]
-        in_save = stats["kills"] % 5 == 2 and complete_steps(folder)  # some kills inside a save
+        in_save = stats["kills"] % 5 == 2 and complete_steps(
+            folder
+        )  # some kills inside a save
         if in_save:
             args = [str(STOP_AFTER), f"kill:{max(complete_steps(folder)) + 1}", *args]
         log = workdir / f"{run}-{stats['kills']}.log"
         with open(log, "w") as out:
-            process = subprocess.Popen([*launch, *args], cwd=workdir, env=checkout_env(), stdout=out,
-                                       stderr=subprocess.STDOUT, start_new_session=True)
+            process = subprocess.Popen(
+                [*launch, *args],
+                cwd=workdir,
+                env=checkout_env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         metrics = workdir / "runs" / run / "metrics.jsonl"
         logged = len(metrics.read_text().splitlines()) if metrics.exists() else 0
         # Wait for this launch to take a step, then kill it a random moment later.
@@ -227,13 +335,23 @@ def kill_trials(project: Path, workdir: Path, trials: int, seed: int, nproc: int
             run = None
             continue
         stats["kills"] += 1
-        stats["in_save"] += any(not (p / "COMPLETE").is_file() for p in folder.glob("step-*"))
+        stats["in_save"] += any(
+            not (p / "COMPLETE").is_file() for p in folder.glob("step-*")
+        )
         steps = complete_steps(folder)
-        expect_resume = folder.relative_to(workdir) / f"step-{steps[-1]}" if steps else None
+        expect_resume = (
+            folder.relative_to(workdir) / f"step-{steps[-1]}" if steps else None
+        )
     # Finish the last run and compare it with the uninterrupted one.
     if run is not None:
-        result = subprocess.run([*launch, str(project / "train.py"), *common, f"--run_name={run}"],
-                                cwd=workdir, env=checkout_env(), capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            [*launch, str(project / "train.py"), *common, f"--run_name={run}"],
+            cwd=workdir,
+            env=checkout_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         ok(result)
         if expect_resume is not None:
             assert f"resumed from {expect_resume} " in result.stdout
@@ -242,7 +360,9 @@ def kill_trials(project: Path, workdir: Path, trials: int, seed: int, nproc: int
 
 
 @pytest.mark.slow  # 2 minutes; every run kills -9 in test_catalog_resume, test_image and others
-def test_kill_9_at_random_moments_loses_nothing(generated: dict[str, Path], tmp_path: Path, corpus: Path) -> None:
+def test_kill_9_at_random_moments_loses_nothing(
+    generated: dict[str, Path], tmp_path: Path, corpus: Path
+) -> None:
     shutil.copy(corpus, tmp_path / "corpus.txt")
     trials = 30
     stats = kill_trials(generated["gpt2-speedup"], tmp_path, trials, seed=trials)
@@ -251,7 +371,9 @@ def test_kill_9_at_random_moments_loses_nothing(generated: dict[str, Path], tmp_
 
 
 @pytest.mark.slow
-def test_kill_9_under_torchrun(generated: dict[str, Path], tmp_path: Path, corpus: Path) -> None:
+def test_kill_9_under_torchrun(
+    generated: dict[str, Path], tmp_path: Path, corpus: Path
+) -> None:
     shutil.copy(corpus, tmp_path / "corpus.txt")
     stats = kill_trials(generated["gpt2-speedup"], tmp_path, 6, seed=2, nproc=2)
     assert stats["kills"] == 6, stats
@@ -262,8 +384,11 @@ def test_kill_9_under_torchrun(generated: dict[str, Path], tmp_path: Path, corpu
 
 def snapshot(folder: Path) -> dict[str, bytes]:
     """Every file but run.lock (each start that gets the lock writes its pid there)."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != "run.lock"}
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != "run.lock"
+    }
 
 
 def error_line(result: subprocess.CompletedProcess[str]) -> str:
@@ -273,21 +398,35 @@ def error_line(result: subprocess.CompletedProcess[str]) -> str:
     return lines[0]
 
 
-def test_bad_checkpoints_fail_clearly_and_delete_nothing(generated: dict[str, Path], tmp_path: Path,
-                                                         corpus: Path) -> None:
-    speedup, baseline = generated["gpt2-speedup"] / "train.py", generated["gpt2-baseline"] / "train.py"
+def test_bad_checkpoints_fail_clearly_and_delete_nothing(
+    generated: dict[str, Path], tmp_path: Path, corpus: Path
+) -> None:
+    speedup, baseline = (
+        generated["gpt2-speedup"] / "train.py",
+        generated["gpt2-baseline"] / "train.py",
+    )
     common = [*SMALL, "--max_duration=2ba", "--save_interval=1ba", f"--data={corpus}"]
     ok(python(speedup, *common, "--run_name=good", cwd=tmp_path))
     ok(python(baseline, *common, "--run_name=other", cwd=tmp_path))
     runs = tmp_path / "runs"
     before = snapshot(runs)
 
-    line = error_line(python(speedup, *common, "--run_name=x", "--load_path=runs/nowhere", cwd=tmp_path))
+    line = error_line(
+        python(
+            speedup, *common, "--run_name=x", "--load_path=runs/nowhere", cwd=tmp_path
+        )
+    )
     assert "runs/nowhere does not exist" in line
 
     # A checkpoint of another model (learned positions: wpe) into the ALiBi model: keys named.
-    line = error_line(python(speedup, *common, "--run_name=x", "--load_path=runs/other", cwd=tmp_path))
-    assert "different model" in line and "wpe.weight" in line and "in the checkpoint but not in this model" in line
+    line = error_line(
+        python(speedup, *common, "--run_name=x", "--load_path=runs/other", cwd=tmp_path)
+    )
+    assert (
+        "different model" in line
+        and "wpe.weight" in line
+        and "in the checkpoint but not in this model" in line
+    )
 
     # A truncated shard in the newest checkpoint: the file is named; it is not deleted.
     shard = sorted((runs / "good" / "checkpoints" / "step-2").glob("*.distcp"))[0]
@@ -301,5 +440,7 @@ def test_bad_checkpoints_fail_clearly_and_delete_nothing(generated: dict[str, Pa
     line = error_line(python(speedup, *common, "--run_name=good", cwd=tmp_path))
     assert f"{shard.relative_to(tmp_path)} is unreadable" in line
     shard.write_bytes(data[: len(data) // 2])
-    assert snapshot(runs) == truncated  # no checkpoint deleted or changed by the failed loads
+    assert (
+        snapshot(runs) == truncated
+    )  # no checkpoint deleted or changed by the failed loads
     assert before.keys() == truncated.keys()

@@ -34,9 +34,20 @@ model = "tiny"
 """
 # The tiny ResNet on the digits: 12 samples per step in BatchNorm groups of 2; selective
 # backprop keeps a third of them (4: two per rank on 2 ranks), from the first step on.
-SMALL = ["--model=tiny", "--precision=fp32", "--global_batch_size=12", "--device_microbatch_size=2",
-         "--bn_group_size=2", "--lr=0.2", "--lr_warmup=0.25dur", "--eval_batches=3", "--dist_timeout=120",
-         "--selective_backprop_start=0", f"--selective_backprop_keep={1 / 3!r}", "--ema_half_life=2ba"]
+SMALL = [
+    "--model=tiny",
+    "--precision=fp32",
+    "--global_batch_size=12",
+    "--device_microbatch_size=2",
+    "--bn_group_size=2",
+    "--lr=0.2",
+    "--lr_warmup=0.25dur",
+    "--eval_batches=3",
+    "--dist_timeout=120",
+    "--selective_backprop_start=0",
+    f"--selective_backprop_keep={1 / 3!r}",
+    "--ema_half_life=2ba",
+]
 TOLERANCE = 2e-5  # reduction order on 2 ranks (see test_image.py)
 
 
@@ -66,12 +77,26 @@ def ok(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[
     return result
 
 
-def torchrun(nproc: int, *args: str | Path, cwd: Path, env: dict[str, str] | None = None
-             ) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               *map(str, args), "--device=cpu"]
-    return subprocess.run(command, cwd=cwd, env={**checkout_env(), **(env or {})}, capture_output=True,
-                          text=True, timeout=400)
+def torchrun(
+    nproc: int, *args: str | Path, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *map(str, args),
+        "--device=cpu",
+    ]
+    return subprocess.run(
+        command,
+        cwd=cwd,
+        env={**checkout_env(), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
 
 
 def checkpoint_entries(path: Path) -> dict:
@@ -86,18 +111,27 @@ def checkpoint_entries(path: Path) -> dict:
 
 def test_ema_of_a_constant_model_follows_the_closed_form(modules) -> None:
     """After n updates towards constant weights w from e0: e_n = w + s^n (e0 - w), with
-    s = 2^(-update_interval / half_life); running statistics too; the step counter copied."""
+    s = 2^(-update_interval / half_life); running statistics too; the step counter copied.
+    """
     train = modules["train"]
-    cfg = train.Config(ema_half_life=train.Time.parse("4ba"), ema_update_interval=train.Time.parse("1ba"))
+    cfg = train.Config(
+        ema_half_life=train.Time.parse("4ba"),
+        ema_update_interval=train.Time.parse("1ba"),
+    )
     s = train.ema_smoothing(cfg)
     assert s == 2.0 ** (-1 / 4)
-    dur = train.Config(max_duration=train.Time.parse("100ba"), ema_half_life=train.Time.parse("0.1dur"),
-                       ema_update_interval=train.Time.parse("5ba"))
+    dur = train.Config(
+        max_duration=train.Time.parse("100ba"),
+        ema_half_life=train.Time.parse("0.1dur"),
+        ema_update_interval=train.Time.parse("5ba"),
+    )
     assert train.ema_smoothing(dur) == 2.0 ** (-5 / 10)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     with torch.no_grad():
-        for value in model.state_dict().values():  # every float differs from the average's
+        for (
+            value
+        ) in model.state_dict().values():  # every float differs from the average's
             value.normal_() if value.is_floating_point() else value.fill_(7)
     ema = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     start = {k: v.clone() for k, v in ema.state_dict().items()}
@@ -108,34 +142,61 @@ def test_ema_of_a_constant_model_follows_the_closed_form(modules) -> None:
         if key.endswith("num_batches_tracked"):
             assert value.item() == 7
             continue
-        expected = model.state_dict()[key] + s**n * (start[key] - model.state_dict()[key])
+        expected = model.state_dict()[key] + s**n * (
+            start[key] - model.state_dict()[key]
+        )
         torch.testing.assert_close(value, expected, rtol=1e-6, atol=1e-6)
         assert not torch.equal(value, model.state_dict()[key])  # not simply copied
 
 
 def test_ema_units_must_match_is_one_line_exit_2(project: Path, tmp_path: Path) -> None:
     result = run_train(project, tmp_path, *small("--ema_half_life=2ep"))
-    assert result.returncode == 2 and result.stderr.strip().startswith("error: ema:"), result.stderr
+    assert result.returncode == 2 and result.stderr.strip().startswith(
+        "error: ema:"
+    ), result.stderr
     assert not (tmp_path / "runs").exists()
 
 
-def test_ema_resumes_2_to_1_ranks_bitwise_is_evaluated_and_exported(project: Path, modules,
-                                                                     tmp_path: Path) -> None:
+def test_ema_resumes_2_to_1_ranks_bitwise_is_evaluated_and_exported(
+    project: Path, modules, tmp_path: Path
+) -> None:
     """2 FSDP ranks save the average at step 2; one process resumes it with no further
     updates: its step-4 average equals the step-2 one bitwise, evaluation of the average gives
     the same score at step 2 (2 ranks) and step 4 (1 process) while the live score moves, and
     that score is the one evaluate() gives on the exported weights."""
-    common = [*SMALL, "--max_duration=4ba", "--eval_interval=2ba", "--save_interval=2ba",
-              "--save_num_checkpoints_to_keep=0", "--run_name=ema"]
-    ok(torchrun(2, STOP_AFTER, 2, project / "train.py", *common, "--parallelism=fsdp", cwd=tmp_path))
+    common = [
+        *SMALL,
+        "--max_duration=4ba",
+        "--eval_interval=2ba",
+        "--save_interval=2ba",
+        "--save_num_checkpoints_to_keep=0",
+        "--run_name=ema",
+    ]
+    ok(
+        torchrun(
+            2,
+            STOP_AFTER,
+            2,
+            project / "train.py",
+            *common,
+            "--parallelism=fsdp",
+            cwd=tmp_path,
+        )
+    )
     resumed = ok(run_train(project, tmp_path, *common, "--ema_update_interval=1000ba"))
     assert "(saved on 2 rank(s), now 1)" in resumed.stdout
     folder = tmp_path / "runs" / "ema" / "checkpoints"
-    two, one = checkpoint_entries(folder / "step-2"), checkpoint_entries(folder / "step-4")
+    two, one = checkpoint_entries(folder / "step-2"), checkpoint_entries(
+        folder / "step-4"
+    )
     assert two["ema"].keys() == two["model"].keys()
     for key in two["ema"]:
         assert torch.equal(two["ema"][key], one["ema"][key]), key
-    assert any(not torch.equal(two["ema"][k], two["model"][k]) for k in two["ema"] if "running" not in k)
+    assert any(
+        not torch.equal(two["ema"][k], two["model"][k])
+        for k in two["ema"]
+        if "running" not in k
+    )
     rows = {row["step"]: row for row in read_metrics(tmp_path, "ema")}
     assert abs(rows[2]["ema_val_loss"] - rows[4]["ema_val_loss"]) <= TOLERANCE
     assert abs(rows[2]["val_loss"] - rows[4]["val_loss"]) > 100 * TOLERANCE
@@ -150,7 +211,9 @@ def test_ema_resumes_2_to_1_ranks_bitwise_is_evaluated_and_exported(project: Pat
     assert info["entry"] == "ema" and info["step"] == 4
     exported = load_file(tmp_path / "ema.safetensors")
     assert all(torch.equal(exported[k], one["ema"][k]) for k in exported)
-    export_safetensors(tmp_path / "runs" / "ema", tmp_path / "live.safetensors", entry="model")
+    export_safetensors(
+        tmp_path / "runs" / "ema", tmp_path / "live.safetensors", entry="model"
+    )
     live = load_file(tmp_path / "live.safetensors")
     assert all(torch.equal(live[k], one["model"][k]) for k in live)
 
@@ -158,13 +221,26 @@ def test_ema_resumes_2_to_1_ranks_bitwise_is_evaluated_and_exported(project: Pat
     train, model, data = modules["train"], modules["model"], modules["data"]
     cfg = train.config.parse(train.Config, ["--device=cpu", *common])
     images = data.load_images(cfg.data)
-    net = model.ResNet(model.ResNetConfig(num_classes=10, in_channels=images.channels,
-                                          bn_group_size=cfg.bn_group_size, **model.PRESETS["tiny"]))
+    net = model.ResNet(
+        model.ResNetConfig(
+            num_classes=10,
+            in_channels=images.channels,
+            bn_group_size=cfg.bn_group_size,
+            **model.PRESETS["tiny"],
+        )
+    )
     net.load_state_dict(exported)
     env = train.dist.environment("cpu")
-    val = data.Batches(images, "val", batch_size=cfg.global_batch_size, seed=cfg.seed,
-                       image_size=cfg.image_size)
-    search = train.microbatch.Search(net, net.blocks, env, 2, per_rank_batch=12, log=lambda _: None)
+    val = data.Batches(
+        images,
+        "val",
+        batch_size=cfg.global_batch_size,
+        seed=cfg.seed,
+        image_size=cfg.image_size,
+    )
+    search = train.microbatch.Search(
+        net, net.blocks, env, 2, per_rank_batch=12, log=lambda _: None
+    )
     scores = train.evaluate(net, val, images, cfg, env, search)
     assert scores["val_loss"] == pytest.approx(rows[4]["ema_val_loss"], abs=1e-6)
 
@@ -178,8 +254,12 @@ class Bowl(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.w = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64))
-        self.a = torch.tensor([[3.0, 0.5, 0.0], [0.5, 1.0, 0.2], [0.0, 0.2, 2.0]], dtype=torch.float64)
-        self.step_stats = torch.tensor([1.0])  # as ghost BatchNorm's: the first pass's are kept
+        self.a = torch.tensor(
+            [[3.0, 0.5, 0.0], [0.5, 1.0, 0.2], [0.0, 0.2, 2.0]], dtype=torch.float64
+        )
+        self.step_stats = torch.tensor(
+            [1.0]
+        )  # as ghost BatchNorm's: the first pass's are kept
 
     def loss(self) -> torch.Tensor:
         self.step_stats = self.step_stats + 1
@@ -224,15 +304,21 @@ def test_sam_out_of_memory_in_the_second_pass_restores_the_weights(modules) -> N
         return loss.detach()
 
     with pytest.raises(torch.OutOfMemoryError):
-        train.sam_forward_backward(forward_backward, train.microbatch.Attempt(None, 4, searching=False),
-                                   bowl, 0.5)
+        train.sam_forward_backward(
+            forward_backward,
+            train.microbatch.Attempt(None, 4, searching=False),
+            bowl,
+            0.5,
+        )
     assert torch.equal(bowl.w.detach(), w) and bowl.step_stats.item() == 2.0
 
 
 # ---------------------------------------------------------------- selective backprop
 
 
-def test_selective_backprop_keeps_the_top_loss_samples_and_the_gradient_is_theirs(modules) -> None:
+def test_selective_backprop_keeps_the_top_loss_samples_and_the_gradient_is_theirs(
+    modules,
+) -> None:
     """The kept samples are the highest-loss ones (ties to the lower index), in global
     order; a step on them has the gradient of the mean loss over exactly that subset."""
     train = modules["train"]
@@ -249,20 +335,31 @@ def test_selective_backprop_keeps_the_top_loss_samples_and_the_gradient_is_their
     ranked = sorted(range(8), key=lambda i: (-losses[i].item(), i))[:3]
     assert 2 in ranked or 5 not in ranked
     expected = sorted(ranked)
-    assert torch.equal(kept_x, inputs[expected]) and torch.equal(kept_y, labels[expected])
+    assert torch.equal(kept_x, inputs[expected]) and torch.equal(
+        kept_y, labels[expected]
+    )
     # The loop's gradient (summed loss / kept count) against the subset's mean loss by hand.
     net.zero_grad()
     (F.cross_entropy(net(kept_x), kept_y, reduction="sum") / 3).backward()
     ours = [p.grad.clone() for p in net.parameters()]
     net.zero_grad()
-    hand = sum(F.cross_entropy(net(inputs[i : i + 1]), labels[i : i + 1]) for i in expected) / 3
+    hand = (
+        sum(
+            F.cross_entropy(net(inputs[i : i + 1]), labels[i : i + 1]) for i in expected
+        )
+        / 3
+    )
     hand.backward()
     for a, b in zip(ours, (p.grad for p in net.parameters())):
         torch.testing.assert_close(a, b)
 
 
-def test_selective_backprop_kept_count_must_fill_batchnorm_groups(project: Path, tmp_path: Path) -> None:
-    result = run_train(project, tmp_path, *small("--selective_backprop_keep=0.25"))  # 3 samples, groups of 2
+def test_selective_backprop_kept_count_must_fill_batchnorm_groups(
+    project: Path, tmp_path: Path
+) -> None:
+    result = run_train(
+        project, tmp_path, *small("--selective_backprop_keep=0.25")
+    )  # 3 samples, groups of 2
     assert result.returncode == 2 and "= 3 samples" in result.stderr, result.stderr
     assert "bn_group_size = 2" in result.stderr
     assert not (tmp_path / "runs").exists()
@@ -274,23 +371,44 @@ def test_selective_backprop_kept_count_must_fill_batchnorm_groups(project: Path,
 @pytest.fixture(scope="module")
 def reference(project: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     workdir = tmp_path_factory.mktemp("one")
-    ok(run_train(project, workdir, *SMALL, "--max_duration=4ba", "--eval_interval=2ba", "--run_name=one"))
+    ok(
+        run_train(
+            project,
+            workdir,
+            *SMALL,
+            "--max_duration=4ba",
+            "--eval_interval=2ba",
+            "--run_name=one",
+        )
+    )
     return read_metrics(workdir, "one")
 
 
 @pytest.mark.parametrize(
     ("args", "inject"),
-    [(["--parallelism=fsdp"], ""),
-     (["--parallelism=ddp", "--device_microbatch_size=auto"], "ranks=1;above=2;phase=backward")],
+    [
+        (["--parallelism=fsdp"], ""),
+        (
+            ["--parallelism=ddp", "--device_microbatch_size=auto"],
+            "ranks=1;above=2;phase=backward",
+        ),
+    ],
     ids=["fsdp-2", "ddp-2-auto-oom"],
 )
-def test_two_ranks_equal_one_process(args: list[str], inject: str, project: Path, reference: list[dict],
-                                     tmp_path: Path) -> None:
+def test_two_ranks_equal_one_process(
+    args: list[str], inject: str, project: Path, reference: list[dict], tmp_path: Path
+) -> None:
     """SAM's two passes, selective backprop's global choice and the average: per-step losses
     (the kept samples' mean: a different choice would change it), validation scores of the
-    live and averaged weights equal one process's; with an injected OOM the step retries."""
+    live and averaged weights equal one process's; with an injected OOM the step retries.
+    """
     env = {"SCAFFOLD_INJECT_OOM": inject} if inject else None
-    launch = [*small(*args), "--max_duration=4ba", "--eval_interval=2ba", "--run_name=two"]
+    launch = [
+        *small(*args),
+        "--max_duration=4ba",
+        "--eval_interval=2ba",
+        "--run_name=two",
+    ]
     result = ok(torchrun(2, project / "train.py", *launch, cwd=tmp_path, env=env))
     rows = read_metrics(tmp_path, "two")
     assert [r["step"] for r in rows] == [r["step"] for r in reference]
@@ -304,5 +422,7 @@ def test_two_ranks_equal_one_process(args: list[str], inject: str, project: Path
     assert rows[-1]["sam_steps"] == 4
     if inject:
         assert "retrying the batch at 2" in result.stdout
-        assert {r["microbatch_size"] for r in rows[1:]} == {2}  # step 1 ran 2 rows: unproven
+        assert {r["microbatch_size"] for r in rows[1:]} == {
+            2
+        }  # step 1 ran 2 rows: unproven
         assert math.isfinite(rows[-1]["loss"])

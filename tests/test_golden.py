@@ -26,7 +26,9 @@ def tree(root: Path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_generated_tree_matches_golden(recipe: str, generated: dict[str, Path], request: pytest.FixtureRequest) -> None:
+def test_generated_tree_matches_golden(
+    recipe: str, generated: dict[str, Path], request: pytest.FixtureRequest
+) -> None:
     actual = tree(generated[recipe])
     golden_dir = GOLDEN / recipe
     if request.config.getoption("--update-golden"):
@@ -49,15 +51,24 @@ def test_generated_tree_matches_golden(recipe: str, generated: dict[str, Path], 
                 f"generated/{name}",
             )
             problems.append("".join(diff))
-    assert not problems, "generated files differ from golden (rerun with --update-golden if intended):\n" + "\n".join(problems)
+    assert not problems, (
+        "generated files differ from golden (rerun with --update-golden if intended):\n"
+        + "\n".join(problems)
+    )
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_generated_project_is_committed(recipe: str, generated: dict[str, Path]) -> None:
+def test_generated_project_is_committed(
+    recipe: str, generated: dict[str, Path]
+) -> None:
     import subprocess
 
     project = generated[recipe]
-    status = subprocess.run(["git", "status", "--porcelain"], cwd=project, capture_output=True, text=True)
-    log = subprocess.run(["git", "log", "--oneline"], cwd=project, capture_output=True, text=True)
+    status = subprocess.run(
+        ["git", "status", "--porcelain"], cwd=project, capture_output=True, text=True
+    )
+    log = subprocess.run(
+        ["git", "log", "--oneline"], cwd=project, capture_output=True, text=True
+    )
     assert status.returncode == 0 and status.stdout == ""
     assert len(log.stdout.splitlines()) == 1 and recipe in log.stdout

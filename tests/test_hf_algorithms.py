@@ -21,8 +21,15 @@ from projects import checkout_env, project_modules, read_metrics  # noqa: E402
 from runtime.checkpoint import export_safetensors  # noqa: E402
 from scaffold.render import new_project  # noqa: E402
 
-SMALL = ["--device=cpu", "--max_seq_len=16", "--global_batch_size=4", "--device_microbatch_size=2",
-         "--eval_batches=1", "--eval_interval=2ba", "--lr=1e-3"]
+SMALL = [
+    "--device=cpu",
+    "--max_seq_len=16",
+    "--global_batch_size=4",
+    "--device_microbatch_size=2",
+    "--eval_batches=1",
+    "--eval_interval=2ba",
+    "--lr=1e-3",
+]
 # train.py, dying like a killed job (no cleanup, no atexit) right after the step-2 checkpoint.
 CRASH_AFTER_STEP_2 = """
 import os, runpy, sys
@@ -44,22 +51,38 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def project(tmp_path_factory: pytest.TempPathFactory, isolated_home: Path) -> Path:
     root = tmp_path_factory.mktemp("hf-algorithms")
     recipe = root / "recipe.toml"
-    recipe.write_text('[answers]\ntask = "text_classification"\nmodel_family = "hf"\nmodel = "tiny"\n'
-                      "[algorithms.layer_freezing]\nstart = 0.0\nlevel = 1.0\n"
-                      "[algorithms.low_precision_layernorm]\n")
+    recipe.write_text(
+        '[answers]\ntask = "text_classification"\nmodel_family = "hf"\nmodel = "tiny"\n'
+        "[algorithms.layer_freezing]\nstart = 0.0\nlevel = 1.0\n"
+        "[algorithms.low_precision_layernorm]\n"
+    )
     result = scaffold_cli("new", "--recipe", str(recipe), str(root / "p"))
     assert result.returncode == 0, result.stderr
     return root / "p"
 
 
-def train(project: Path, workdir: Path, *args: str, crash: bool = False) -> subprocess.CompletedProcess[str]:
+def train(
+    project: Path, workdir: Path, *args: str, crash: bool = False
+) -> subprocess.CompletedProcess[str]:
     prefix = [sys.executable, "-c", CRASH_AFTER_STEP_2] if crash else [sys.executable]
-    return subprocess.run([*prefix, str(project / "train.py"), *SMALL, *args], cwd=workdir, env=checkout_env(),
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [*prefix, str(project / "train.py"), *SMALL, *args],
+        cwd=workdir,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
-def test_layer_freezing_freezes_earliest_layers_and_resumes_bitwise(project: Path, tmp_path: Path) -> None:
-    common = ["--max_duration=4ba", "--save_interval=1ba", "--save_num_checkpoints_to_keep=0"]
+def test_layer_freezing_freezes_earliest_layers_and_resumes_bitwise(
+    project: Path, tmp_path: Path
+) -> None:
+    common = [
+        "--max_duration=4ba",
+        "--save_interval=1ba",
+        "--save_num_checkpoints_to_keep=0",
+    ]
     whole = train(project, tmp_path, "--run_name=whole", *common)
     assert whole.returncode == 0, whole.stderr
     records = read_metrics(tmp_path, "whole")
@@ -68,7 +91,9 @@ def test_layer_freezing_freezes_earliest_layers_and_resumes_bitwise(project: Pat
 
     def weights(step: int) -> dict[str, torch.Tensor]:
         out = tmp_path / f"step-{step}.safetensors"
-        export_safetensors(tmp_path / "runs" / "whole" / "checkpoints" / f"step-{step}", out)
+        export_safetensors(
+            tmp_path / "runs" / "whole" / "checkpoints" / f"step-{step}", out
+        )
         return load_file(out)
 
     w = {step: weights(step) for step in (1, 2, 3, 4)}
@@ -78,8 +103,14 @@ def test_layer_freezing_freezes_earliest_layers_and_resumes_bitwise(project: Pat
         assert keys, prefix
         return any(not torch.equal(w[a][k], w[b][k]) for k in keys)
 
-    embeddings, layer0, layer1 = "bert.embeddings.", "bert.encoder.layer.0.", "bert.encoder.layer.1."
-    assert changed(embeddings, 1, 2) and not changed(embeddings, 2, 4)  # frozen from step 3
+    embeddings, layer0, layer1 = (
+        "bert.embeddings.",
+        "bert.encoder.layer.0.",
+        "bert.encoder.layer.1.",
+    )
+    assert changed(embeddings, 1, 2) and not changed(
+        embeddings, 2, 4
+    )  # frozen from step 3
     assert changed(layer0, 2, 3) and not changed(layer0, 3, 4)  # frozen at step 4
     assert changed(layer1, 3, 4) and changed("classifier.", 3, 4)  # never frozen
 
@@ -93,8 +124,12 @@ def test_layer_freezing_freezes_earliest_layers_and_resumes_bitwise(project: Pat
     ]
 
 
-def test_low_precision_layernorm_normalizes_in_bf16_under_autocast_only(project: Path) -> None:
-    assert "# algorithm: low_precision_layernorm" not in (project / "train.py").read_text()
+def test_low_precision_layernorm_normalizes_in_bf16_under_autocast_only(
+    project: Path,
+) -> None:
+    assert (
+        "# algorithm: low_precision_layernorm" not in (project / "train.py").read_text()
+    )
     with project_modules(project) as modules:
         model_module = modules["model"]
         # load_model hands back the model with every LayerNorm transformers built made
@@ -103,12 +138,16 @@ def test_low_precision_layernorm_normalizes_in_bf16_under_autocast_only(project:
         tokenizer = model_module.load_tokenizer("tiny", texts)
         loaded = model_module.load_model("tiny", 2, tokenizer, 16)
         norms = [m for m in loaded.modules() if isinstance(m, torch.nn.LayerNorm)]
-        assert len(norms) == 5 and all(type(m) is model_module.LowPrecisionLayerNorm for m in norms)
+        assert len(norms) == 5 and all(
+            type(m) is model_module.LowPrecisionLayerNorm for m in norms
+        )
 
         torch.manual_seed(0)
         # fp32 input, as the residual stream is: autocast leaves LayerNorm in fp32 (on CUDA it
         # even upcasts bf16 input); the low-precision one normalizes in bf16.
-        model = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.LayerNorm(8, bias=False))
+        model = torch.nn.Sequential(
+            torch.nn.LayerNorm(8), torch.nn.LayerNorm(8, bias=False)
+        )
         with torch.no_grad():
             model[0].weight.uniform_(0.5, 1.5)
             model[0].bias.uniform_(-0.5, 0.5)
@@ -123,26 +162,46 @@ def test_low_precision_layernorm_normalizes_in_bf16_under_autocast_only(project:
             after = model(x)
         assert before.dtype == torch.float32 and after.dtype == torch.bfloat16
         expected = torch.nn.functional.layer_norm(
-            torch.nn.functional.layer_norm(x.bfloat16(), (8,), model[0].weight.bfloat16(), model[0].bias.bfloat16()),
-            (8,), model[1].weight.bfloat16())
+            torch.nn.functional.layer_norm(
+                x.bfloat16(), (8,), model[0].weight.bfloat16(), model[0].bias.bfloat16()
+            ),
+            (8,),
+            model[1].weight.bfloat16(),
+        )
         assert torch.equal(after, expected)
-        assert torch.allclose(after.float(), before, atol=5e-2) and not torch.equal(after.float(), before)
-        assert torch.equal(model(x), eager_before)  # without autocast: the plain LayerNorm
+        assert torch.allclose(after.float(), before, atol=5e-2) and not torch.equal(
+            after.float(), before
+        )
+        assert torch.equal(
+            model(x), eager_before
+        )  # without autocast: the plain LayerNorm
 
 
-def test_low_precision_layernorm_is_how_the_gpt_builds_its_layernorms(tmp_path: Path, isolated_home: Path) -> None:
+def test_low_precision_layernorm_is_how_the_gpt_builds_its_layernorms(
+    tmp_path: Path, isolated_home: Path
+) -> None:
     """causal_lm: model.py's layer_norm builds every LayerNorm of the GPT as the low-precision
-    kind; keys and the GPT-2 layout (HF export) are unchanged, and train.py holds none of it."""
+    kind; keys and the GPT-2 layout (HF export) are unchanged, and train.py holds none of it.
+    """
     recipe = tmp_path / "r.toml"
-    recipe.write_text('[answers]\ntask = "causal_lm"\n[algorithms.low_precision_layernorm]\n')
+    recipe.write_text(
+        '[answers]\ntask = "causal_lm"\n[algorithms.low_precision_layernorm]\n'
+    )
     new_project(str(recipe), tmp_path / "gpt", [], "gpt")
-    assert "# algorithm: low_precision_layernorm" not in (tmp_path / "gpt" / "train.py").read_text()
+    assert (
+        "# algorithm: low_precision_layernorm"
+        not in (tmp_path / "gpt" / "train.py").read_text()
+    )
     with project_modules(tmp_path / "gpt") as modules:
         model_module = modules["model"]
-        config = model_module.GPTConfig(vocab_size=64, max_seq_len=16, n_layer=2, n_head=2, n_embd=32)
+        config = model_module.GPTConfig(
+            vocab_size=64, max_seq_len=16, n_layer=2, n_head=2, n_embd=32
+        )
         gpt = model_module.GPT(config)
         norms = [m for m in gpt.modules() if isinstance(m, torch.nn.LayerNorm)]
-        assert len(norms) == 5 and all(type(m) is model_module.LowPrecisionLayerNorm for m in norms)
+        assert len(norms) == 5 and all(
+            type(m) is model_module.LowPrecisionLayerNorm for m in norms
+        )
         assert model_module.HF_LAYOUT_CHANGES == {}
         names = set(model_module.hf_gpt2_names(config.n_layer)) | {"lm_head.weight"}
         assert set(gpt.state_dict()) == names
@@ -153,4 +212,6 @@ def test_low_precision_layernorm_is_how_the_gpt_builds_its_layernorms(tmp_path: 
             norm.__class__ = torch.nn.LayerNorm
         with torch.autocast("cpu", torch.bfloat16):
             plain = gpt(idx)
-        assert torch.allclose(low.float(), plain.float(), atol=0.1) and not torch.equal(low, plain)
+        assert torch.allclose(low.float(), plain.float(), atol=0.1) and not torch.equal(
+            low, plain
+        )

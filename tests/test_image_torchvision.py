@@ -115,7 +115,9 @@ def stand_in(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("stand_in")
     package = root / "torchvision"
     (package / "models").mkdir(parents=True)
-    (package / "__init__.py").write_text('"""STAND-IN torchvision (tests only)."""\nfrom . import models\n')
+    (package / "__init__.py").write_text(
+        '"""STAND-IN torchvision (tests only)."""\nfrom . import models\n'
+    )
     (package / "models" / "__init__.py").write_text(STAND_IN_MODELS)
     return root
 
@@ -125,10 +127,17 @@ def stand_in_env(stand_in: Path) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join([str(stand_in), env["PYTHONPATH"]])}
 
 
-def train(project: Path, workdir: Path, stand_in: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(project / "train.py"), "--device=cpu", *args], cwd=workdir,
-                          env={**checkout_env(), **stand_in_env(stand_in)}, capture_output=True, text=True,
-                          timeout=300)
+def train(
+    project: Path, workdir: Path, stand_in: Path, *args: str
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(project / "train.py"), "--device=cpu", *args],
+        cwd=workdir,
+        env={**checkout_env(), **stand_in_env(stand_in)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def one_error_line(result: subprocess.CompletedProcess[str], workdir: Path) -> str:
@@ -140,32 +149,52 @@ def one_error_line(result: subprocess.CompletedProcess[str], workdir: Path) -> s
     return lines[0]
 
 
-def test_torchvision_that_does_not_import_is_one_line_exit_2(project: Path, tmp_path: Path) -> None:
+def test_torchvision_that_does_not_import_is_one_line_exit_2(
+    project: Path, tmp_path: Path
+) -> None:
     """The real failure: this environment's torchvision is missing (or, installed from the
     registry, fails on the CPU torch). The line says what failed and how to fix it."""
-    probe = subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True, text=True,
-                           env=checkout_env())
+    probe = subprocess.run(
+        [sys.executable, "-c", "import torchvision"],
+        capture_output=True,
+        text=True,
+        env=checkout_env(),
+    )
     if probe.returncode == 0:
-        pytest.skip("torchvision imports in this environment: the failure path cannot happen here")
-    reason = probe.stderr.strip().splitlines()[-1].split(": ", 1)[-1]  # e.g. No module named 'torchvision'
-    line = one_error_line(run_train(project, tmp_path, "--model=torchvision:resnet50"), tmp_path)
+        pytest.skip(
+            "torchvision imports in this environment: the failure path cannot happen here"
+        )
+    reason = (
+        probe.stderr.strip().splitlines()[-1].split(": ", 1)[-1]
+    )  # e.g. No module named 'torchvision'
+    line = one_error_line(
+        run_train(project, tmp_path, "--model=torchvision:resnet50"), tmp_path
+    )
     assert "model=torchvision:resnet50 needs torchvision" in line and reason in line
     assert "pip install torch==2.14.1 torchvision==0.29.1" in line
 
 
-def test_unknown_names_and_unsupported_batchnorm_are_one_line_exit_2(project: Path, stand_in: Path,
-                                                                     tmp_path: Path) -> None:
-    line = one_error_line(train(project, tmp_path, stand_in, "--model=torchvision:resnet5O"), tmp_path)
+def test_unknown_names_and_unsupported_batchnorm_are_one_line_exit_2(
+    project: Path, stand_in: Path, tmp_path: Path
+) -> None:
+    line = one_error_line(
+        train(project, tmp_path, stand_in, "--model=torchvision:resnet5O"), tmp_path
+    )
     assert "no classification model 'resnet5O'" in line and "list_models" in line
-    line = one_error_line(train(project, tmp_path, stand_in, "--model=resnet5O"), tmp_path)
+    line = one_error_line(
+        train(project, tmp_path, stand_in, "--model=resnet5O"), tmp_path
+    )
     assert "not a preset" in line and "torchvision:NAME" in line
-    line = one_error_line(train(project, tmp_path, stand_in, *small("--model=torchvision:bn1dnet")),
-                          tmp_path)
+    line = one_error_line(
+        train(project, tmp_path, stand_in, *small("--model=torchvision:bn1dnet")),
+        tmp_path,
+    )
     assert "BatchNorm1d" in line and "microbatch size" in line
 
 
-def test_the_model_gets_ghost_batchnorm_and_block_units(project: Path, stand_in: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_model_gets_ghost_batchnorm_and_block_units(
+    project: Path, stand_in: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """torch's BatchNorm2d layers are swapped for ghost BatchNorm (same keys and values), so
     a step does not depend on the microbatch size; grey images are repeated into RGB; the
     FSDP units are the residual blocks and the top-level layers with parameters."""
@@ -179,17 +208,28 @@ def test_the_model_gets_ghost_batchnorm_and_block_units(project: Path, stand_in:
             model_module = found["model"]
             assert model_module.check_model("torchvision:tinynet") is None
             torch.manual_seed(0)
-            reference = torchvision.models.get_model("tinynet", weights=None, num_classes=10)
+            reference = torchvision.models.get_model(
+                "tinynet", weights=None, num_classes=10
+            )
             torch.manual_seed(0)
             model = model_module.TorchvisionNet("tinynet", 10, bn_group_size=2)
             net = model.net
             assert isinstance(net.bn1, model_module.BatchNorm2d) and isinstance(
-                net.layer1[1].bn, model_module.BatchNorm2d)
+                net.layer1[1].bn, model_module.BatchNorm2d
+            )
             assert not any(type(m) is torch.nn.BatchNorm2d for m in model.modules())
             expected = {f"net.{k}": v for k, v in reference.state_dict().items()}
             assert model.state_dict().keys() == expected.keys()
-            assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
-            assert model.blocks == [net.conv1, net.bn1, net.layer1[0], net.layer1[1], net.fc]
+            assert all(
+                torch.equal(model.state_dict()[k], v) for k, v in expected.items()
+            )
+            assert model.blocks == [
+                net.conv1,
+                net.bn1,
+                net.layer1[0],
+                net.layer1[1],
+                net.fc,
+            ]
             assert model.num_params() == sum(p.numel() for p in reference.parameters())
 
             images = torch.randn(8, 1, 8, 8, generator=torch.Generator().manual_seed(1))
@@ -208,38 +248,73 @@ def test_the_model_gets_ghost_batchnorm_and_block_units(project: Path, stand_in:
             # torch's BatchNorm (the reference net) would not give that: its statistics
             # are those of each forward pass.
             reference.zero_grad()
-            F.cross_entropy(reference(images.expand(-1, 3, -1, -1)), labels, reduction="sum").backward()
+            F.cross_entropy(
+                reference(images.expand(-1, 3, -1, -1)), labels, reduction="sum"
+            ).backward()
             split = [p.grad.clone() for p in reference.parameters()]
             reference.zero_grad()
             for x, y in zip(images.split(2), labels.split(2)):
-                F.cross_entropy(reference(x.expand(-1, 3, -1, -1)), y, reduction="sum").backward()
-            assert not torch.allclose(split[0], next(reference.parameters()).grad, atol=1e-4)
+                F.cross_entropy(
+                    reference(x.expand(-1, 3, -1, -1)), y, reduction="sum"
+                ).backward()
+            assert not torch.allclose(
+                split[0], next(reference.parameters()).grad, atol=1e-4
+            )
     finally:
         sys.modules.pop("torchvision", None)
         sys.modules.pop("torchvision.models", None)
 
 
-def test_trains_resumes_and_shards_a_torchvision_model(project: Path, stand_in: Path, tmp_path: Path) -> None:
+def test_trains_resumes_and_shards_a_torchvision_model(
+    project: Path, stand_in: Path, tmp_path: Path
+) -> None:
     """4 steps on the digits; a run cut off after its step-2 checkpoint and restarted equals an
     uninterrupted one bitwise; FSDP2 on 2 ranks equals one process (ghost BatchNorm)."""
-    common = [*small("--model=torchvision:tinynet"), "--max_duration=4ba", "--eval_interval=2ba",
-              "--save_interval=2ba"]
+    common = [
+        *small("--model=torchvision:tinynet"),
+        "--max_duration=4ba",
+        "--eval_interval=2ba",
+        "--save_interval=2ba",
+    ]
     result = ok(train(project, tmp_path, stand_in, *common, "--run_name=ref"))
     assert "model: torchvision:tinynet" in result.stdout
     reference = trajectory(tmp_path, "ref")
     assert [row[0] for row in reference] == [1, 2, 3, 4]
 
     env = {**checkout_env(), **stand_in_env(stand_in)}
-    subprocess.run([sys.executable, str(STOP_AFTER), "2", str(project / "train.py"), "--device=cpu",
-                    *common, "--run_name=cut"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                   timeout=300, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(STOP_AFTER),
+            "2",
+            str(project / "train.py"),
+            "--device=cpu",
+            *common,
+            "--run_name=cut",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     assert [r["step"] for r in read_metrics(tmp_path, "cut")] == [1, 2]
     resumed = ok(train(project, tmp_path, stand_in, *common, "--run_name=cut"))
     assert "resumed from" in resumed.stdout
     assert trajectory(tmp_path, "cut") == reference
 
-    ok(torchrun(2, project / "train.py", *common, "--parallelism=fsdp", "--run_name=fsdp", cwd=tmp_path,
-                env=stand_in_env(stand_in)))
+    ok(
+        torchrun(
+            2,
+            project / "train.py",
+            *common,
+            "--parallelism=fsdp",
+            "--run_name=fsdp",
+            cwd=tmp_path,
+            env=stand_in_env(stand_in),
+        )
+    )
     assert_close(trajectory(tmp_path, "fsdp"), reference)
 
 
@@ -248,11 +323,14 @@ def test_blurpool_and_squeeze_excite_change_a_torchvision_model_in_model_py(
 ) -> None:
     """torchvision builds the layers, so TorchvisionNet (model.py) makes them blurring and gives
     the wide convolutions their gates in place: torchvision's keys and initial values, the gates
-    under <conv>.se. Stochastic depth needs model.py's residual blocks: one error line."""
+    under <conv>.se. Stochastic depth needs model.py's residual blocks: one error line.
+    """
     recipe = tmp_path / "r.toml"
-    recipe.write_text('[answers]\ntask = "image_classification"\n[algorithms.blurpool]\n'
-                      "[algorithms.squeeze_excite]\nlatent_channels = 0.25\nmin_channels = 16\n"
-                      "[algorithms.stochastic_depth]\n")
+    recipe.write_text(
+        '[answers]\ntask = "image_classification"\n[algorithms.blurpool]\n'
+        "[algorithms.squeeze_excite]\nlatent_channels = 0.25\nmin_channels = 16\n"
+        "[algorithms.stochastic_depth]\n"
+    )
     project = tmp_path / "p"
     new_project(str(recipe), project, [], "p")
     assert "# algorithm: blurpool" not in (project / "train.py").read_text()
@@ -265,21 +343,39 @@ def test_blurpool_and_squeeze_excite_change_a_torchvision_model_in_model_py(
         with project_modules(project) as found:
             model_module = found["model"]
             torch.manual_seed(0)
-            reference = torchvision.models.get_model("stridenet", weights=None, num_classes=10)
+            reference = torchvision.models.get_model(
+                "stridenet", weights=None, num_classes=10
+            )
             torch.manual_seed(0)
             model = model_module.TorchvisionNet("stridenet", 10, bn_group_size=2)
             kinds = {name: type(m).__name__ for name, m in model.named_modules()}
-            assert kinds["net.maxpool"] == "BlurMaxPool2d" and kinds["net.down"] == "BlurConv2d"
+            assert (
+                kinds["net.maxpool"] == "BlurMaxPool2d"
+                and kinds["net.down"] == "BlurConv2d"
+            )
             assert kinds["net.conv1"] == "Conv2d"  # not strided
             # min(in, out) >= 16: the block's 16->16 convolution and the 16->32 one
-            gated = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Conv2d) and hasattr(m, "se")}
+            gated = {
+                name
+                for name, m in model.named_modules()
+                if isinstance(m, torch.nn.Conv2d) and hasattr(m, "se")
+            }
             assert gated == {"net.layer1.0.conv", "net.down"}
-            ours, theirs = model.state_dict(), {f"net.{k}": v for k, v in reference.state_dict().items()}
+            ours, theirs = model.state_dict(), {
+                f"net.{k}": v for k, v in reference.state_dict().items()
+            }
             assert all(torch.equal(ours[k], v) for k, v in theirs.items())
-            assert set(ours) - set(theirs) and all(".se." in k for k in set(ours) - set(theirs))
+            assert set(ours) - set(theirs) and all(
+                ".se." in k for k in set(ours) - set(theirs)
+            )
             assert model(torch.randn(4, 1, 8, 8)).shape == (4, 10)
     finally:
         sys.modules.pop("torchvision", None)
         sys.modules.pop("torchvision.models", None)
-    line = one_error_line(train(project, tmp_path, stand_in, *small("--model=torchvision:stridenet")), tmp_path)
-    assert line.startswith("error: stochastic_depth drops the branches of model.py's residual blocks")
+    line = one_error_line(
+        train(project, tmp_path, stand_in, *small("--model=torchvision:stridenet")),
+        tmp_path,
+    )
+    assert line.startswith(
+        "error: stochastic_depth drops the branches of model.py's residual blocks"
+    )

@@ -22,10 +22,20 @@ from runtime import microbatch
 from runtime.dist import DistEnv
 
 DRIVER = Path(__file__).resolve().parent / "microbatch_driver.py"
-LAUNCH_TIMEOUT = 240  # seconds; a hang would otherwise stall CI (the group timeout is 20 s)
+LAUNCH_TIMEOUT = (
+    240  # seconds; a hang would otherwise stall CI (the group timeout is 20 s)
+)
 # 12 samples per step: 6 per rank on 2 ranks (auto: 6 -> 3 -> 2), 4 on 3 ranks (4 -> 2).
-SMALL = ["--device=cpu", "--seq_len=32", "--global_batch_size=12", "--eval_batches=1",
-         "--max_duration=3ba", "--eval_interval=3ba", "--save_interval=3ba", "--dist_timeout=20"]
+SMALL = [
+    "--device=cpu",
+    "--seq_len=32",
+    "--global_batch_size=12",
+    "--eval_batches=1",
+    "--max_duration=3ba",
+    "--eval_interval=3ba",
+    "--save_interval=3ba",
+    "--dist_timeout=20",
+]
 FOUND = 2  # every injected run below fails above 2 samples per microbatch
 
 
@@ -49,14 +59,23 @@ def test_halve_keeps_multiples_of_a_group_size() -> None:
 def test_injection_parsing() -> None:
     parsed = microbatch.Injection.parse("ranks=1;above=4;phase=backward")
     assert parsed == microbatch.Injection(frozenset({1}), 4, "backward")
-    assert microbatch.Injection.parse(" ranks = 0,2 ; ") == microbatch.Injection(frozenset({0, 2}), 0, "forward")
+    assert microbatch.Injection.parse(" ranks = 0,2 ; ") == microbatch.Injection(
+        frozenset({0, 2}), 0, "forward"
+    )
     assert microbatch.Injection.parse("ranks=all;above=3").ranks is None
-    assert microbatch.Injection.parse("tokens=64") == microbatch.Injection(None, None, "forward", 64)
+    assert microbatch.Injection.parse("tokens=64") == microbatch.Injection(
+        None, None, "forward", 64
+    )
     assert microbatch.Injection.parse("above=2;tokens=64").above == 2
-    for bad, words in [("rank=1", "'rank=1' is not ranks="), ("ranks=a", "ranks must be"),
-                       ("above=x", "above must be an integer"), ("above=-1", "above must be >= 0"),
-                       ("tokens=-5", "tokens must be >= 0"),
-                       ("phase=step", "phase must be forward or backward"), ("above=1;above=2", "above given twice")]:
+    for bad, words in [
+        ("rank=1", "'rank=1' is not ranks="),
+        ("ranks=a", "ranks must be"),
+        ("above=x", "above must be an integer"),
+        ("above=-1", "above must be >= 0"),
+        ("tokens=-5", "tokens must be >= 0"),
+        ("phase=step", "phase must be forward or backward"),
+        ("above=1;above=2", "above given twice"),
+    ]:
         with pytest.raises(ValueError, match=words):
             microbatch.Injection.parse(bad)
 
@@ -72,7 +91,9 @@ class Toy(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)
+        )
         self.head = nn.Linear(8, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,13 +102,19 @@ class Toy(nn.Module):
         return self.head(x)
 
 
-CPU = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+CPU = DistEnv(
+    rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu")
+)
 
 
-def train_step(size: int | str, fail_at: frozenset[tuple[int, int]] = frozenset(), log=None):
+def train_step(
+    size: int | str, fail_at: frozenset[tuple[int, int]] = frozenset(), log=None
+):
     """One step as train.py does it; `fail_at` holds (size, i): OOM before microbatch i at that size."""
     model = Toy()
-    search = microbatch.Search(model, model.blocks, CPU, size, per_rank_batch=8, log=log or (lambda m: None))
+    search = microbatch.Search(
+        model, model.blocks, CPU, size, per_rank_batch=8, log=log or (lambda m: None)
+    )
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
     attempts, sums = 0, []
     for attempt in search.attempts(seq_len=1):
@@ -96,7 +123,9 @@ def train_step(size: int | str, fail_at: frozenset[tuple[int, int]] = frozenset(
             loss_sum = torch.zeros(())
             for i, micro in enumerate(x.split(attempt.size)):
                 if (attempt.size, i) in fail_at:
-                    raise torch.OutOfMemoryError("simulated")  # after earlier backwards: partial grads
+                    raise torch.OutOfMemoryError(
+                        "simulated"
+                    )  # after earlier backwards: partial grads
                 loss = model(micro).sum()
                 (loss / 8).backward()
                 loss_sum += loss.detach()
@@ -112,13 +141,21 @@ def test_retry_starts_from_a_clean_state() -> None:
     assert search.size == 2 and attempts == 3
     grads = [p.grad for p in model.parameters()]
     assert all(torch.equal(g, r.grad) for g, r in zip(grads, reference.parameters()))
-    assert torch.equal(loss_sum, reference_loss)  # accumulators restart with the attempt
+    assert torch.equal(
+        loss_sum, reference_loss
+    )  # accumulators restart with the attempt
 
 
-def test_settled_size_runs_without_hooks_and_a_late_oom_propagates(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_settled_size_runs_without_hooks_and_a_late_oom_propagates(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     model, search, attempts, _ = train_step("auto")
     assert (search.size, attempts) == (8, 1)
-    assert search.state_dict() == {"microbatch_size": 8, "microbatch_seq_len": 1, "microbatch_world_size": 1}
+    assert search.state_dict() == {
+        "microbatch_size": 8,
+        "microbatch_seq_len": 1,
+        "microbatch_world_size": 1,
+    }
     for module in model.modules():
         assert not module._forward_hooks and not module._forward_pre_hooks
     # Settled: an OOM is not swallowed (there is nothing to agree on); it says what to do.
@@ -133,16 +170,25 @@ def test_settled_size_runs_without_hooks_and_a_late_oom_propagates(monkeypatch: 
 def test_a_found_size_is_reused_from_its_state_dict_at_the_same_world_size() -> None:
     lines: list[str] = []
     _, found, _, _ = train_step("auto", frozenset({(8, 0)}), log=lines.append)
-    assert found.state_dict() == {"microbatch_size": 4, "microbatch_seq_len": 1,
-                                  "microbatch_world_size": 1}
+    assert found.state_dict() == {
+        "microbatch_size": 4,
+        "microbatch_seq_len": 1,
+        "microbatch_world_size": 1,
+    }
     assert lines[0] == "microbatch size: auto, starting at 8"  # by the search, once
 
     def search(size: int | str, world_size: int = 1) -> microbatch.Search:
-        env = DistEnv(rank=0, local_rank=0, world_size=world_size,
-                      local_world_size=world_size, device=torch.device("cpu"))
+        env = DistEnv(
+            rank=0,
+            local_rank=0,
+            world_size=world_size,
+            local_world_size=world_size,
+            device=torch.device("cpu"),
+        )
         model = Toy()
-        return microbatch.Search(model, model.blocks, env, size, per_rank_batch=8,
-                                 log=lines.append)
+        return microbatch.Search(
+            model, model.blocks, env, size, per_rank_batch=8, log=lines.append
+        )
 
     lines.clear()
     resumed = search("auto")
@@ -173,7 +219,9 @@ def test_a_found_size_is_reused_from_its_state_dict_at_the_same_world_size() -> 
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])
-def test_injected_oom_one_process_gives_the_fixed_size_gradients(phase: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_injected_oom_one_process_gives_the_fixed_size_gradients(
+    phase: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv(microbatch.INJECT_ENV, f"above=2;phase={phase}")
     logged: list[str] = []
     model, search, attempts, _ = train_step("auto", log=logged.append)
@@ -181,25 +229,39 @@ def test_injected_oom_one_process_gives_the_fixed_size_gradients(phase: str, mon
     assert logged[-1] == "microbatch size: 2 fits (sequence length 1)"
     monkeypatch.delenv(microbatch.INJECT_ENV)
     reference, *_ = train_step(2)
-    assert all(torch.equal(p.grad, r.grad) for p, r in zip(model.parameters(), reference.parameters()))
+    assert all(
+        torch.equal(p.grad, r.grad)
+        for p, r in zip(model.parameters(), reference.parameters())
+    )
 
 
 def test_injection_reads_rows_and_tokens_from_the_tensor() -> None:
     both = microbatch.Injection.parse("above=4;tokens=64")
     both.fire(0, torch.Size([4, 16, 8]), "forward")  # 4 rows of 16 positions: fits
-    both.fire(0, torch.Size([4, 32, 8]), "backward")  # another phase: not this injection's
-    for shape, words in [((4, 17, 8), "68 tokens per microbatch > 64"), ((5, 2, 8), "microbatch size 5 > 4")]:
+    both.fire(
+        0, torch.Size([4, 32, 8]), "backward"
+    )  # another phase: not this injection's
+    for shape, words in [
+        ((4, 17, 8), "68 tokens per microbatch > 64"),
+        ((5, 2, 8), "microbatch size 5 > 4"),
+    ]:
         with pytest.raises(torch.OutOfMemoryError, match=words):
             both.fire(0, torch.Size(shape), "forward")
-    microbatch.Injection.parse("ranks=1;tokens=1").fire(0, torch.Size([9, 9, 8]), "forward")  # rank 0 spared
+    microbatch.Injection.parse("ranks=1;tokens=1").fire(
+        0, torch.Size([9, 9, 8]), "forward"
+    )  # rank 0 spared
 
 
-def test_evaluation_searches_its_own_size_where_training_is_not_settled(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_evaluation_searches_its_own_size_where_training_is_not_settled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Training settled at 8 on sequences of 2 (warmup); evaluation at length 8 must not
     reuse 8 blindly: memory for 64 tokens per microbatch, so evaluation halves to 2."""
     monkeypatch.setenv(microbatch.INJECT_ENV, "tokens=16")
     model, logged = Toy(), []
-    search = microbatch.Search(model, model.blocks, CPU, "auto", per_rank_batch=8, log=logged.append)
+    search = microbatch.Search(
+        model, model.blocks, CPU, "auto", per_rank_batch=8, log=logged.append
+    )
 
     def run(attempts, length: int) -> list[int]:
         sizes = []
@@ -216,9 +278,15 @@ def test_evaluation_searches_its_own_size_where_training_is_not_settled(monkeypa
         assert run(search.eval_attempts(seq_len=8), 8) == [2]  # found once, then reused
     assert search.size == 8 and search.eval_size == 2  # training's size is its own
     assert "microbatch size: out of memory, retrying the evaluation at 4" in logged
-    assert run(search.attempts(seq_len=8), 8) == [8, 4, 2]  # training reaches full length
+    assert run(search.attempts(seq_len=8), 8) == [
+        8,
+        4,
+        2,
+    ]  # training reaches full length
     with torch.no_grad():
-        assert run(search.eval_attempts(seq_len=8), 8) == [2]  # training's size, settled there
+        assert run(search.eval_attempts(seq_len=8), 8) == [
+            2
+        ]  # training's size, settled there
     # Fixed sizes are never searched: an OOM in evaluation propagates, with advice.
     fixed = microbatch.Search(Toy(), [], CPU, 8, per_rank_batch=8)
     with pytest.raises(torch.OutOfMemoryError) as raised:
@@ -228,24 +296,44 @@ def test_evaluation_searches_its_own_size_where_training_is_not_settled(monkeypa
     assert "--device_microbatch_size" in "".join(raised.value.__notes__)
 
 
-def test_no_size_fits_exits_with_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_size_fits_exits_with_one_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv(microbatch.INJECT_ENV, "above=0;phase=backward")
-    with pytest.raises(SystemExit, match="out of memory at every device_microbatch_size down to 1"):
+    with pytest.raises(
+        SystemExit, match="out of memory at every device_microbatch_size down to 1"
+    ):
         train_step("auto")
 
 
 # ---------------------------------------------------------------- generated projects, N ranks
 
 
-def launch(project: Path, workdir: Path, nproc: int, plan: list[dict]) -> subprocess.CompletedProcess[str]:
+def launch(
+    project: Path, workdir: Path, nproc: int, plan: list[dict]
+) -> subprocess.CompletedProcess[str]:
     plan_file = workdir / "plan.json"
     plan_file.write_text(json.dumps(plan))
     (workdir / "out").mkdir(exist_ok=True)
-    runner = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-              if nproc > 1 else [sys.executable])
-    return subprocess.run([*runner, str(DRIVER), str(project), str(plan_file), str(workdir / "out")],
-                          cwd=workdir, env={**checkout_env(), "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    runner = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+        ]
+        if nproc > 1
+        else [sys.executable]
+    )
+    return subprocess.run(
+        [*runner, str(DRIVER), str(project), str(plan_file), str(workdir / "out")],
+        cwd=workdir,
+        env={**checkout_env(), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT,
+    )
 
 
 def final_params(workdir: Path, run_name: str) -> dict[str, torch.Tensor]:
@@ -259,8 +347,13 @@ def final_params(workdir: Path, run_name: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     ("parallelism", "nproc"),
     # fsdp 3 ranks (uneven shards) and ddp 2 in every run; the other shapes with --slow
-    [("none", 1), pytest.param("fsdp", 2, marks=pytest.mark.slow), ("fsdp", 3), ("ddp", 2),
-     pytest.param("ddp", 3, marks=pytest.mark.slow)],
+    [
+        ("none", 1),
+        pytest.param("fsdp", 2, marks=pytest.mark.slow),
+        ("fsdp", 3),
+        ("ddp", 2),
+        pytest.param("ddp", 3, marks=pytest.mark.slow),
+    ],
 )
 def test_one_rank_oom_in_forward_or_backward_settles_everywhere_and_trains_as_fixed(
     parallelism: str, nproc: int, generated_auto: dict[str, Path], tmp_path: Path
@@ -275,36 +368,73 @@ def test_one_rank_oom_in_forward_or_backward_settles_everywhere_and_trains_as_fi
     common = [*SMALL, f"--parallelism={parallelism}"]
     victim_fwd, victim_bwd = nproc - 1, max(nproc - 2, 0)
     plan = [
-        {"name": "fixed", "inject": "", "args": [*common, "--run_name=fixed", f"--device_microbatch_size={FOUND}"]},
-        {"name": "fwd", "inject": f"ranks={victim_fwd};above={FOUND};phase=forward",
-         "args": [*common, "--run_name=fwd", "--device_microbatch_size=auto"]},
-        {"name": "bwd", "inject": f"ranks={victim_bwd};above={FOUND};phase=backward",
-         "args": [*common, "--run_name=bwd", "--device_microbatch_size=auto"]},
+        {
+            "name": "fixed",
+            "inject": "",
+            "args": [*common, "--run_name=fixed", f"--device_microbatch_size={FOUND}"],
+        },
+        {
+            "name": "fwd",
+            "inject": f"ranks={victim_fwd};above={FOUND};phase=forward",
+            "args": [*common, "--run_name=fwd", "--device_microbatch_size=auto"],
+        },
+        {
+            "name": "bwd",
+            "inject": f"ranks={victim_bwd};above={FOUND};phase=backward",
+            "args": [*common, "--run_name=bwd", "--device_microbatch_size=auto"],
+        },
     ]
-    warming = [*(a for a in common if not a.startswith("--eval_interval")), "--eval_interval=1ba",
-               "--seq_length_warmup_duration=1dur"]
+    warming = [
+        *(a for a in common if not a.startswith("--eval_interval")),
+        "--eval_interval=1ba",
+        "--seq_length_warmup_duration=1dur",
+    ]
     if nproc <= 2:
         plan += [
-            {"name": "eval", "inject": f"ranks={nproc - 1};tokens=48",
-             "args": [*warming, "--run_name=eval", "--device_microbatch_size=auto"]},
-            {"name": "evalref", "inject": "", "args": [*warming, "--run_name=evalref", "--device_microbatch_size=1"]},
+            {
+                "name": "eval",
+                "inject": f"ranks={nproc - 1};tokens=48",
+                "args": [*warming, "--run_name=eval", "--device_microbatch_size=auto"],
+            },
+            {
+                "name": "evalref",
+                "inject": "",
+                "args": [*warming, "--run_name=evalref", "--device_microbatch_size=1"],
+            },
         ]
     result = launch(generated_auto["gpt2-speedup"], tmp_path, nproc, plan)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     if nproc <= 2:
-        evaluated, reference = read_metrics(tmp_path, "eval"), read_metrics(tmp_path, "evalref")
+        evaluated, reference = read_metrics(tmp_path, "eval"), read_metrics(
+            tmp_path, "evalref"
+        )
         assert [r["seq_len"] for r in evaluated] == [8, 16, 24]
-        assert [r["val_loss"] for r in evaluated] == pytest.approx([r["val_loss"] for r in reference], rel=1e-5)
-        assert [r["loss"] for r in evaluated] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
+        assert [r["val_loss"] for r in evaluated] == pytest.approx(
+            [r["val_loss"] for r in reference], rel=1e-5
+        )
+        assert [r["loss"] for r in evaluated] == pytest.approx(
+            [r["loss"] for r in reference], rel=1e-5
+        )
         log = (tmp_path / "runs" / "eval" / "log.txt").read_text()
-        assert "retrying the evaluation at 1" in log and "1 for evaluation (sequence length 32)" in log
+        assert (
+            "retrying the evaluation at 1" in log
+            and "1 for evaluation (sequence length 32)" in log
+        )
     fixed = final_params(tmp_path, "fixed")
     for name in ("fwd", "bwd"):
-        settled = [json.loads((tmp_path / "out" / f"{name}-rank{r}.json").read_text())["settled"]
-                   for r in range(nproc)]
+        settled = [
+            json.loads((tmp_path / "out" / f"{name}-rank{r}.json").read_text())[
+                "settled"
+            ]
+            for r in range(nproc)
+        ]
         # Settled once at the start and again at each longer warmup length, always at FOUND.
-        assert all(sizes == settled[0] and set(sizes) == {FOUND} for sizes in settled), settled
-        assert [r["microbatch_size"] for r in read_metrics(tmp_path, name)] == [FOUND] * 3
+        assert all(
+            sizes == settled[0] and set(sizes) == {FOUND} for sizes in settled
+        ), settled
+        assert [r["microbatch_size"] for r in read_metrics(tmp_path, name)] == [
+            FOUND
+        ] * 3
         log = (tmp_path / "runs" / name / "log.txt").read_text()
         assert "retrying the batch at" in log
         params = final_params(tmp_path, name)
@@ -315,33 +445,66 @@ def test_one_rank_oom_in_forward_or_backward_settles_everywhere_and_trains_as_fi
             # of in DDP's buckets: fp32 reduction order only, well below Adam's lr-sized steps.
             tolerance = 0.0 if parallelism != "ddp" else 1e-6
             assert torch.allclose(value, fixed[key], rtol=0, atol=tolerance), (
-                name, key, (value - fixed[key]).abs().max().item())
+                name,
+                key,
+                (value - fixed[key]).abs().max().item(),
+            )
 
 
-def test_oom_at_every_size_fails_fast_with_one_error_and_no_checkpoint(generated_auto: dict[str, Path], tmp_path: Path) -> None:
-    plan = [{"name": "never", "inject": "ranks=1;above=0;phase=backward",
-             "args": [*SMALL, "--parallelism=fsdp", "--run_name=never", "--device_microbatch_size=auto"]}]
+def test_oom_at_every_size_fails_fast_with_one_error_and_no_checkpoint(
+    generated_auto: dict[str, Path], tmp_path: Path
+) -> None:
+    plan = [
+        {
+            "name": "never",
+            "inject": "ranks=1;above=0;phase=backward",
+            "args": [
+                *SMALL,
+                "--parallelism=fsdp",
+                "--run_name=never",
+                "--device_microbatch_size=auto",
+            ],
+        }
+    ]
     result = launch(generated_auto["gpt2-speedup"], tmp_path, 2, plan)
     assert result.returncode != 0
-    assert result.stderr.count("error: out of memory at every device_microbatch_size down to 1") == 1, result.stderr
+    assert (
+        result.stderr.count(
+            "error: out of memory at every device_microbatch_size down to 1"
+        )
+        == 1
+    ), result.stderr
     checkpoints = tmp_path / "runs" / "never" / "checkpoints"
     assert not checkpoints.exists() or not any(checkpoints.iterdir())
     assert not (tmp_path / "runs" / "never" / "metrics.jsonl").exists()
 
 
-def test_resume_reuses_the_found_size_without_searching(generated_auto: dict[str, Path], tmp_path: Path) -> None:
-    project = generated_auto["gpt2-baseline"]  # constant sequence length: nothing to re-arm on resume
+def test_resume_reuses_the_found_size_without_searching(
+    generated_auto: dict[str, Path], tmp_path: Path
+) -> None:
+    project = generated_auto[
+        "gpt2-baseline"
+    ]  # constant sequence length: nothing to re-arm on resume
     args = [a for a in SMALL if not a.startswith(("--max_duration", "--save_interval"))]
     args += ["--run_name=r", "--device_microbatch_size=auto", "--save_interval=2ba"]
     env = {**checkout_env(), microbatch.INJECT_ENV: "above=3"}  # 12 -> 6 -> 3
 
     def train(duration: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, str(project / "train.py"), *args, duration],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [sys.executable, str(project / "train.py"), *args, duration],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     first = train("--max_duration=2ba")
     assert first.returncode == 0, first.stderr
-    assert "retrying the batch at 3" in first.stdout and "microbatch size: 3 fits" in first.stdout
+    assert (
+        "retrying the batch at 3" in first.stdout
+        and "microbatch size: 3 fits" in first.stdout
+    )
     # The same run, longer: it resumes. A new search would start at 12 and log retries.
     second = train("--max_duration=4ba")
     assert second.returncode == 0, second.stderr

@@ -33,7 +33,8 @@ def dotted(node: ast.AST) -> str:
 
 def writes_dynamo_config(body: list[ast.stmt], writers: set[str]) -> bool:
     """Whether these statements set an attribute of torch._dynamo.config (also through a
-    local name bound to it, setattr, or a method of it) or call a function in `writers`."""
+    local name bound to it, setattr, or a method of it) or call a function in `writers`.
+    """
     aliases = {DYNAMO_CONFIG}
     nodes = [node for stmt in body for node in ast.walk(stmt)]
     for node in nodes:  # `dynamo = torch._dynamo.config`
@@ -45,7 +46,9 @@ def writes_dynamo_config(body: list[ast.stmt], writers: set[str]) -> bool:
             targets = node.targets
         elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
             targets = [node.target]
-        if any(isinstance(t, ast.Attribute) and dotted(t.value) in aliases for t in targets):
+        if any(
+            isinstance(t, ast.Attribute) and dotted(t.value) in aliases for t in targets
+        ):
             return True
         if isinstance(node, ast.Call):
             called = dotted(node.func)
@@ -59,12 +62,23 @@ def writes_dynamo_config(body: list[ast.stmt], writers: set[str]) -> bool:
 def check_train_py(source: str) -> list[str]:
     """What is wrong with a generated train.py (empty: nothing)."""
     tree = ast.parse(source)
-    problems = [f"defines class {node.name} (line {node.lineno})" for node in ast.walk(tree)
-                if isinstance(node, ast.ClassDef) and node.name != "Config"]
-    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    problems = [
+        f"defines class {node.name} (line {node.lineno})"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef) and node.name != "Config"
+    ]
+    functions = {
+        node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)
+    }
     writers: set[str] = set()
-    while True:  # functions that write the configuration, directly or through each other
-        found = {name for name, node in functions.items() if writes_dynamo_config(node.body, writers)}
+    while (
+        True
+    ):  # functions that write the configuration, directly or through each other
+        found = {
+            name
+            for name, node in functions.items()
+            if writes_dynamo_config(node.body, writers)
+        }
         if found <= writers:
             break
         writers |= found
@@ -72,14 +86,18 @@ def check_train_py(source: str) -> list[str]:
     if main is None:
         return [*problems, "has no main()"]
     for loop in ast.walk(main):
-        if isinstance(loop, (ast.For, ast.While)) and writes_dynamo_config(loop.body, writers):
-            problems.append(f"writes {DYNAMO_CONFIG} inside main()'s loop at line {loop.lineno}")
+        if isinstance(loop, (ast.For, ast.While)) and writes_dynamo_config(
+            loop.body, writers
+        ):
+            problems.append(
+                f"writes {DYNAMO_CONFIG} inside main()'s loop at line {loop.lineno}"
+            )
     return problems
 
 
 def test_the_check_finds_a_class_and_a_per_step_dynamo_write() -> None:
     """The checker is not vacuous: the shape train.py had before issue 25 fails it."""
-    before = '''
+    before = """
 import torch
 
 class Config:
@@ -101,13 +119,20 @@ def main():
         compile_for(step)
     while True:
         torch._dynamo.config.automatic_dynamic_shapes = False
-'''
+"""
     problems = check_train_py(before)
     assert problems[0].startswith("defines class BlurConv2d")
-    assert [p.split(" at line ")[0] for p in problems[1:]] == [f"writes {DYNAMO_CONFIG} inside main()'s loop"] * 2
-    assert check_train_py(before.replace("compile_for(step)", "pass").replace(
-        "torch._dynamo.config.automatic_dynamic_shapes = False", "break").replace(
-        "class BlurConv2d(torch.nn.Conv2d):\n    pass\n", "")) == []
+    assert [p.split(" at line ")[0] for p in problems[1:]] == [
+        f"writes {DYNAMO_CONFIG} inside main()'s loop"
+    ] * 2
+    assert (
+        check_train_py(
+            before.replace("compile_for(step)", "pass")
+            .replace("torch._dynamo.config.automatic_dynamic_shapes = False", "break")
+            .replace("class BlurConv2d(torch.nn.Conv2d):\n    pass\n", "")
+        )
+        == []
+    )
 
 
 @pytest.fixture(scope="module")

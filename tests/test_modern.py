@@ -36,7 +36,9 @@ def modern(generated: dict[str, Path]):
 
 @pytest.fixture(scope="module")
 def glu(tmp_path_factory: pytest.TempPathFactory):
-    project = make_project(tmp_path_factory.mktemp("glu"), "[algorithms.gated_linear_units]\n")
+    project = make_project(
+        tmp_path_factory.mktemp("glu"), "[algorithms.gated_linear_units]\n"
+    )
     with project_modules(project) as modules:
         yield modules
 
@@ -58,7 +60,9 @@ def test_rotary_scores_depend_only_on_the_offset(modern) -> None:
         """q = a at position i, k = b at position j, both rotated in a length-20 sequence."""
         q, k = torch.zeros(1, 1, 20, 16), torch.zeros(1, 1, 20, 16)
         q[0, 0, i], k[0, 0, j] = a, b
-        q, k = rotary(q, base=10000.0, fraction=1.0), rotary(k, base=10000.0, fraction=1.0)
+        q, k = rotary(q, base=10000.0, fraction=1.0), rotary(
+            k, base=10000.0, fraction=1.0
+        )
         return (q[0, 0, i] @ k[0, 0, j]).item()
 
     for i, j in [(5, 2), (9, 9), (3, 0)]:
@@ -72,18 +76,25 @@ def test_rotary_keeps_position_zero_norms_and_unrotated_dims(modern) -> None:
     rotary = modern["model"].rotary
     x = torch.randn(2, 3, 10, 16)
     half = rotary(x, base=10000.0, fraction=0.5)
-    torch.testing.assert_close(half[..., 8:], x[..., 8:])  # the other half passes through
+    torch.testing.assert_close(
+        half[..., 8:], x[..., 8:]
+    )  # the other half passes through
     torch.testing.assert_close(half[:, :, 0], x[:, :, 0])  # angle 0 at position 0
     torch.testing.assert_close(half.norm(dim=-1), x.norm(dim=-1))  # a rotation
     assert not torch.allclose(half[:, :, 1:, :8], x[:, :, 1:, :8])
 
 
 def test_rotary_model_has_no_position_table(modern, generated) -> None:
-    names = {name for name, _ in modern["model"].GPT(tiny(modern["model"])).named_parameters()}
+    names = {
+        name
+        for name, _ in modern["model"].GPT(tiny(modern["model"])).named_parameters()
+    }
     assert not any(name.startswith("wpe") for name in names)
     with project_modules(generated["gpt2-baseline"]) as baseline:
         model = baseline["model"]
-        assert "wpe.weight" in {name for name, _ in model.GPT(tiny(model)).named_parameters()}
+        assert "wpe.weight" in {
+            name for name, _ in model.GPT(tiny(model)).named_parameters()
+        }
 
 
 def test_rotary_conflicts_with_alibi(tmp_path: Path) -> None:
@@ -114,7 +125,9 @@ def test_qk_norm_attention_equals_a_hand_computation(modern) -> None:
     model = modern["model"]
     attention = model.CausalSelfAttention(tiny(model))
     x = torch.randn(1, 6, 128)
-    q, k, v = (t.view(1, 6, 4, 32).transpose(1, 2) for t in attention.qkv(x).split(128, dim=2))
+    q, k, v = (
+        t.view(1, 6, 4, 32).transpose(1, 2) for t in attention.qkv(x).split(128, dim=2)
+    )
 
     def rms_norm(t):
         return t / t.pow(2).mean(-1, keepdim=True).add(torch.finfo(t.dtype).eps).sqrt()
@@ -124,7 +137,9 @@ def test_qk_norm_attention_equals_a_hand_computation(modern) -> None:
         torch.ones(6, 6).triu(1).bool(), float("-inf")
     )
     manual = (scores.softmax(-1) @ v).transpose(1, 2).reshape(1, 6, 128)
-    torch.testing.assert_close(attention(x), attention.proj(manual), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        attention(x), attention.proj(manual), rtol=1e-5, atol=1e-5
+    )
 
 
 # ---------------------------------------------------------------- relu_squared and GLU
@@ -165,11 +180,19 @@ def test_glu_parameter_count_follows_the_rule(glu, n_embd: int) -> None:
 
 
 def test_glu_activation_choice_is_checked(tmp_path: Path) -> None:
-    project = make_project(tmp_path, '[algorithms.gated_linear_units]\nactivation = "gelu"\n')
-    assert 'h = value * F.gelu(gate, approximate="tanh")' in (project / "model.py").read_text()
+    project = make_project(
+        tmp_path, '[algorithms.gated_linear_units]\nactivation = "gelu"\n'
+    )
+    assert (
+        'h = value * F.gelu(gate, approximate="tanh")'
+        in (project / "model.py").read_text()
+    )
     recipe = tmp_path / "bad.toml"
     recipe.write_text('[algorithms.gated_linear_units]\nactivation = "relu"\n')
-    with pytest.raises(RecipeError, match="gated_linear_units.activation = 'relu' is not one of 'silu', 'gelu'"):
+    with pytest.raises(
+        RecipeError,
+        match="gated_linear_units.activation = 'relu' is not one of 'silu', 'gelu'",
+    ):
         resolve(load_recipe(str(recipe), TEMPLATE), TEMPLATE, "p")
 
 
@@ -189,7 +212,10 @@ def test_zero_init_starts_at_the_uniform_loss_with_an_untied_head(modern) -> Non
     assert gpt.lm_head.weight.data_ptr() != gpt.wte.weight.data_ptr()
     assert gpt.lm_head.weight.abs().sum() == 0 and gpt.wte.weight.abs().sum() > 0
     for block in gpt.blocks:
-        assert block.attn.proj.weight.abs().sum() == 0 and block.mlp.proj.weight.abs().sum() == 0
+        assert (
+            block.attn.proj.weight.abs().sum() == 0
+            and block.mlp.proj.weight.abs().sum() == 0
+        )
     idx = torch.randint(0, 64, (2, 16))
     logits = gpt(idx)
     loss = F.cross_entropy(logits.flatten(0, 1), idx.flatten())
@@ -216,7 +242,9 @@ def test_logit_softcap_bounds_logits_and_the_loss_uses_them(modern) -> None:
     expected = 30.0 * torch.tanh(raw[0] / 30.0)
     torch.testing.assert_close(logits, expected)
     by_hand = -(expected.log_softmax(-1).gather(-1, idx[..., None])).mean()
-    torch.testing.assert_close(F.cross_entropy(logits.flatten(0, 1), idx.flatten()), by_hand)
+    torch.testing.assert_close(
+        F.cross_entropy(logits.flatten(0, 1), idx.flatten()), by_hand
+    )
 
 
 # ---------------------------------------------------------------- muon
@@ -241,7 +269,9 @@ def test_newton_schulz_is_the_quintic_iteration_and_torchs(modern) -> None:
         ours = newton_schulz(g)
         # fp32 on a CPU (bf16 on a GPU): the hand iteration in float64 to fp32 rounding
         assert ours.dtype == torch.float32 and ours.shape == shape
-        torch.testing.assert_close(ours, hand_newton_schulz(g.double()).float(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            ours, hand_newton_schulz(g.double()).float(), atol=1e-5, rtol=1e-5
+        )
         from torch.optim._muon import _zeropower_via_newtonschulz
 
         # torch's is the same iteration, always in bf16
@@ -252,7 +282,9 @@ def test_newton_schulz_is_the_quintic_iteration_and_torchs(modern) -> None:
         assert singular.min() > 0.6 and singular.max() < 1.25
 
 
-def test_one_muon_step_on_a_single_matrix_is_a_hand_newton_schulz_update(modern) -> None:
+def test_one_muon_step_on_a_single_matrix_is_a_hand_newton_schulz_update(
+    modern,
+) -> None:
     from runtime import muon
 
     train = modern["train"]
@@ -261,17 +293,23 @@ def test_one_muon_step_on_a_single_matrix_is_a_hand_newton_schulz_update(modern)
     start = weight.detach().clone()
     weight.grad = torch.randn(24, 16)
     lr, momentum, decay = 0.02, 0.9, 0.1
-    muon.Muon([weight], train.newton_schulz, lr=lr, weight_decay=decay, momentum=momentum).step()
+    muon.Muon(
+        [weight], train.newton_schulz, lr=lr, weight_decay=decay, momentum=momentum
+    ).step()
     buffer = (1 - momentum) * weight.grad  # momentum from zero
     nesterov = weight.grad + momentum * (buffer - weight.grad)
     scale = lr * math.sqrt(24 / 16)  # lr * sqrt(max(1, rows / cols))
-    expected = start * (1 - lr * decay) - scale * hand_newton_schulz(nesterov.double()).float()
+    expected = (
+        start * (1 - lr * decay) - scale * hand_newton_schulz(nesterov.double()).float()
+    )
     torch.testing.assert_close(weight.detach(), expected, atol=1e-5 * scale, rtol=0)
     # and what torch.optim.Muon does, up to its bf16 iterations
     twin = torch.nn.Parameter(start.clone())
     twin.grad = weight.grad.clone()
     torch.optim.Muon([twin], lr=lr, weight_decay=decay, momentum=momentum).step()
-    torch.testing.assert_close(twin.detach(), weight.detach(), atol=0.03 * scale, rtol=0)
+    torch.testing.assert_close(
+        twin.detach(), weight.detach(), atol=0.03 * scale, rtol=0
+    )
 
 
 def test_muon_takes_the_blocks_weight_matrices_and_nothing_else(modern) -> None:
@@ -280,7 +318,11 @@ def test_muon_takes_the_blocks_weight_matrices_and_nothing_else(modern) -> None:
     hidden, rest = modern["train"].muon_split(gpt)
     names = {id(p): name for name, p in gpt.named_parameters()}
     muon_names = {names[id(p)] for p in hidden}
-    expected = {f"blocks.{i}.{m}.weight" for i in range(4) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")}
+    expected = {
+        f"blocks.{i}.{m}.weight"
+        for i in range(4)
+        for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
+    }
     assert muon_names == expected
     assert {names[id(p)] for p in rest} == set(names.values()) - expected
     assert {"wte.weight", "lm_head.weight"} <= {names[id(p)] for p in rest}
@@ -296,7 +338,9 @@ def test_muon_momentum_warms_up_from_085(modern) -> None:
     assert at(0.1, cfg) == at(0.7, cfg) == pytest.approx(0.95)
 
 
-def test_muon_under_fsdp_on_two_ranks_equals_one_process_with_two_collectives_per_matrix(tmp_path: Path) -> None:
+def test_muon_under_fsdp_on_two_ranks_equals_one_process_with_two_collectives_per_matrix(
+    tmp_path: Path,
+) -> None:
     """runtime.muon.Muon on FSDP2 (2 gloo ranks, uneven shards, a rank holding no rows of a
     1-row matrix) takes the same steps as one process, bitwise; one step costs one gather and
     one scatter per matrix, and the Newton–Schulz work is split over the ranks."""
@@ -308,17 +352,35 @@ def test_muon_under_fsdp_on_two_ranks_equals_one_process_with_two_collectives_pe
 
     out = tmp_path / "muon.json"
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(REPO / "tests" / "muon_worker.py"), str(out)],
-        env=checkout_env(), capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(REPO / "tests" / "muon_worker.py"),
+            str(out),
+        ],
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads(out.read_text())
     assert found["max_change_from_init"] > 1e-3  # the steps moved the weights
-    assert found["max_diff_torch_muon_vs_ours"] == 0.0  # one process: torch.optim.Muon's steps
+    assert (
+        found["max_diff_torch_muon_vs_ours"] == 0.0
+    )  # one process: torch.optim.Muon's steps
     assert found["max_diff_fsdp_vs_one_process"] <= 1e-6
-    assert found["collectives_ours"] == {"gather_": found["matrices"], "scatter_": found["matrices"]}
-    assert found["newton_schulz_per_rank"] == [2, 2]  # 4 matrices, each orthogonalised once
+    assert found["collectives_ours"] == {
+        "gather_": found["matrices"],
+        "scatter_": found["matrices"],
+    }
+    assert found["newton_schulz_per_rank"] == [
+        2,
+        2,
+    ]  # 4 matrices, each orthogonalised once
     assert found["momentum_buffer_shapes"] == [[40, 16], [24, 40], [7, 24], [1, 7]]
 
 
@@ -327,29 +389,60 @@ def test_modern_recipe_on_two_fsdp_ranks_equals_one_process_and_resumes_on_one(
 ) -> None:
     """The generated gpt2-modern loop (Muon + AdamW in one Chain) on 2 FSDP2 ranks matches one
     process; its step-2 checkpoint (Muon's momentum sharded over 2 ranks) resumes on 1 process
-    and continues as the 1-process run does (step 4's loss depends on the restored momentum)."""
+    and continues as the 1-process run does (step 4's loss depends on the restored momentum).
+    """
     import subprocess
     import sys
 
     from projects import checkout_env, read_metrics, run_train
 
     project = generated["gpt2-modern"]
-    small = ["--seq_len=32", "--global_batch_size=12", "--device_microbatch_size=2", "--max_duration=4ba",
-             "--eval_interval=2ba", "--save_interval=2ba", "--eval_batches=1", "--dist_timeout=60"]
+    small = [
+        "--seq_len=32",
+        "--global_batch_size=12",
+        "--device_microbatch_size=2",
+        "--max_duration=4ba",
+        "--eval_interval=2ba",
+        "--save_interval=2ba",
+        "--eval_batches=1",
+        "--dist_timeout=60",
+    ]
     two = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(project / "train.py"), "--device=cpu", "--run_name=two", *small],
-        cwd=tmp_path, env=checkout_env(), capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(project / "train.py"),
+            "--device=cpu",
+            "--run_name=two",
+            *small,
+        ],
+        cwd=tmp_path,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert two.returncode == 0, two.stderr[-3000:]
     one = run_train(project, tmp_path, "--run_name=one", *small)
     assert one.returncode == 0, one.stderr[-3000:]
-    resumed = run_train(project, tmp_path, "--run_name=resumed", *small,
-                        f"--load_path={tmp_path / 'runs' / 'two' / 'checkpoints' / 'step-2'}")
+    resumed = run_train(
+        project,
+        tmp_path,
+        "--run_name=resumed",
+        *small,
+        f"--load_path={tmp_path / 'runs' / 'two' / 'checkpoints' / 'step-2'}",
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     def losses(run: str) -> dict[int, float]:
-        return {row["step"]: row["loss"] for row in read_metrics(tmp_path, run) if "loss" in row}
+        return {
+            row["step"]: row["loss"]
+            for row in read_metrics(tmp_path, run)
+            if "loss" in row
+        }
 
     assert losses("two") == pytest.approx(losses("one"), rel=1e-5)
     assert sorted(losses("resumed")) == [3, 4]
@@ -358,9 +451,12 @@ def test_modern_recipe_on_two_fsdp_ranks_equals_one_process_and_resumes_on_one(
 
 
 @pytest.mark.parametrize("algorithm", ["muon", "rotary"])
-def test_remove_then_add_on_an_edited_modern_project(algorithm: str, tmp_path: Path) -> None:
+def test_remove_then_add_on_an_edited_modern_project(
+    algorithm: str, tmp_path: Path
+) -> None:
     """`scaffold remove` brings back the host's default code the algorithm replaced (the AdamW
-    construction; learned positions), and `scaffold add` restores the edited project exactly."""
+    construction; learned positions), and `scaffold add` restores the edited project exactly.
+    """
     from conftest import scaffold_cli
     from test_upgrade import commit_all, files_of, make_hand_edits
 
@@ -371,7 +467,9 @@ def test_remove_then_add_on_an_edited_modern_project(algorithm: str, tmp_path: P
     edited = files_of(project)
     removed = scaffold_cli("remove", algorithm, str(project))
     assert removed.returncode == 0, removed.stderr
-    train, model = (project / "train.py").read_text(), (project / "model.py").read_text()
+    train, model = (project / "train.py").read_text(), (
+        project / "model.py"
+    ).read_text()
     assert f"# algorithm: {algorithm}" not in train + model
     assert "hand edit: inside the loop" in train and "beta2: float = 0.99" in train
     if algorithm == "muon":
@@ -389,18 +487,24 @@ def test_remove_then_add_on_an_edited_modern_project(algorithm: str, tmp_path: P
 
 @pytest.fixture(scope="module")
 def value_embeddings(tmp_path_factory: pytest.TempPathFactory):
-    project = make_project(tmp_path_factory.mktemp("ve"), "[algorithms.value_embeddings]\n")
+    project = make_project(
+        tmp_path_factory.mktemp("ve"), "[algorithms.value_embeddings]\n"
+    )
     with project_modules(project) as modules:
         yield modules
 
 
-def test_value_embeddings_change_the_values_by_the_embedding_term(value_embeddings) -> None:
+def test_value_embeddings_change_the_values_by_the_embedding_term(
+    value_embeddings,
+) -> None:
     model = value_embeddings["model"]
     attention = model.CausalSelfAttention(tiny(model))
     with torch.no_grad():
         attention.value_mix.copy_(torch.tensor([0.7, 0.4]))
     x, embed = torch.randn(2, 6, 128), torch.randn(2, 6, 128)
-    q, k, v = (t.view(2, 6, 4, 32).transpose(1, 2) for t in attention.qkv(x).split(128, dim=2))
+    q, k, v = (
+        t.view(2, 6, 4, 32).transpose(1, 2) for t in attention.qkv(x).split(128, dim=2)
+    )
 
     def attend(values: torch.Tensor) -> torch.Tensor:
         y = F.scaled_dot_product_attention(q, k, values, is_causal=True)
@@ -408,18 +512,28 @@ def test_value_embeddings_change_the_values_by_the_embedding_term(value_embeddin
 
     with_embed = 0.7 * v + 0.4 * embed.view(2, 6, 4, 32).transpose(1, 2)
     # forward(x, layer_input): no attn_bias, which no algorithm of this project fills
-    torch.testing.assert_close(attention(x, embed), attend(with_embed), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(attention(x, None), attend(0.7 * v), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        attention(x, embed), attend(with_embed), rtol=1e-5, atol=1e-5
+    )
+    torch.testing.assert_close(
+        attention(x, None), attend(0.7 * v), rtol=1e-5, atol=1e-5
+    )
 
 
-@pytest.mark.parametrize(("n_layer", "fed"), [(4, [0, 1, 1, 0]), (8, [0, 1, 2, None, None, 2, 1, 0])])
-def test_value_embedding_tables_feed_the_first_and_last_layers(value_embeddings, n_layer: int, fed: list) -> None:
+@pytest.mark.parametrize(
+    ("n_layer", "fed"), [(4, [0, 1, 1, 0]), (8, [0, 1, 2, None, None, 2, 1, 0])]
+)
+def test_value_embedding_tables_feed_the_first_and_last_layers(
+    value_embeddings, n_layer: int, fed: list
+) -> None:
     model = value_embeddings["model"]
     gpt = model.GPT(tiny(model, n_layer=n_layer))
     assert len(gpt.value_embeds) == max(t for t in fed if t is not None) + 1
     seen = []
     for block in gpt.blocks:
-        block.attn.register_forward_pre_hook(lambda module, args: seen.append(args[1]))  # (x, layer_input)
+        block.attn.register_forward_pre_hook(
+            lambda module, args: seen.append(args[1])
+        )  # (x, layer_input)
     idx = torch.randint(0, 64, (2, 8))
     gpt(idx)
     for layer_input, table in zip(seen, fed):

@@ -18,7 +18,9 @@ GLOBAL_BATCH = 4
 TOKENS_PER_STEP = 4 * 256
 
 
-def make(run_dir: Path, step: int = 0, enabled: bool = True) -> tuple[Monitor, Progress]:
+def make(
+    run_dir: Path, step: int = 0, enabled: bool = True
+) -> tuple[Monitor, Progress]:
     progress = Progress(batches_per_epoch=10)
     for _ in range(step):
         progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
@@ -40,7 +42,10 @@ def test_a_task_without_tokens_logs_samples_only(tmp_path: Path) -> None:
 
 
 def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 def test_log_appends_json_lines_with_throughput(tmp_path: Path) -> None:
@@ -52,24 +57,46 @@ def test_log_appends_json_lines_with_throughput(tmp_path: Path) -> None:
     progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
     time.sleep(0.05)
     monitor.log(progress, loss=2.0)
-    monitor.log(progress, val_loss=1.9)  # same step again: no interval, so no throughput
+    monitor.log(
+        progress, val_loss=1.9
+    )  # same step again: no interval, so no throughput
     monitor.close()
 
     first, second, third = records(run_dir)
-    assert first["step"] == 1 and first["epoch"] == 0 and first["loss"] == 2.5 and first["lr"] == 1e-3
+    assert (
+        first["step"] == 1
+        and first["epoch"] == 0
+        and first["loss"] == 2.5
+        and first["lr"] == 1e-3
+    )
     assert second["step"] == 3 and second["loss"] == 2.0 and "lr" not in second
     for record in (first, second):
         assert record["tokens_per_s"] > 0 and record["samples_per_s"] > 0
-        assert record["tokens_per_s"] / record["samples_per_s"] == TOKENS_PER_STEP / GLOBAL_BATCH
+        assert (
+            record["tokens_per_s"] / record["samples_per_s"]
+            == TOKENS_PER_STEP / GLOBAL_BATCH
+        )
     # Two steps in at least 50 ms: at most 2 * TOKENS_PER_STEP / 0.05 tokens/s, and >= 25 ms per step.
     assert second["tokens_per_s"] <= 2 * TOKENS_PER_STEP / 0.05
     assert second["step_ms"] >= 24
     train_s = third.pop("train_s")
-    assert third.pop("rss_gb") > 0 and third.pop("eta_s") > 0  # memory and ETA ride along
-    assert third == {"step": 3, "epoch": 0, "val_loss": 1.9, "samples": 3 * GLOBAL_BATCH, "tokens": 3 * TOKENS_PER_STEP}
+    assert (
+        third.pop("rss_gb") > 0 and third.pop("eta_s") > 0
+    )  # memory and ETA ride along
+    assert third == {
+        "step": 3,
+        "epoch": 0,
+        "val_loss": 1.9,
+        "samples": 3 * GLOBAL_BATCH,
+        "tokens": 3 * TOKENS_PER_STEP,
+    }
     # Training time accumulates across records: at least the 50 ms slept, never decreasing.
-    assert first["train_s"] <= second["train_s"] <= train_s and second["train_s"] >= 0.05
-    assert "step=3" in (run_dir / "log.txt").read_text()  # no live bar here: records go to the log
+    assert (
+        first["train_s"] <= second["train_s"] <= train_s and second["train_s"] >= 0.05
+    )
+    assert (
+        "step=3" in (run_dir / "log.txt").read_text()
+    )  # no live bar here: records go to the log
 
 
 def test_paused_time_is_excluded_from_throughput(tmp_path: Path) -> None:
@@ -102,7 +129,9 @@ def test_resume_drops_lines_after_the_checkpoint(tmp_path: Path) -> None:
 
     # The run crashed after step 5; the newest checkpoint is step 3.
     resumed, progress = make(tmp_path, step=3)
-    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == lines[:3]  # kept verbatim
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == lines[
+        :3
+    ]  # kept verbatim
     progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
     resumed.log(progress, loss=40.0)
     steps = [r["step"] for r in records(tmp_path)]
@@ -155,7 +184,9 @@ def test_record_run_writes_config_and_script_copy(tmp_path: Path) -> None:
     source = "# the exact training script\nimport torch\nprint('ünïcode ok')\n"
     script.write_text(source)
     monitor, _ = make(run_dir)
-    monitor.record_run('lr = 0.001\nmodel = "gpt2"\n', script, torch.device("cpu"), world_size=1)
+    monitor.record_run(
+        'lr = 0.001\nmodel = "gpt2"\n', script, torch.device("cpu"), world_size=1
+    )
     monitor.close()
     assert (run_dir / "config.toml").read_text() == 'lr = 0.001\nmodel = "gpt2"\n'
     assert (run_dir / "train.py").read_text() == source
@@ -265,21 +296,33 @@ def test_tf32_is_read_whichever_api_turned_it_on() -> None:
     )
     legacy = "import torch\nfrom runtime.monitor import tf32_matmuls\ntorch.set_float32_matmul_precision('high')\nassert tf32_matmuls()\n"
     for code in (script, legacy):
-        result = subprocess.run([sys.executable, "-c", code], env=checkout_env(), capture_output=True, text=True)
+        result = subprocess.run(
+            [sys.executable, "-c", code],
+            env=checkout_env(),
+            capture_output=True,
+            text=True,
+        )
         assert result.returncode == 0, result.stderr
 
 
-def test_training_flops_of_a_linear_layer_and_a_convolution_are_the_hand_count() -> None:
+def test_training_flops_of_a_linear_layer_and_a_convolution_are_the_hand_count() -> (
+    None
+):
     """Forward: 2 FLOPs per multiply-add; training: 3x the forward."""
     from runtime.monitor import training_flops
 
     linear = torch.nn.Linear(16, 8)
     assert training_flops(linear, torch.zeros(4, 16)) == 3 * 2 * 4 * 16 * 8
     conv = torch.nn.Conv2d(3, 5, kernel_size=3, padding=1)  # 8x8 output positions
-    assert training_flops(conv, torch.zeros(2, 3, 8, 8)) == 3 * 2 * 2 * (8 * 8) * 5 * 3 * 3 * 3
+    assert (
+        training_flops(conv, torch.zeros(2, 3, 8, 8))
+        == 3 * 2 * 2 * (8 * 8) * 5 * 3 * 3 * 3
+    )
     # Counting leaves the module as it was: training mode, no gradients.
     assert conv.training and conv.weight.grad is None
-    dropout_net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)).eval()
+    dropout_net = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)
+    ).eval()
     training_flops(dropout_net, {"input": torch.zeros(1, 4)})
     assert not dropout_net.training
 
@@ -289,8 +332,12 @@ def test_training_flops_count_attention_on_every_device() -> None:
     from runtime.monitor import training_flops
 
     class Attention(torch.nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:  # (batch, heads, L, head width)
-            return torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+        def forward(
+            self, x: torch.Tensor
+        ) -> torch.Tensor:  # (batch, heads, L, head width)
+            return torch.nn.functional.scaled_dot_product_attention(
+                x, x, x, is_causal=True
+            )
 
     heads, length, width = 2, 16, 8
     flops = training_flops(Attention(), torch.zeros(1, heads, length, width))
@@ -303,10 +350,18 @@ def test_the_0_2_0_call_starts_at_once(tmp_path: Path) -> None:
     progress = Progress(batches_per_epoch=10)
     for _ in range(3):
         progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
-    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(1, 6)))
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(f'{{"step": {s}}}\n' for s in range(1, 6))
+    )
     monitor = Monitor(tmp_path, progress, Time.parse("100ba"), GLOBAL_BATCH, True)
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert [
+        json.loads(line)["step"]
+        for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ] == [1, 2, 3]
     progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
     monitor.log(progress, loss=1.0)
-    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 4
+    assert (
+        json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+        == 4
+    )
     monitor.close()

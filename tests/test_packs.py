@@ -40,8 +40,15 @@ CATALOG = load_algorithms(TEMPLATE)
 TASKS = load_tasks(TEMPLATE)
 MODELS = load_models(TEMPLATE)
 # Two optimizer steps on a tiny batch: enough to run every event once and log every metric.
-TWO_STEPS = ["--max_duration=2ba", "--eval_interval=1ba", "--eval_batches=1", "--global_batch_size=4",
-             "--device_microbatch_size=2", "--save_interval=2ba", "--device=cpu"]
+TWO_STEPS = [
+    "--max_duration=2ba",
+    "--eval_interval=1ba",
+    "--eval_batches=1",
+    "--global_batch_size=4",
+    "--device_microbatch_size=2",
+    "--save_interval=2ba",
+    "--device=cpu",
+]
 # Task-specific settings that TWO_STEPS' tiny batch needs (BatchNorm groups of 2 samples).
 TASK_ARGS = {"image_classification": ["--bn_group_size=2"]}
 
@@ -63,32 +70,44 @@ def recipe_for(tmp_path: Path, task: str, family: str, algorithms: list[str]) ->
     wanted = list(algorithms)
     for name in algorithms:
         wanted += [needed for needed in CATALOG[name].requires if needed not in wanted]
-    lines = ["[answers]", f"task = {task!r}", f"model_family = {family!r}",
-             f"model = {MODELS[family].presets[0]!r}"]
+    lines = [
+        "[answers]",
+        f"task = {task!r}",
+        f"model_family = {family!r}",
+        f"model = {MODELS[family].presets[0]!r}",
+    ]
     lines += [f"[algorithms.{name}]" for name in wanted]
     path = tmp_path / "recipe.toml"
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-def train_in_process(project: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> list[dict]:
+def train_in_process(
+    project: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch, *args: str
+) -> list[dict]:
     """Run the generated train.py's main() in this process (no interpreter start-up per project)."""
     workdir.mkdir(exist_ok=True)
     monkeypatch.chdir(workdir)
     with project_modules(project) as modules:
-        monkeypatch.setattr(sys, "argv", ["train.py", "--run_name=r", *TWO_STEPS, *args])
+        monkeypatch.setattr(
+            sys, "argv", ["train.py", "--run_name=r", *TWO_STEPS, *args]
+        )
         try:
             modules["train"].main()
         finally:
             from runtime import dist
 
             dist.shutdown()
-    return [json.loads(line) for line in (workdir / "runs" / "r" / "metrics.jsonl").read_text().splitlines()]
+    return [
+        json.loads(line)
+        for line in (workdir / "runs" / "r" / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 def fenced_events(source: str, name: str) -> list[str]:
     """Where each `# algorithm: name` fence of train.py sits: the event point it follows inside
-    main(), or the module-level section (config/checks/functions/imports) before main()."""
+    main(), or the module-level section (config/checks/functions/imports) before main().
+    """
     found, place = [], "module"
     for line in source.splitlines():
         stripped = line.strip()
@@ -114,34 +133,58 @@ def test_every_snippet_names_a_known_spot_and_every_model_point_exists() -> None
     for name, spec in CATALOG.items():
         # Its spots: its snippets, the model code it declares it `replaces` (with nothing), and
         # train.checks where the template renders the checks of its declared ranges.
-        ranged = "train.config" in spec.spots and any(hp.range for hp in spec.hyperparameters.values())
-        assert set(spec.spots) == snippet_spots(name) | set(spec.replaces) | ({"train.checks"} if ranged else set())
+        ranged = "train.config" in spec.spots and any(
+            hp.range for hp in spec.hyperparameters.values()
+        )
+        assert set(spec.spots) == snippet_spots(name) | set(spec.replaces) | (
+            {"train.checks"} if ranged else set()
+        )
         for spot in spec.replaces:  # only default code a model declares replaceable
             _, family, point = spot.split(".")
             assert MODELS[family].extension_points[point].replaces, (name, spot)
         assert spec.tasks and set(spec.tasks) <= set(TASKS), name
-        assert (TEMPLATE / "algorithms" / name / "card.md").is_file(), f"{name} has no method card"
-        for family in {spot.split(".")[1] for spot in spec.spots if spot.startswith("model.")}:
+        assert (
+            TEMPLATE / "algorithms" / name / "card.md"
+        ).is_file(), f"{name} has no method card"
+        for family in {
+            spot.split(".")[1] for spot in spec.spots if spot.startswith("model.")
+        }:
             assert family in MODELS, (name, family)
-            assert set(spec.model_points(family)) <= set(MODELS[family].extension_points), name
+            assert set(spec.model_points(family)) <= set(
+                MODELS[family].extension_points
+            ), name
 
 
 def test_a_misnamed_snippet_is_a_catalog_error(tmp_path: Path) -> None:
     template = tmp_path / "templates"
     shutil.copytree(TEMPLATE, template)
-    (template / "algorithms" / "alibi" / "train.BATCH_BEGIN.py.jinja").write_text("pass\n")
-    with pytest.raises(CatalogError, match="train.BATCH_BEGIN.py.jinja: a snippet is named"):
+    (template / "algorithms" / "alibi" / "train.BATCH_BEGIN.py.jinja").write_text(
+        "pass\n"
+    )
+    with pytest.raises(
+        CatalogError, match="train.BATCH_BEGIN.py.jinja: a snippet is named"
+    ):
         load_algorithms(template)
 
 
 def test_cli_events_are_derived_from_snippet_file_names() -> None:
     listing = scaffold_cli("algorithms")
     assert listing.returncode == 0, listing.stderr
-    rows = {line.split()[0]: line for line in listing.stdout.splitlines()[1:] if line.strip()}
+    rows = {
+        line.split()[0]: line
+        for line in listing.stdout.splitlines()[1:]
+        if line.strip()
+    }
     for name in CATALOG:
         spots = snippet_spots(name)
-        expected = {spot.split(".")[1] for spot in spots if spot.split(".")[1] in EVENTS}
-        expected |= {TRAIN_POINTS[spot.split(".")[1]] for spot in spots if spot.split(".")[1] in TRAIN_POINTS}
+        expected = {
+            spot.split(".")[1] for spot in spots if spot.split(".")[1] in EVENTS
+        }
+        expected |= {
+            TRAIN_POINTS[spot.split(".")[1]]
+            for spot in spots
+            if spot.split(".")[1] in TRAIN_POINTS
+        }
         if any(spot.startswith("model.") for spot in spots):
             expected.add("MODEL")
         listed = {event for event in EVENTS if re.search(rf"\b{event}\b", rows[name])}
@@ -154,7 +197,8 @@ def test_cli_lists_algorithms_for_a_task() -> None:
     unknown = scaffold_cli("algorithms", "--task", "causal")
     assert unknown.returncode == 2
     assert unknown.stderr.strip().splitlines() == [
-        "error: unknown task 'causal' (did you mean 'causal_lm'?); tasks: " + ", ".join(TASKS)
+        "error: unknown task 'causal' (did you mean 'causal_lm'?); tasks: "
+        + ", ".join(TASKS)
     ]
 
 
@@ -162,15 +206,26 @@ def test_catalog_order_follows_declared_before_and_after() -> None:
     algorithms = {
         "mixup": Algorithm("mixup", ""),
         "label_smoothing": Algorithm("label_smoothing", "", before=("mixup",)),
-        "selective_backprop": Algorithm("selective_backprop", "", before=("mixup", "label_smoothing")),
+        "selective_backprop": Algorithm(
+            "selective_backprop", "", before=("mixup", "label_smoothing")
+        ),
         "ema": Algorithm("ema", "", after=("zloss",)),
         "zloss": Algorithm("zloss", ""),
     }
     order = catalog_order(algorithms)
-    assert order.index("selective_backprop") < order.index("label_smoothing") < order.index("mixup")
+    assert (
+        order.index("selective_backprop")
+        < order.index("label_smoothing")
+        < order.index("mixup")
+    )
     assert order.index("zloss") < order.index("ema")
     with pytest.raises(CatalogError, match="cycle"):
-        catalog_order({"a": Algorithm("a", "", before=("b",)), "b": Algorithm("b", "", before=("a",))})
+        catalog_order(
+            {
+                "a": Algorithm("a", "", before=("b",)),
+                "b": Algorithm("b", "", before=("a",)),
+            }
+        )
 
 
 # ---------------------------------------------------------------- every algorithm alone
@@ -185,28 +240,49 @@ def test_every_algorithm_renders_alone_and_trains(
     spec = CATALOG[name]
     for path in project.rglob("*.py"):
         source = path.read_text()
-        assert black.format_str(source, mode=BLACK_MODE) == source, f"{path.name} is not black-clean"
-        assert source.count(f"# algorithm: {name}\n") == source.count(f"# end algorithm: {name}\n")
+        assert (
+            black.format_str(source, mode=BLACK_MODE) == source
+        ), f"{path.name} is not black-clean"
+        assert source.count(f"# algorithm: {name}\n") == source.count(
+            f"# end algorithm: {name}\n"
+        )
     train = (project / "train.py").read_text()
     # one fence per train.* snippet: each train.<EVENT> one under its event marker, the
     # imports/config/checks/functions ones before main(); metrics go where the task logs
     places = fenced_events(train, name)
-    train_spots = [spot.split(".")[1] for spot in spec.spots if spot.startswith("train.")]
+    train_spots = [
+        spot.split(".")[1] for spot in spec.spots if spot.startswith("train.")
+    ]
     assert len(places) == len(train_spots)
     for spot in train_spots:
         if spot in EVENTS:
             assert spot in places, (name, spot, places)
-        if spot in TRAIN_POINTS:  # replaced host code: builds what its event point then names
+        if (
+            spot in TRAIN_POINTS
+        ):  # replaced host code: builds what its event point then names
             marker = f"# event: {TRAIN_POINTS[spot]}"
-            assert train.index(f"# algorithm: {name}") < train.index(marker), (name, spot, places)
-    sections = [spot for spot in train_spots if spot not in EVENTS and spot not in TRAIN_POINTS
-                and spot != "metrics"]
+            assert train.index(f"# algorithm: {name}") < train.index(marker), (
+                name,
+                spot,
+                places,
+            )
+    sections = [
+        spot
+        for spot in train_spots
+        if spot not in EVENTS and spot not in TRAIN_POINTS and spot != "metrics"
+    ]
     assert places.count("module") == len(sections)
     model = (project / "model.py").read_text()
-    written = [p for p in spec.model_points(family) if f"model.{family}.{p}" not in spec.replaces]
+    written = [
+        p
+        for p in spec.model_points(family)
+        if f"model.{family}.{p}" not in spec.replaces
+    ]
     assert model.count(f"# algorithm: {name}\n") == len(written)
 
-    rows = train_in_process(project, tmp_path / "work", monkeypatch, *TASK_ARGS.get(task, []))
+    rows = train_in_process(
+        project, tmp_path / "work", monkeypatch, *TASK_ARGS.get(task, [])
+    )
     assert [row["step"] for row in rows if "loss" in row] == [1, 2]
     assert all(math.isfinite(row["loss"]) for row in rows if "loss" in row)
 
@@ -215,7 +291,9 @@ def first_pairing(name: str) -> tuple[str, str]:
     """The algorithm's first task and a model family of it that the algorithm declares."""
     spec = CATALOG[name]
     task = spec.tasks[0]
-    return task, next(f for f in TASKS[task].models if not spec.models or f in spec.models)
+    return task, next(
+        f for f in TASKS[task].models if not spec.models or f in spec.models
+    )
 
 
 def cuttable_files(name: str) -> list[str]:
@@ -224,17 +302,27 @@ def cuttable_files(name: str) -> list[str]:
     (replaced host code has no default left once cut out; `scaffold remove` restores it).
     Empty where train.py's fences replace host code too."""
     spec = CATALOG[name]
-    if any(spot.split(".")[1] in TRAIN_POINTS for spot in spec.spots if spot.startswith("train.")):
+    if any(
+        spot.split(".")[1] in TRAIN_POINTS
+        for spot in spec.spots
+        if spot.startswith("train.")
+    ):
         return []
     family = first_pairing(name)[1]
     points = spec.model_points(family)
-    files = ["train.py"] if any(spot.startswith("train.") for spot in spec.spots) else []
-    if points and not any(MODELS[family].extension_points[point].replaces for point in points):
+    files = (
+        ["train.py"] if any(spot.startswith("train.") for spot in spec.spots) else []
+    )
+    if points and not any(
+        MODELS[family].extension_points[point].replaces for point in points
+    ):
         files.append("model.py")
     return files
 
 
-@pytest.mark.parametrize("algorithm", [name for name in CATALOG if cuttable_files(name)])
+@pytest.mark.parametrize(
+    "algorithm", [name for name in CATALOG if cuttable_files(name)]
+)
 def test_deleting_an_algorithms_fences_by_hand_leaves_no_dangling_name(
     algorithm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -247,15 +335,22 @@ def test_deleting_an_algorithms_fences_by_hand_leaves_no_dangling_name(
     task, family = first_pairing(algorithm)
     project = tmp_path / "alone"
     new_project(str(recipe_for(tmp_path, task, family, [algorithm])), project, [], "p")
-    fence = re.compile(rf"\n[ ]*# algorithm: {algorithm}\n.*?# end algorithm: {algorithm}\n", re.S)
+    fence = re.compile(
+        rf"\n[ ]*# algorithm: {algorithm}\n.*?# end algorithm: {algorithm}\n", re.S
+    )
     for name in cuttable_files(algorithm):
         path = project / name
         text, cuts = fence.subn("\n", path.read_text())
-        snippets = spec.model_points(family) if name == "model.py" else [
-            spot for spot in spec.spots if spot.startswith("train.")]
+        snippets = (
+            spec.model_points(family)
+            if name == "model.py"
+            else [spot for spot in spec.spots if spot.startswith("train.")]
+        )
         assert cuts == len(snippets), name  # one fence per snippet of that file
         path.write_text(text)
-    rows = train_in_process(project, tmp_path / "work", monkeypatch, *TASK_ARGS.get(task, []))
+    rows = train_in_process(
+        project, tmp_path / "work", monkeypatch, *TASK_ARGS.get(task, [])
+    )
     assert [row["step"] for row in rows if "loss" in row] == [1, 2]
 
 
@@ -273,7 +368,9 @@ def test_an_undeclared_task_is_refused_by_name(tmp_path: Path) -> None:
         dest = tmp_path / f"refused-{name}"
         with pytest.raises(RecipeError) as refused:
             new_project(str(recipe), dest, [], "p", release=release)
-        assert str(refused.value).startswith(f"algorithm '{name}' does not apply to task 'other_lm'")
+        assert str(refused.value).startswith(
+            f"algorithm '{name}' does not apply to task 'other_lm'"
+        )
         assert not dest.exists() and not list(tmp_path.glob(f".refused-{name}.*"))
 
 
@@ -286,21 +383,32 @@ def test_cli_refuses_a_model_family_the_task_does_not_take(tmp_path: Path) -> No
     ]
 
 
-def test_two_algorithms_replacing_one_extension_point_are_refused(tmp_path: Path) -> None:
+def test_two_algorithms_replacing_one_extension_point_are_refused(
+    tmp_path: Path,
+) -> None:
     template = tmp_path / "templates"
     shutil.copytree(TEMPLATE, template)
-    shutil.copytree(template / "algorithms" / "alibi", template / "algorithms" / "alibi_copy")
+    shutil.copytree(
+        template / "algorithms" / "alibi", template / "algorithms" / "alibi_copy"
+    )
     recipe = tmp_path / "r.toml"
     recipe.write_text("[algorithms.alibi]\n[algorithms.alibi_copy]\n")
-    with pytest.raises(RecipeError, match="'alibi' and 'alibi_copy' both replace the 'attention' code"):
+    with pytest.raises(
+        RecipeError, match="'alibi' and 'alibi_copy' both replace the 'attention' code"
+    ):
         resolve(load_recipe(str(recipe), template), template, "p")
 
 
 def test_an_extension_point_the_family_lacks_is_refused(tmp_path: Path) -> None:
     template = tmp_path / "templates"
     shutil.copytree(TEMPLATE, template)
-    (template / "algorithms" / "alibi" / "model.gpt.rotary_cache.py.jinja").write_text("pass\n")
+    (template / "algorithms" / "alibi" / "model.gpt.rotary_cache.py.jinja").write_text(
+        "pass\n"
+    )
     recipe = tmp_path / "r.toml"
     recipe.write_text("[algorithms.alibi]\n")
-    with pytest.raises(RecipeError, match="fills extension point 'rotary_cache', which model family 'gpt' lacks"):
+    with pytest.raises(
+        RecipeError,
+        match="fills extension point 'rotary_cache', which model family 'gpt' lacks",
+    ):
         resolve(load_recipe(str(recipe), template), template, "p")

@@ -15,12 +15,22 @@ def write_run(folder: Path, slope: float, val_every: int = 5) -> Path:
     folder.mkdir(parents=True)
     lines = []
     for step in range(1, 21):
-        record = {"step": step, "epoch": 0, "loss": 5 - slope * step, "lr": 1e-3 * min(1, step / 5),
-                  "samples": 8 * step, "tokens": 1024 * step, "tokens_per_s": 1e4 + step, "train_s": 0.1 * step}
+        record = {
+            "step": step,
+            "epoch": 0,
+            "loss": 5 - slope * step,
+            "lr": 1e-3 * min(1, step / 5),
+            "samples": 8 * step,
+            "tokens": 1024 * step,
+            "tokens_per_s": 1e4 + step,
+            "train_s": 0.1 * step,
+        }
         if step % val_every == 0:
             record["val_loss"] = 5.1 - slope * step
         lines.append(json.dumps(record))
-    (folder / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 21, "lo')  # torn last line
+    (folder / "metrics.jsonl").write_text(
+        "\n".join(lines) + '\n{"step": 21, "lo'
+    )  # torn last line
     return folder
 
 
@@ -33,9 +43,18 @@ def test_plot_overlays_two_runs_by_name(tmp_path: Path) -> None:
     figure = plot_runs([baseline, speedup], "tokens")
     loss, lr, throughput = figure.axes
     assert [t.get_text() for t in loss.get_legend().get_texts()] == [
-        "gpt2-baseline loss", "gpt2-baseline val_loss", "gpt2-speedup loss", "gpt2-speedup val_loss"]
-    assert [t.get_text() for t in lr.get_legend().get_texts()] == ["gpt2-baseline", "gpt2-speedup"]
-    assert list(loss.lines[0].get_xdata()) == [1024 * s for s in range(1, 21)]  # x: tokens
+        "gpt2-baseline loss",
+        "gpt2-baseline val_loss",
+        "gpt2-speedup loss",
+        "gpt2-speedup val_loss",
+    ]
+    assert [t.get_text() for t in lr.get_legend().get_texts()] == [
+        "gpt2-baseline",
+        "gpt2-speedup",
+    ]
+    assert list(loss.lines[0].get_xdata()) == [
+        1024 * s for s in range(1, 21)
+    ]  # x: tokens
     assert list(loss.lines[3].get_ydata()) == [5.1 - 0.2 * s for s in (5, 10, 15, 20)]
     assert throughput.get_ylabel() == "tokens_per_s" and loss.get_xlabel() == "tokens"
 
@@ -53,5 +72,15 @@ def test_plot_rejects_a_folder_without_metrics(tmp_path: Path) -> None:
     result = scaffold_cli("plot", str(tmp_path / "nope"), "-o", str(tmp_path / "x.png"))
     assert result.returncode == 2 and "no metrics.jsonl" in result.stderr
     assert result.stderr.count("\n") == 1 and not (tmp_path / "x.png").exists()
-    bad_axis = scaffold_cli("plot", str(write_run(tmp_path / "r", 0.1)), "--x", "epochs", "-o", str(tmp_path / "x.png"))
-    assert bad_axis.returncode == 2 and "choose one of step, tokens, samples, time" in bad_axis.stderr
+    bad_axis = scaffold_cli(
+        "plot",
+        str(write_run(tmp_path / "r", 0.1)),
+        "--x",
+        "epochs",
+        "-o",
+        str(tmp_path / "x.png"),
+    )
+    assert (
+        bad_axis.returncode == 2
+        and "choose one of step, tokens, samples, time" in bad_axis.stderr
+    )

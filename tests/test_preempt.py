@@ -25,7 +25,9 @@ def test_a_signal_is_recorded_and_agreed_in_one_process() -> None:
         os.kill(os.getpid(), signal.SIGUSR1)  # handled, not fatal
         assert preemption.agreed() and preemption.stopped_by == "SIGUSR1"
         os.kill(os.getpid(), signal.SIGTERM)
-        assert preemption.agreed() and preemption.stopped_by == "SIGUSR1"  # the first reason stays
+        assert (
+            preemption.agreed() and preemption.stopped_by == "SIGUSR1"
+        )  # the first reason stays
     finally:
         preemption.close()
     assert signal.getsignal(signal.SIGUSR1) is before
@@ -34,25 +36,47 @@ def test_a_signal_is_recorded_and_agreed_in_one_process() -> None:
 @pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM"])
 def test_ranks_agree_to_stop_after_the_same_step(sig: str, tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(HERE / "preempt_worker.py"), sig],
-        cwd=tmp_path, env=checkout_env(), capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(HERE / "preempt_worker.py"),
+            sig,
+        ],
+        cwd=tmp_path,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)]
     number = int(getattr(signal, sig))
-    assert lines == [f"rank 0 stopped at 3 by {sig} received 0", f"rank 1 stopped at 3 by {sig} received {number}"]
+    assert lines == [
+        f"rank 0 stopped at 3 by {sig} received 0",
+        f"rank 1 stopped at 3 by {sig} received {number}",
+    ]
 
 
 # ---------------------------------------------------------------- SIGTERM to a generated project under torchrun
 
+
 def torchrun_train(project: Path, workdir: Path, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        torchrun_command(project, 2, *args), cwd=workdir, env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        torchrun_command(project, 2, *args),
+        cwd=workdir,
+        env=checkout_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
-def wait_for_rows(workdir: Path, run_name: str, rows: int, process: subprocess.Popen[str]) -> None:
+def wait_for_rows(
+    workdir: Path, run_name: str, rows: int, process: subprocess.Popen[str]
+) -> None:
     path = workdir / "runs" / run_name / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while not (path.exists() and len(path.read_text().splitlines()) >= rows):
@@ -77,17 +101,25 @@ def test_sigterm_under_torchrun_saves_and_a_rerun_continues_bitwise(
     for pid in workers:
         os.kill(pid, signal.SIGCONT)
     output, _ = first.communicate(timeout=240)
-    assert first.returncode == 0, output[-3000:]  # a clean stop: torchrun sees two exits 0
+    assert first.returncode == 0, output[
+        -3000:
+    ]  # a clean stop: torchrun sees two exits 0
     log = (tmp_path / "runs" / "pre" / "log.txt").read_text()
-    stopped = [line for line in log.splitlines() if "stopped by SIGTERM after step" in line]
+    stopped = [
+        line for line in log.splitlines() if "stopped by SIGTERM after step" in line
+    ]
     assert stopped, log[-2000:]
     step = int(stopped[0].split("after step ")[1].split(",")[0])
     assert 3 <= step < TINY_STEPS
-    assert (tmp_path / "runs" / "pre" / "checkpoints" / f"step-{step}" / "COMPLETE").exists()
+    assert (
+        tmp_path / "runs" / "pre" / "checkpoints" / f"step-{step}" / "COMPLETE"
+    ).exists()
 
     second = torchrun_train(project, tmp_path, "--run_name=pre")
     output, _ = second.communicate(timeout=300)
     assert second.returncode == 0, output[-3000:]
     assert "resumed from" in (tmp_path / "runs" / "pre" / "log.txt").read_text()
     losses = [row["loss"] for row in read_metrics(tmp_path, "pre")]
-    assert losses == [row["loss"] for row in two_rank_reference]  # bitwise: nothing lost or redone
+    assert losses == [
+        row["loss"] for row in two_rank_reference
+    ]  # bitwise: nothing lost or redone

@@ -33,11 +33,15 @@ def depth(node: ast.AST, level: int = 0) -> int:
 
 
 def main_function(tree: ast.Module) -> ast.FunctionDef:
-    return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    return next(
+        n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"
+    )
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_train_py_is_shallow_and_defines_only_config(recipe: str, generated: dict[str, Path]) -> None:
+def test_train_py_is_shallow_and_defines_only_config(
+    recipe: str, generated: dict[str, Path]
+) -> None:
     source = (generated[recipe] / "train.py").read_text()
     tree = ast.parse(source)
     assert depth(main_function(tree)) <= MAX_DEPTH, recipe
@@ -49,7 +53,9 @@ def test_train_py_is_shallow_and_defines_only_config(recipe: str, generated: dic
         assert len(source.splitlines()) <= MAX_LINES[recipe], recipe
 
 
-def shared_runs(a: list[str], b: list[str], longer_than: int) -> list[tuple[int, int, int]]:
+def shared_runs(
+    a: list[str], b: list[str], longer_than: int
+) -> list[tuple[int, int, int]]:
     """(line in a, line in b, length) of every maximal run of equal lines longer than
     `longer_than` (lines compared stripped, blank lines left out)."""
     runs, previous = [], [0] * (len(b) + 1)
@@ -77,8 +83,10 @@ def test_task_templates_share_no_run_of_more_than_ten_lines() -> None:
         if a.relative_to(TASKS).parts[0] == b.relative_to(TASKS).parts[0]:
             continue  # one task's own files
         for start_a, start_b, length in shared_runs(lines_a, lines_b, MAX_SHARED_RUN):
-            copies.append(f"{a.relative_to(TASKS)} and {b.relative_to(TASKS)}: {length} lines "
-                          f"({lines_a[start_a - 1]!r} ...)")
+            copies.append(
+                f"{a.relative_to(TASKS)} and {b.relative_to(TASKS)}: {length} lines "
+                f"({lines_a[start_a - 1]!r} ...)"
+            )
     assert not copies, "write these once in templates/common/:\n" + "\n".join(copies)
 
 

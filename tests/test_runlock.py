@@ -15,31 +15,39 @@ import pytest
 from projects import checkout_env
 from runtime import runlock
 
-HOLD = textwrap.dedent(
-    """
+HOLD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from runtime import runlock
     lock = runlock.acquire(Path(sys.argv[1]))
     print("locked", flush=True)
     time.sleep(120)
-    """
-)
+    """)
 
 
 def hold(run_dir: Path, **env: str) -> subprocess.Popen[str]:
     """Another process that takes the lock and keeps it (until killed)."""
-    process = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE,
-                               text=True, env={**checkout_env(), **env})
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run_dir)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**checkout_env(), **env},
+    )
     assert process.stdout is not None and process.stdout.readline().strip() == "locked"
     return process
 
 
 def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
-    return {str(p): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
-def test_second_start_is_refused_naming_the_holder_and_touching_nothing(tmp_path: Path) -> None:
+def test_second_start_is_refused_naming_the_holder_and_touching_nothing(
+    tmp_path: Path,
+) -> None:
     run_dir = tmp_path / "runs" / "demo"
     holder = hold(run_dir, SLURM_JOB_ID="4242")
     try:
@@ -50,7 +58,9 @@ def test_second_start_is_refused_naming_the_holder_and_touching_nothing(tmp_path
         message = str(refused.value)
         assert f"pid {holder.pid}" in message and "SLURM job 4242" in message
         assert "host " in message and "--run_name" in message and "\n" not in message
-        assert snapshot(run_dir) == before  # the lock file and the run's files are untouched
+        assert (
+            snapshot(run_dir) == before
+        )  # the lock file and the run's files are untouched
     finally:
         holder.kill()
         holder.wait()
@@ -72,9 +82,18 @@ def test_kill_9_leaves_no_stale_lock(tmp_path: Path) -> None:
 def test_release_lets_the_next_start_in(tmp_path: Path) -> None:
     run_dir = tmp_path / "runs" / "demo"
     first = runlock.acquire(run_dir)
-    probe = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from runtime import runlock;"
-                            "runlock.acquire(Path(sys.argv[1]))", str(run_dir)],
-                           capture_output=True, text=True, env=checkout_env())
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path; from runtime import runlock;"
+            "runlock.acquire(Path(sys.argv[1]))",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        env=checkout_env(),
+    )
     assert probe.returncode != 0 and "RunInUse" in probe.stderr
     first.release()
     runlock.acquire(run_dir).release()

@@ -21,7 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from projects import TINY, TINY_STEPS, checkout_env, pending_signals, read_metrics, train_workers
+from projects import (
+    TINY,
+    TINY_STEPS,
+    checkout_env,
+    pending_signals,
+    read_metrics,
+    train_workers,
+)
 from slurm_cluster import SlurmCluster, missing
 
 pytestmark = pytest.mark.skipif(missing() is not None, reason=missing() or "")
@@ -45,9 +52,17 @@ def project(generated: dict[str, Path], project_copy) -> Path:
 
 def submit(cluster: SlurmCluster, project: Path, run_name: str) -> int:
     return cluster.sbatch(
-        ["--nodes=1", "--gpus-per-node=0", "--cpus-per-task=2", "scripts/slurm.sbatch",
-         *TINY, f"--max_duration={TINY_STEPS}ba", f"--run_name={run_name}"],
-        cwd=project, env={**checkout_env(), "NPROC_PER_NODE": "2"},
+        [
+            "--nodes=1",
+            "--gpus-per-node=0",
+            "--cpus-per-task=2",
+            "scripts/slurm.sbatch",
+            *TINY,
+            f"--max_duration={TINY_STEPS}ba",
+            f"--run_name={run_name}",
+        ],
+        cwd=project,
+        env={**checkout_env(), "NPROC_PER_NODE": "2"},
     )
 
 
@@ -71,7 +86,9 @@ def test_preemption_notice_requeues_and_the_job_finishes_bitwise(
 ) -> None:
     job = submit(cluster, project, "pre")
     metrics = project / "runs" / "pre" / "metrics.jsonl"
-    at_row = random.Random().randint(2, TINY_STEPS - 3)  # a random step, reproducible from the log
+    at_row = random.Random().randint(
+        2, TINY_STEPS - 3
+    )  # a random step, reproducible from the log
     deadline = time.monotonic() + 240
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= at_row):
         assert cluster.job(job)["JobState"] in ("PENDING", "RUNNING"), cluster.job(job)
@@ -86,23 +103,39 @@ def test_preemption_notice_requeues_and_the_job_finishes_bitwise(
         os.kill(pid, signal.SIGSTOP)
 
     # The same run started a second time while the job trains: refused, one line, exit 2.
-    second = subprocess.run([sys.executable, "train.py", *TINY, "--run_name=pre", "--max_duration=1ba"], cwd=project,
-                            env=checkout_env(), capture_output=True, text=True, timeout=120)
+    second = subprocess.run(
+        [sys.executable, "train.py", *TINY, "--run_name=pre", "--max_duration=1ba"],
+        cwd=project,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert second.returncode == 2, second.stderr
-    assert re.fullmatch(r"error: run folder runs/pre is in use by pid \d+ on host \S+ "
-                        rf"\(SLURM job {job}\), .*--run_name=NAME\n", second.stderr), second.stderr
+    assert re.fullmatch(
+        r"error: run folder runs/pre is in use by pid \d+ on host \S+ "
+        rf"\(SLURM job {job}\), .*--run_name=NAME\n",
+        second.stderr,
+    ), second.stderr
 
-    cluster.signal_batch(job, "USR1")  # what --signal=B:USR1@grace sends before pre-emption
+    cluster.signal_batch(
+        job, "USR1"
+    )  # what --signal=B:USR1@grace sends before pre-emption
     # The batch script passes it through srun and torchrun to both (still paused) workers.
     deadline = time.monotonic() + 60
     while not all(pending_signals(pid) & 1 << (signal.SIGUSR1 - 1) for pid in workers):
-        assert time.monotonic() < deadline, "the notice did not reach the training processes"
+        assert (
+            time.monotonic() < deadline
+        ), "the notice did not reach the training processes"
         time.sleep(0.02)
     for pid in workers:
         os.kill(pid, signal.SIGCONT)
     info = cluster.wait(job, timeout=300)
     out = (project / f"slurm-{job}.out").read_text()
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, out[-4000:])
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (
+        info,
+        out[-4000:],
+    )
     assert "requeueing job" in out and "restart 1" in out
 
     log = (project / "runs" / "pre" / "log.txt").read_text()

@@ -31,16 +31,38 @@ from test_checkpoint import BATCHES_PER_EPOCH, build, same_params, state, train
 
 TESTS = Path(__file__).resolve().parent
 STOP_AFTER = TESTS / "stop_after.py"
-SMALL = ["--device=cpu", "--seq_len=32", "--global_batch_size=12", "--device_microbatch_size=3",
-         "--eval_batches=1", "--dist_timeout=120"]
+SMALL = [
+    "--device=cpu",
+    "--seq_len=32",
+    "--global_batch_size=12",
+    "--device_microbatch_size=3",
+    "--eval_batches=1",
+    "--dist_timeout=120",
+]
 
 
-def launch(nproc: int, *args: object, cwd: Path, env: dict | None = None,
-           timeout: int = 400) -> subprocess.CompletedProcess[str]:
-    prefix = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-              if nproc > 1 else [sys.executable])
-    return subprocess.run([*prefix, *map(str, args)], cwd=cwd, env={**checkout_env(), **(env or {})},
-                          capture_output=True, text=True, timeout=timeout)
+def launch(
+    nproc: int, *args: object, cwd: Path, env: dict | None = None, timeout: int = 400
+) -> subprocess.CompletedProcess[str]:
+    prefix = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+        ]
+        if nproc > 1
+        else [sys.executable]
+    )
+    return subprocess.run(
+        [*prefix, *map(str, args)],
+        cwd=cwd,
+        env={**checkout_env(), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def ok(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
@@ -56,7 +78,11 @@ def error_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     source = Path(json.__file__).parent.parent
     path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text(((source / "argparse.py").read_text() + (source / "typing.py").read_text())[:150_000])
+    path.write_text(
+        ((source / "argparse.py").read_text() + (source / "typing.py").read_text())[
+            :150_000
+        ]
+    )
     return path
 
 
@@ -72,8 +98,10 @@ def tmpfs(tmp_path: Path):
         where = tmp_path / f"disk{len(mounted)}"
         where.mkdir()
         options = f"size={size}" + (",ro" if read_only else "")
-        if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
-                          capture_output=True).returncode:
+        if subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+            capture_output=True,
+        ).returncode:
             pytest.skip("cannot mount a tmpfs here (needs root)")
         mounted.append(where)
         return where
@@ -83,20 +111,31 @@ def tmpfs(tmp_path: Path):
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
-def test_full_disk_is_one_line_and_the_rerun_resumes(generated: dict[str, Path], tmp_path: Path,
-                                                     corpus: Path, tmpfs) -> None:
+def test_full_disk_is_one_line_and_the_rerun_resumes(
+    generated: dict[str, Path], tmp_path: Path, corpus: Path, tmpfs
+) -> None:
     """The issue's case: a 16 MB tmpfs and ~10 MB checkpoints (the tiny preset). Step 1 fits,
-    step 2 fills the disk mid-write: one line, exit 1, step 1 intact; with space, a rerun resumes."""
+    step 2 fills the disk mid-write: one line, exit 1, step 1 intact; with space, a rerun resumes.
+    """
     disk = tmpfs("16m")
     train_py = generated["gpt2-baseline"] / "train.py"
-    args = [train_py, *SMALL, f"--data={corpus}", "--max_duration=2ba", "--save_interval=1ba",
-            "--eval_interval=2ba", "--save_num_checkpoints_to_keep=0", f"--save_folder={disk / 'ck'}",
-            "--run_name=full"]
+    args = [
+        train_py,
+        *SMALL,
+        f"--data={corpus}",
+        "--max_duration=2ba",
+        "--save_interval=1ba",
+        "--eval_interval=2ba",
+        "--save_num_checkpoints_to_keep=0",
+        f"--save_folder={disk / 'ck'}",
+        "--run_name=full",
+    ]
     failed = launch(1, *args, cwd=tmp_path)
     assert failed.returncode == 1, failed.stderr[-3000:]
     assert error_lines(failed) == [
         f"error: checkpoint step-2 was not saved to {disk / 'ck' / 'step-2'}: No space left on device "
-        f"[errno 28]; the checkpoints before it are intact: a rerun resumes from {disk / 'ck' / 'step-1'}"]
+        f"[errno 28]; the checkpoints before it are intact: a rerun resumes from {disk / 'ck' / 'step-1'}"
+    ]
     assert failed.stderr.strip().splitlines()[-1].startswith("error: checkpoint step-2")
     assert "Traceback" not in failed.stderr and "inline_container" not in failed.stderr
     assert checkpoint.latest(disk / "ck") == disk / "ck" / "step-1"
@@ -107,20 +146,35 @@ def test_full_disk_is_one_line_and_the_rerun_resumes(generated: dict[str, Path],
     assert [r["step"] for r in read_metrics(tmp_path, "full") if "loss" in r][-1] == 2
 
 
-def test_read_only_mount_is_one_line_on_two_ranks(generated: dict[str, Path], tmp_path: Path,
-                                                  corpus: Path, tmpfs) -> None:
+def test_read_only_mount_is_one_line_on_two_ranks(
+    generated: dict[str, Path], tmp_path: Path, corpus: Path, tmpfs
+) -> None:
     """A mount that turned read-only (as a vanished or remounted disk does): every rank stops
     with exit status 1 at the first save; rank 0 prints the one line."""
     disk = tmpfs("16m", read_only=True)
     train_py = generated["gpt2-baseline"] / "train.py"
-    failed = launch(2, train_py, *SMALL, f"--data={corpus}", "--max_duration=1ba",
-                    f"--save_folder={disk / 'ck'}", "--run_name=ro", cwd=tmp_path)
+    failed = launch(
+        2,
+        train_py,
+        *SMALL,
+        f"--data={corpus}",
+        "--max_duration=1ba",
+        f"--save_folder={disk / 'ck'}",
+        "--run_name=ro",
+        cwd=tmp_path,
+    )
     assert failed.returncode != 0
     assert error_lines(failed) == [
         f"error: checkpoint step-1 was not saved to {disk / 'ck' / 'step-1'}: Read-only file system "
-        f"[errno 30] ({disk / 'ck'}); a rerun starts from scratch (no complete checkpoint yet)"]
-    assert "exitcode  : 1" in failed.stderr  # torchrun's report: each rank exited with 1
-    assert "RuntimeError" not in failed.stderr and "CheckpointException" not in failed.stderr
+        f"[errno 30] ({disk / 'ck'}); a rerun starts from scratch (no complete checkpoint yet)"
+    ]
+    assert (
+        "exitcode  : 1" in failed.stderr
+    )  # torchrun's report: each rank exited with 1
+    assert (
+        "RuntimeError" not in failed.stderr
+        and "CheckpointException" not in failed.stderr
+    )
 
 
 # ---------------------------------------------------------------- an S3 server on 127.0.0.1
@@ -134,7 +188,8 @@ def free_port() -> int:
 
 class Relay:
     """A TCP relay in front of the S3 server: `stop()` refuses connections and cuts the open
-    ones (a store that goes away), `start()` brings it back with the server's data intact."""
+    ones (a store that goes away), `start()` brings it back with the server's data intact.
+    """
 
     def __init__(self, target: int) -> None:
         self.target, self.port = target, free_port()
@@ -192,12 +247,19 @@ def start_moto(home: Path, enforce_auth: bool):
     import boto3
 
     port = free_port()
-    base = {"AWS_CONFIG_FILE": str(home / "config"), "AWS_SHARED_CREDENTIALS_FILE": str(home / "credentials"),
-            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+    base = {
+        "AWS_CONFIG_FILE": str(home / "config"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(home / "credentials"),
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
     extra = {"INITIAL_NO_AUTH_ACTION_COUNT": "3"} if enforce_auth else {}
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              env={**os.environ, **base, **extra},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env={**os.environ, **base, **extra},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -205,21 +267,51 @@ def start_moto(home: Path, enforce_auth: bool):
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
                 break
             except OSError:
-                assert time.monotonic() < deadline and server.poll() is None, "moto server did not start"
+                assert (
+                    time.monotonic() < deadline and server.poll() is None
+                ), "moto server did not start"
                 time.sleep(0.2)
         endpoint = f"http://127.0.0.1:{port}"
-        key = {"AccessKeyId": "scaffold-test-key", "SecretAccessKey": "scaffold-test-secret-d41d8cd98f"}
-        if enforce_auth:  # the first 3 requests are let through unsigned: an IAM user and its key
-            iam = boto3.client("iam", endpoint_url=endpoint, aws_access_key_id="setup",
-                               aws_secret_access_key="setup", region_name="us-east-1")
+        key = {
+            "AccessKeyId": "scaffold-test-key",
+            "SecretAccessKey": "scaffold-test-secret-d41d8cd98f",
+        }
+        if (
+            enforce_auth
+        ):  # the first 3 requests are let through unsigned: an IAM user and its key
+            iam = boto3.client(
+                "iam",
+                endpoint_url=endpoint,
+                aws_access_key_id="setup",
+                aws_secret_access_key="setup",
+                region_name="us-east-1",
+            )
             iam.create_user(UserName="ci")
-            iam.put_user_policy(UserName="ci", PolicyName="s3", PolicyDocument=json.dumps({
-                "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
+            iam.put_user_policy(
+                UserName="ci",
+                PolicyName="s3",
+                PolicyDocument=json.dumps(
+                    {
+                        "Version": "2012-10-17",
+                        "Statement": [
+                            {"Effect": "Allow", "Action": "s3:*", "Resource": "*"}
+                        ],
+                    }
+                ),
+            )
             key = iam.create_access_key(UserName="ci")["AccessKey"]
-        env = {**base, "AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
-        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-                     aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-                     region_name="us-east-1").create_bucket(Bucket="ckpt")
+        env = {
+            **base,
+            "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+            "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
+        }
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+            region_name="us-east-1",
+        ).create_bucket(Bucket="ckpt")
         yield port, env
     finally:
         server.terminate()
@@ -233,7 +325,10 @@ def s3(tmp_path_factory: pytest.TempPathFactory):
     pytest.importorskip("moto.server")
     for port, env in start_moto(tmp_path_factory.mktemp("aws"), enforce_auth=False):
         relay = Relay(port)
-        yield {"env": {**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{relay.port}"}, "relay": relay}
+        yield {
+            "env": {**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{relay.port}"},
+            "relay": relay,
+        }
         relay.stop()
 
 
@@ -261,12 +356,18 @@ def s3_env(s3: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict:
 def listing(url: str) -> dict[str, list[str]]:
     remote = checkpoint.storage.Remote(url)
     remote.fs.invalidate_cache()
-    return {path.rsplit("/", 1)[-1]: sorted(p.rsplit("/", 1)[-1] for p in remote.fs.ls(path, detail=False))
-            for _, path in remote.steps()}
+    return {
+        path.rsplit("/", 1)[-1]: sorted(
+            p.rsplit("/", 1)[-1] for p in remote.fs.ls(path, detail=False)
+        )
+        for _, path in remote.steps()
+    }
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_s3_save_rotate_resume_export(s3_env: dict, tmp_path: Path, async_save: bool) -> None:
+def test_s3_save_rotate_resume_export(
+    s3_env: dict, tmp_path: Path, async_save: bool
+) -> None:
     url = f"s3://ckpt/unit-{'async' if async_save else 'sync'}"
     model, optimizer = build()
     progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
@@ -278,9 +379,20 @@ def test_s3_save_rotate_resume_export(s3_env: dict, tmp_path: Path, async_save: 
     checkpointer.close()
     assert saved == f"{url}/step-3"
     files = listing(url)
-    assert sorted(files) == ["step-2", "step-3"]  # rotation deleted step-1 in the bucket
-    assert files["step-3"] == sorted([".metadata", "COMPLETE", "__0_0.distcp", "__0_1.distcp",
-                                      "rng-rank0.pt", "train_state.json"])
+    assert sorted(files) == [
+        "step-2",
+        "step-3",
+    ]  # rotation deleted step-1 in the bucket
+    assert files["step-3"] == sorted(
+        [
+            ".metadata",
+            "COMPLETE",
+            "__0_0.distcp",
+            "__0_1.distcp",
+            "rng-rank0.pt",
+            "train_state.json",
+        ]
+    )
     assert not any((tmp_path / "staging").rglob("*.distcp"))  # staged files are removed
 
     loaded, loaded_optimizer = build(seed=1)
@@ -299,7 +411,9 @@ def test_s3_save_rotate_resume_export(s3_env: dict, tmp_path: Path, async_save: 
     assert all(torch.equal(exported[k], v) for k, v in model.state_dict().items())
 
 
-def test_s3_wrong_credentials_is_one_line(s3_auth: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_s3_wrong_credentials_is_one_line(
+    s3_auth: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """An unknown key at the start, a wrong secret at a save: one line, the secret in neither."""
     import s3fs
 
@@ -309,36 +423,44 @@ def test_s3_wrong_credentials_is_one_line(s3_auth: dict, monkeypatch: pytest.Mon
     model, optimizer = build()
     progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
     train(model, optimizer, progress, 1)
-    checkpoint.Checkpointer("s3://ckpt/creds").save(state(model, optimizer, progress))  # the right key works
+    checkpoint.Checkpointer("s3://ckpt/creds").save(
+        state(model, optimizer, progress)
+    )  # the right key works
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAUNKNOWNKEY000000")
     s3fs.S3FileSystem.clear_instance_cache()
     with pytest.raises(checkpoint.CheckpointError) as raised:
-        checkpoint.Checkpointer("s3://ckpt/creds").resume(state(model, optimizer,
-                                                                progress))
+        checkpoint.Checkpointer("s3://ckpt/creds").resume(
+            state(model, optimizer, progress)
+        )
     assert str(raised.value) == (
         "cannot read checkpoints in s3://ckpt/creds: ClientError: An error occurred (403) when calling the "
         "HeadObject operation: Forbidden (the store refused: check the credentials in its usual environment "
-        "variables or config files)")
+        "variables or config files)"
+    )
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_auth["env"]["AWS_ACCESS_KEY_ID"])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     s3fs.S3FileSystem.clear_instance_cache()
     train(model, optimizer, progress, 1)
     with pytest.raises(checkpoint.StorageError) as raised:
-        checkpoint.Checkpointer("s3://ckpt/creds").save(state(model, optimizer,
-                                                              progress))
+        checkpoint.Checkpointer("s3://ckpt/creds").save(
+            state(model, optimizer, progress)
+        )
     assert str(raised.value) == (
         "checkpoint step-2 was not saved to s3://ckpt/creds/step-2: ClientError: An error occurred "
         "(SignatureDoesNotMatch) when calling the PutObject operation: The request signature we calculated does not match the signature you provided. Check your key and signing method. (the "
         "store refused: check the credentials in its usual environment variables or config files); a rerun "
-        "starts from scratch (no complete checkpoint yet)")
+        "starts from scratch (no complete checkpoint yet)"
+    )
     s3fs.S3FileSystem.clear_instance_cache()
     for secret in ("not-the-secret", s3_auth["env"]["AWS_SECRET_ACCESS_KEY"]):
         assert secret not in str(raised.value)
 
 
-def test_s3_store_gone_mid_upload(s3_env: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_s3_store_gone_mid_upload(
+    s3_env: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The store goes away after the first file of step 2 was uploaded: one line naming the
     checkpoint, the URL, the cause and step 1; step 2 never looks complete; when the store is
     back, the next start deletes the partial step 2 and resumes from step 1."""
@@ -366,33 +488,51 @@ def test_s3_store_gone_mid_upload(s3_env: dict, monkeypatch: pytest.MonkeyPatch)
     finally:
         relay.start()
     message = str(raised.value)
-    assert message.startswith(f"checkpoint step-2 was not saved to {url}/step-2: "), message
+    assert message.startswith(
+        f"checkpoint step-2 was not saved to {url}/step-2: "
+    ), message
     assert "connect" in message.lower(), message
-    assert message.endswith(f"the checkpoints before it are intact: a rerun resumes from {url}/step-1")
+    assert message.endswith(
+        f"the checkpoints before it are intact: a rerun resumes from {url}/step-1"
+    )
     monkeypatch.undo()
     for name, value in s3_env["env"].items():
         monkeypatch.setenv(name, value)
-    assert sorted(listing(url)) == ["step-1", "step-2"]  # step-2: a partial upload, no marker
+    assert sorted(listing(url)) == [
+        "step-1",
+        "step-2",
+    ]  # step-2: a partial upload, no marker
 
     loaded, loaded_optimizer = build(seed=1)
     again = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
-    resumed = checkpoint.Checkpointer(url).resume(state(loaded, loaded_optimizer,
-                                                        again))
+    resumed = checkpoint.Checkpointer(url).resume(
+        state(loaded, loaded_optimizer, again)
+    )
     assert resumed is not None and resumed.step == 1
     assert sorted(listing(url)) == ["step-1"]
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in expected.items())
 
 
 def test_generated_project_resumes_from_s3_after_kill_on_other_world_size(
-        generated: dict[str, Path], tmp_path: Path, corpus: Path, s3: dict) -> None:
+    generated: dict[str, Path], tmp_path: Path, corpus: Path, s3: dict
+) -> None:
     """`--save_folder=s3://ckpt/run`: 2 ranks, killed (-9) inside the save of step 3 (shards
     uploaded, no marker); a fresh machine (another working folder, nothing local) resumes on
     1 process from the bucket's step 2, rotates in the bucket and exports from it. Losses
-    equal an uninterrupted 1-process run's; the secret key appears in no output or file."""
+    equal an uninterrupted 1-process run's; the secret key appears in no output or file.
+    """
     train_py = generated["gpt2-baseline"] / "train.py"
     env = {**s3["env"], "SCAFFOLD_STAGING": str(tmp_path / "staging")}
-    common = [*SMALL, f"--data={corpus}", "--max_duration=4ba", "--save_interval=1ba", "--eval_interval=4ba",
-              "--save_num_checkpoints_to_keep=2", "--save_folder=s3://ckpt/run", "--run_name=s3"]
+    common = [
+        *SMALL,
+        f"--data={corpus}",
+        "--max_duration=4ba",
+        "--save_interval=1ba",
+        "--eval_interval=4ba",
+        "--save_num_checkpoints_to_keep=2",
+        "--save_folder=s3://ckpt/run",
+        "--run_name=s3",
+    ]
     first, second = tmp_path / "node1", tmp_path / "node2"
     first.mkdir(), second.mkdir()
     killed = launch(2, STOP_AFTER, "kill:3", train_py, *common, cwd=first, env=env)
@@ -400,29 +540,69 @@ def test_generated_project_resumes_from_s3_after_kill_on_other_world_size(
     assert sorted(listing_env("s3://ckpt/run", env)) == ["step-1", "step-2", "step-3"]
 
     resumed = ok(launch(1, train_py, *common, cwd=second, env=env))
-    assert "resumed from s3://ckpt/run/step-2 at step 2 (saved on 2 rank(s), now 1)" in resumed.stdout
-    assert sorted(listing_env("s3://ckpt/run", env)) == ["step-3", "step-4"]  # partial step-3 replaced
+    assert (
+        "resumed from s3://ckpt/run/step-2 at step 2 (saved on 2 rank(s), now 1)"
+        in resumed.stdout
+    )
+    assert sorted(listing_env("s3://ckpt/run", env)) == [
+        "step-3",
+        "step-4",
+    ]  # partial step-3 replaced
 
-    local_args = [a for a in common if not a.startswith(("--save_folder", "--run_name"))]
+    local_args = [
+        a for a in common if not a.startswith(("--save_folder", "--run_name"))
+    ]
     reference = ok(launch(1, train_py, *local_args, "--run_name=ref", cwd=second))
     assert "done: step 4" in reference.stdout
     ours = {r["step"]: r["loss"] for r in read_metrics(second, "s3") if "loss" in r}
     ref = {r["step"]: r["loss"] for r in read_metrics(second, "ref") if "loss" in r}
     assert sorted(ours) == [3, 4]
-    assert all(abs(ours[s] - ref[s]) < 1e-4 for s in ours), (ours, ref)  # elastic: RNG re-seeded,
+    assert all(abs(ours[s] - ref[s]) < 1e-4 for s in ours), (
+        ours,
+        ref,
+    )  # elastic: RNG re-seeded,
     # but dropout is 0 and the batch order is a function of the step: the same losses up to
     # the order of reductions (2 ranks -> 1)
 
-    exported = subprocess.run([sys.executable, "-c", "from scaffold.cli import main; main()", "export", "s3://ckpt/run",
-                               str(second / "out.safetensors")], cwd=second, capture_output=True, text=True,
-                              env={**checkout_env(), **env}, timeout=300)
+    exported = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from scaffold.cli import main; main()",
+            "export",
+            "s3://ckpt/run",
+            str(second / "out.safetensors"),
+        ],
+        cwd=second,
+        capture_output=True,
+        text=True,
+        env={**checkout_env(), **env},
+        timeout=300,
+    )
     assert exported.returncode == 0, exported.stderr
     assert "from s3://ckpt/run/step-4 (step 4)" in exported.stdout
     # The same checkpoint as a Hugging Face GPT-2 folder: the run's config.toml names the preset.
-    hf_exported = subprocess.run([sys.executable, "-c", "from scaffold.cli import main; main()", "export",
-                                  "--format", "hf", "s3://ckpt/run", str(second / "hf"), "--run-config",
-                                  str(second / "runs" / "s3" / "config.toml"), "--project", str(train_py.parent)],
-                                 cwd=second, capture_output=True, text=True, env={**checkout_env(), **env}, timeout=300)
+    hf_exported = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from scaffold.cli import main; main()",
+            "export",
+            "--format",
+            "hf",
+            "s3://ckpt/run",
+            str(second / "hf"),
+            "--run-config",
+            str(second / "runs" / "s3" / "config.toml"),
+            "--project",
+            str(train_py.parent),
+        ],
+        cwd=second,
+        capture_output=True,
+        text=True,
+        env={**checkout_env(), **env},
+        timeout=300,
+    )
     assert hf_exported.returncode == 0, hf_exported.stderr
     assert "from s3://ckpt/run/step-4 (step 4)" in hf_exported.stdout
     from safetensors.torch import load_file
@@ -431,17 +611,27 @@ def test_generated_project_resumes_from_s3_after_kill_on_other_world_size(
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with project_modules(train_py.parent) as modules:
         m = modules["model"]
-        model = m.GPT(m.GPTConfig(vocab_size=256, max_seq_len=32, **m.PRESETS["tiny"])).eval()
+        model = m.GPT(
+            m.GPTConfig(vocab_size=256, max_seq_len=32, **m.PRESETS["tiny"])
+        ).eval()
         model.load_state_dict(load_file(second / "out.safetensors"))
         with torch.no_grad():
             ours = model(tokens)
-            theirs = transformers.GPT2LMHeadModel.from_pretrained(second / "hf").eval()(tokens).logits
+            theirs = (
+                transformers.GPT2LMHeadModel.from_pretrained(second / "hf")
+                .eval()(tokens)
+                .logits
+            )
     assert (ours - theirs).abs().max().item() < 1e-5
     secret = env["AWS_SECRET_ACCESS_KEY"]
     for result in (killed, resumed, exported, hf_exported):
         assert secret not in result.stdout + result.stderr
     for folder in (first, second):
-        assert not [p for p in folder.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+        assert not [
+            p
+            for p in folder.rglob("*")
+            if p.is_file() and secret.encode() in p.read_bytes()
+        ]
 
 
 def listing_env(url: str, env: dict) -> dict[str, list[str]]:

@@ -8,7 +8,6 @@ import pytest
 
 from runtime.time import Progress, Time, TimeError, TimeUnit
 
-
 # ---------------------------------------------------------------- Time.parse
 
 
@@ -128,7 +127,9 @@ def test_str_is_canonical_and_round_trips(text: str, canonical: str) -> None:
 # ---------------------------------------------------------------- Progress
 
 
-def run_steps(progress: Progress, steps: int, samples: int = 4, tokens: int = 100) -> None:
+def run_steps(
+    progress: Progress, steps: int, samples: int = 4, tokens: int = 100
+) -> None:
     for _ in range(steps):
         progress.advance(samples=samples, tokens=tokens)
 
@@ -200,15 +201,23 @@ def test_fraction_in_epochs_counts_partial_epochs() -> None:
 
 def test_resolve_dur_to_max_duration_unit() -> None:
     progress = Progress(batches_per_epoch=4)
-    assert progress.resolve(Time.parse("0.1dur"), Time.parse("1000ba")) == Time(100, TimeUnit.BATCH)
-    assert progress.resolve(Time.parse("0.5dur"), Time.parse("10ep")) == Time(5, TimeUnit.EPOCH)
+    assert progress.resolve(Time.parse("0.1dur"), Time.parse("1000ba")) == Time(
+        100, TimeUnit.BATCH
+    )
+    assert progress.resolve(Time.parse("0.5dur"), Time.parse("10ep")) == Time(
+        5, TimeUnit.EPOCH
+    )
     # never resolves to 0, which could not be a period
-    assert progress.resolve(Time.parse("0.001dur"), Time.parse("10ba")) == Time(1, TimeUnit.BATCH)
+    assert progress.resolve(Time.parse("0.001dur"), Time.parse("10ba")) == Time(
+        1, TimeUnit.BATCH
+    )
     absolute = Time.parse("7sp")
     assert progress.resolve(absolute, Time.parse("10ba")) is absolute
 
 
-def due_steps(interval: str, max_duration: str, batches_per_epoch: int, tokens: int = 100) -> list[int]:
+def due_steps(
+    interval: str, max_duration: str, batches_per_epoch: int, tokens: int = 100
+) -> list[int]:
     """The batch numbers at which `interval` fires over a whole simulated run."""
     progress = Progress(batches_per_epoch=batches_per_epoch)
     limit = Time.parse(max_duration)
@@ -221,7 +230,9 @@ def due_steps(interval: str, max_duration: str, batches_per_epoch: int, tokens: 
 
 
 def test_at_interval_batches() -> None:
-    assert due_steps("100ba", "1000ba", batches_per_epoch=30) == list(range(100, 1001, 100))
+    assert due_steps("100ba", "1000ba", batches_per_epoch=30) == list(
+        range(100, 1001, 100)
+    )
 
 
 def test_at_interval_epochs_fires_on_the_step_that_finishes_the_epoch() -> None:
@@ -231,7 +242,11 @@ def test_at_interval_epochs_fires_on_the_step_that_finishes_the_epoch() -> None:
 
 def test_at_interval_tokens_fires_when_the_step_crosses_a_multiple() -> None:
     # 300 tokens per step: totals 300, 600, 900, 1200 (crosses 1000), ... 2100 (crosses 2000)
-    assert due_steps("1000tok", "3000tok", batches_per_epoch=100, tokens=300) == [4, 7, 10]
+    assert due_steps("1000tok", "3000tok", batches_per_epoch=100, tokens=300) == [
+        4,
+        7,
+        10,
+    ]
 
 
 def test_at_interval_dur_uses_max_duration_unit() -> None:
@@ -240,7 +255,9 @@ def test_at_interval_dur_uses_max_duration_unit() -> None:
 
 
 def test_at_interval_is_false_before_any_step() -> None:
-    assert not Progress(batches_per_epoch=1).at_interval(Time.parse("1ba"), Time.parse("10ba"))
+    assert not Progress(batches_per_epoch=1).at_interval(
+        Time.parse("1ba"), Time.parse("10ba")
+    )
 
 
 def test_state_dict_is_json_and_round_trips_at_interval_behaviour() -> None:

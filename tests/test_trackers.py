@@ -1,5 +1,6 @@
 """Trackers, read back with each tracker's own library: TensorBoard's EventAccumulator, MLflow's
-MlflowClient, W&B's offline run file (its protobuf records). A resumed run continues the same run."""
+MlflowClient, W&B's offline run file (its protobuf records). A resumed run continues the same run.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from runtime.trackers import Trackers
 CONFIG = 'run_name = "exp"\nlr = 0.002\nmax_duration = "6ba"\n'
 
 
-def log_steps(names: str, run_dir: Path, steps: range, offset: float, resume_step: int = 0) -> None:
+def log_steps(
+    names: str, run_dir: Path, steps: range, offset: float, resume_step: int = 0
+) -> None:
     opened = Trackers(names, run_dir, CONFIG, step=resume_step)
     for step in steps:
         opened.log({"step": step, "epoch": 0, "loss": offset + step, "lr": 0.1}, step)
@@ -28,29 +31,43 @@ def log_steps(names: str, run_dir: Path, steps: range, offset: float, resume_ste
 
 
 def test_check_names_and_packages(monkeypatch) -> None:
-    assert trackers.check("") is None and trackers.parse(" TensorBoard , mlflow ") == ["tensorboard", "mlflow"]
+    assert trackers.check("") is None and trackers.parse(" TensorBoard , mlflow ") == [
+        "tensorboard",
+        "mlflow",
+    ]
     assert "unknown tracker 'comet'" in trackers.check("tensorboard,comet")
     monkeypatch.setattr(trackers.importlib.util, "find_spec", lambda name: None)
     assert "pip install wandb" in trackers.check("wandb")
 
 
-def test_tensorboard_reads_back_and_resume_replaces_the_crashed_tail(tmp_path: Path) -> None:
+def test_tensorboard_reads_back_and_resume_replaces_the_crashed_tail(
+    tmp_path: Path,
+) -> None:
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = tmp_path / "runs" / "exp"
     run_dir.mkdir(parents=True)
-    log_steps("tensorboard", run_dir, range(1, 6), offset=0.0)  # crashed after step 5 ...
-    log_steps("tensorboard", run_dir, range(3, 7), offset=100.0, resume_step=2)  # ... resumed at 2
+    log_steps(
+        "tensorboard", run_dir, range(1, 6), offset=0.0
+    )  # crashed after step 5 ...
+    log_steps(
+        "tensorboard", run_dir, range(3, 7), offset=100.0, resume_step=2
+    )  # ... resumed at 2
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     assert {"loss", "lr", "epoch"} <= set(events.Tags()["scalars"])
     loss = [(e.step, e.value) for e in events.Scalars("loss")]
     assert loss == [(1, 1.0), (2, 2.0), (3, 103.0), (4, 104.0), (5, 105.0), (6, 106.0)]
-    assert "lr = 0.002" in events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert (
+        "lr = 0.002"
+        in events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    )
 
 
-def test_mlflow_reads_back_and_resume_appends_to_the_same_run(tmp_path: Path, monkeypatch) -> None:
+def test_mlflow_reads_back_and_resume_appends_to_the_same_run(
+    tmp_path: Path, monkeypatch
+) -> None:
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
@@ -61,13 +78,17 @@ def test_mlflow_reads_back_and_resume_appends_to_the_same_run(tmp_path: Path, mo
     run_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
     log_steps("mlflow", run_dir, range(4, 6), offset=0.0, resume_step=3)
     assert json.loads((run_dir / "trackers.json").read_text())["mlflow"] == run_id
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")  # the default store
+    client = MlflowClient(
+        tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
+    )  # the default store
     runs = client.search_runs([client.get_experiment_by_name("scaffold").experiment_id])
     assert [r.info.run_id for r in runs] == [run_id]  # one run, not two
     run = runs[0]
     assert run.info.run_name == "exp" and run.info.status == "FINISHED"
     assert run.data.params["lr"] == "0.002" and run.data.params["max_duration"] == "6ba"
-    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss"))
+    history = sorted(
+        (m.step, m.value) for m in client.get_metric_history(run_id, "loss")
+    )
     assert history == [(s, float(s)) for s in range(1, 6)]
     assert not (tmp_path / "mlruns").exists()  # nothing outside runs/
 
@@ -83,8 +104,8 @@ def read_wandb_records(path: str) -> list:
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunks += data[pos + 7:pos + 7 + length]
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunks += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST
             record = pb.Record()
@@ -94,7 +115,9 @@ def read_wandb_records(path: str) -> list:
     return records
 
 
-def test_wandb_offline_run_files_and_resume_keeps_the_id(tmp_path: Path, monkeypatch) -> None:
+def test_wandb_offline_run_files_and_resume_keeps_the_id(
+    tmp_path: Path, monkeypatch
+) -> None:
     pytest.importorskip("wandb")
     for name in ("WANDB_API_KEY", "WANDB_MODE"):
         monkeypatch.delenv(name, raising=False)
@@ -103,25 +126,52 @@ def test_wandb_offline_run_files_and_resume_keeps_the_id(tmp_path: Path, monkeyp
     run_dir = tmp_path / "runs" / "exp"
     run_dir.mkdir(parents=True)
     # Each attempt in a process of its own, as a crashed and resumed training run is.
-    attempt = ("import sys; from pathlib import Path; from test_trackers import log_steps; "
-               "log_steps('wandb', Path(sys.argv[1]), range(int(sys.argv[2]), int(sys.argv[3])), 0.0, int(sys.argv[4]))")
-    env = {**checkout_env(), "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), checkout_env()["PYTHONPATH"]])}
+    attempt = (
+        "import sys; from pathlib import Path; from test_trackers import log_steps; "
+        "log_steps('wandb', Path(sys.argv[1]), range(int(sys.argv[2]), int(sys.argv[3])), 0.0, int(sys.argv[4]))"
+    )
+    env = {
+        **checkout_env(),
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parent), checkout_env()["PYTHONPATH"]]
+        ),
+    }
     for first, end, resume_step in ((1, 4, 0), (4, 6, 3)):
-        done = subprocess.run([sys.executable, "-c", attempt, str(run_dir), str(first), str(end), str(resume_step)],
-                              env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                attempt,
+                str(run_dir),
+                str(first),
+                str(end),
+                str(resume_step),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr
         if first == 1:
             run_id = json.loads((run_dir / "trackers.json").read_text())["wandb"]
     files = sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb")))
-    assert len(files) == 2 and all(f.endswith(f"run-{run_id}.wandb") for f in files)  # the same run id
+    assert len(files) == 2 and all(
+        f.endswith(f"run-{run_id}.wandb") for f in files
+    )  # the same run id
     history, config = [], {}
     for path in files:
         for record in read_wandb_records(path):
             kind = record.WhichOneof("record_type")
             if kind == "history":
-                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                items = {
+                    i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                    for i in record.history.item
+                }
                 history.append((record.history.step.num, items["loss"]))
             elif kind == "run":
-                config.update({u.key: json.loads(u.value_json) for u in record.run.config.update})
+                config.update(
+                    {u.key: json.loads(u.value_json) for u in record.run.config.update}
+                )
     assert history == [(s, float(s)) for s in range(1, 6)]
     assert config["lr"] == 0.002 and config["run_name"] == "exp"

@@ -23,8 +23,20 @@ import yaml
 
 from conftest import REPO, scaffold_cli
 from scaffold import __version__
-from scaffold.catalog import Algorithm, ModelFamily, RecipeError, add_algorithm, remove_algorithm
-from scaffold.history import TemplateRelease, dev_version, ensure_version, git, history_path
+from scaffold.catalog import (
+    Algorithm,
+    ModelFamily,
+    RecipeError,
+    add_algorithm,
+    remove_algorithm,
+)
+from scaffold.history import (
+    TemplateRelease,
+    dev_version,
+    ensure_version,
+    git,
+    history_path,
+)
 from scaffold.paths import template_dir
 from scaffold.render import commit_all, new_project, render
 from scaffold.upgrade import UpdateError, add, remove, upgrade
@@ -33,9 +45,14 @@ RECIPE = "gpt2-speedup"
 # The template change of "0.2.0", away from every hand edit below.
 OLD_LINE = 'f"done: step {progress.batch}'
 NEW_LINE = 'f"finished: step {progress.batch}'
-SMOKE_CHANGE = ('"--eval_batches=1",', '"--eval_batches=1",  # one batch is enough here')
+SMOKE_CHANGE = (
+    '"--eval_batches=1",',
+    '"--eval_batches=1",  # one batch is enough here',
+)
 ADDED_FILE = "NOTES.md"
-GRAD_CLIP_FENCE = re.compile(r"[ ]*# algorithm: gradient_clipping\n.*?# end algorithm: gradient_clipping\n", re.S)
+GRAD_CLIP_FENCE = re.compile(
+    r"[ ]*# algorithm: gradient_clipping\n.*?# end algorithm: gradient_clipping\n", re.S
+)
 
 
 def replace_once(path: Path, old: str, new: str) -> None:
@@ -45,10 +62,14 @@ def replace_once(path: Path, old: str, new: str) -> None:
     path.write_text(text.replace(old, new))
 
 
-def make_template(root: Path, changes: dict[str, tuple[str, str]], added: dict[str, str]) -> Path:
+def make_template(
+    root: Path, changes: dict[str, tuple[str, str]], added: dict[str, str]
+) -> Path:
     """A copy of the shipped templates with text replacements and added files."""
     template = root / "templates"
-    shutil.copytree(template_dir(), template, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        template_dir(), template, ignore=shutil.ignore_patterns("__pycache__")
+    )
     for relpath, (old, new) in changes.items():
         replace_once(template / relpath, old, new)
     for relpath, text in added.items():
@@ -72,7 +93,9 @@ def versions(tmp_path_factory: pytest.TempPathFactory) -> Versions:
             "tasks/causal_lm/train.py.jinja": (OLD_LINE, NEW_LINE),
             "tasks/causal_lm/tests/test_smoke.py.jinja": SMOKE_CHANGE,
         },
-        {f"tasks/causal_lm/{ADDED_FILE}.jinja": "# {{ project_name }}: notes\n\nAdded in template 0.2.0.\n"},
+        {
+            f"tasks/causal_lm/{ADDED_FILE}.jinja": "# {{ project_name }}: notes\n\nAdded in template 0.2.0.\n"
+        },
     )
     return Versions(TemplateRelease(old, "0.1.0"), TemplateRelease(new, "0.2.0"))
 
@@ -109,15 +132,21 @@ def snapshot(root: Path) -> dict[str, str]:
     digest = {
         path.relative_to(root).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
         for path in sorted(root.rglob("*"))
-        if path.is_file() and path.relative_to(root).parts[:2] != (".git", "index")  # git status refreshes it
+        if path.is_file()
+        and path.relative_to(root).parts[:2]
+        != (".git", "index")  # git status refreshes it
     }
     if (root / ".git").exists():
-        digest["<status>"] = run_git(root, "status", "--porcelain", "--untracked-files=all")
+        digest["<status>"] = run_git(
+            root, "status", "--porcelain", "--untracked-files=all"
+        )
     return digest
 
 
 def run_git(project: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=project, capture_output=True, text=True, check=True).stdout
+    return subprocess.run(
+        ["git", *args], cwd=project, capture_output=True, text=True, check=True
+    ).stdout
 
 
 def make_hand_edits(project: Path, delete_clipping: bool = True) -> None:
@@ -126,12 +155,17 @@ def make_hand_edits(project: Path, delete_clipping: bool = True) -> None:
     clipping, the grad_norm metric)."""
     train = project / "train.py"
     # a new line inside the training loop
-    replace_once(train, "            batch = batch.to(env.device, non_blocking=True)\n",
-                 "            batch = batch.to(env.device, non_blocking=True)\n"
-                 "            batch = batch.contiguous()  # hand edit: inside the loop\n")
+    replace_once(
+        train,
+        "            batch = batch.to(env.device, non_blocking=True)\n",
+        "            batch = batch.to(env.device, non_blocking=True)\n"
+        "            batch = batch.contiguous()  # hand edit: inside the loop\n",
+    )
     # a changed hyperparameter default
     replace_once(train, "    beta2: float = 0.95\n", "    beta2: float = 0.99\n")
-    if delete_clipping:  # a deleted algorithm: its fenced blocks (field, check, clipping, metric)
+    if (
+        delete_clipping
+    ):  # a deleted algorithm: its fenced blocks (field, check, clipping, metric)
         text, cuts = GRAD_CLIP_FENCE.subn("", train.read_text())
         assert cuts == 4
         train.write_text(text)
@@ -144,7 +178,9 @@ def make_hand_edits(project: Path, delete_clipping: bool = True) -> None:
 # --- upgrade ---------------------------------------------------------------------------------
 
 
-def test_upgrade_keeps_hand_edits_and_applies_template_changes(tmp_path: Path, versions: Versions) -> None:
+def test_upgrade_keeps_hand_edits_and_applies_template_changes(
+    tmp_path: Path, versions: Versions
+) -> None:
     project = generate(tmp_path, versions.old)
     make_hand_edits(project)
     edited = (project / "train.py").read_text()
@@ -154,12 +190,17 @@ def test_upgrade_keeps_hand_edits_and_applies_template_changes(tmp_path: Path, v
     train = (project / "train.py").read_text()
     assert "batch = batch.contiguous()  # hand edit: inside the loop" in train
     assert "beta2: float = 0.99" in train and "beta2: float = 0.95" not in train
-    assert "# algorithm: gradient_clipping" not in train and "grad_norm.item()" not in train
+    assert (
+        "# algorithm: gradient_clipping" not in train
+        and "grad_norm.item()" not in train
+    )
     assert NEW_LINE in train and OLD_LINE not in train
     # exactly the template's one-line change on top of the user's file, nothing else
     assert train == edited.replace(OLD_LINE, NEW_LINE)
     assert (project / ADDED_FILE).read_text().startswith("# my-gpt: notes")
-    assert not (project / "tests" / "test_smoke.py").exists()  # deleted by the user: stays deleted
+    assert not (
+        project / "tests" / "test_smoke.py"
+    ).exists()  # deleted by the user: stays deleted
     assert (project / "sweep.toml").read_text() == "lr = 1e-3\n"
     assert "_commit: 0.2.0" in (project / ".copier-answers.yml").read_text()
     assert result.changes.modified == [".copier-answers.yml", "train.py"]
@@ -169,17 +210,25 @@ def test_upgrade_keeps_hand_edits_and_applies_template_changes(tmp_path: Path, v
     assert run_git(project, "log", "--format=%s", "-1").strip() == "hand edits"
 
 
-def test_upgrade_without_edits_equals_a_fresh_generation(tmp_path: Path, versions: Versions) -> None:
+def test_upgrade_without_edits_equals_a_fresh_generation(
+    tmp_path: Path, versions: Versions
+) -> None:
     project = generate_at(tmp_path / "old" / "my-gpt", versions.old)
     upgrade(project, versions.new)
     fresh = generate_at(tmp_path / "fresh" / "my-gpt", versions.new)
     assert files_of(project) == files_of(fresh)
     # and the diff is the template's change and the recorded version, nothing else
     diff = run_git(project, "diff", "--numstat").split("\n")
-    assert sorted(line.split("\t")[2] for line in diff if line) == [".copier-answers.yml", "tests/test_smoke.py", "train.py"]
+    assert sorted(line.split("\t")[2] for line in diff if line) == [
+        ".copier-answers.yml",
+        "tests/test_smoke.py",
+        "train.py",
+    ]
 
 
-def test_same_line_edit_gives_diff3_markers_and_can_be_redone(tmp_path: Path, versions: Versions) -> None:
+def test_same_line_edit_gives_diff3_markers_and_can_be_redone(
+    tmp_path: Path, versions: Versions
+) -> None:
     project = generate(tmp_path, versions.old)
     replace_once(project / "train.py", OLD_LINE, 'f"all done: step {progress.batch}')
     commit_all(project, "reword the final message")
@@ -188,9 +237,17 @@ def test_same_line_edit_gives_diff3_markers_and_can_be_redone(tmp_path: Path, ve
 
     assert result.changes.conflicted == ["train.py"]
     lines = (project / "train.py").read_text().splitlines()
-    marker_at = {line.split(" ")[0]: index for index, line in enumerate(lines)
-                 if line.startswith(("<<<<<<<", "|||||||", "=======", ">>>>>>>"))}
-    assert list(marker_at) == ["<<<<<<<", "|||||||", "=======", ">>>>>>>"]  # diff3 style, in order
+    marker_at = {
+        line.split(" ")[0]: index
+        for index, line in enumerate(lines)
+        if line.startswith(("<<<<<<<", "|||||||", "=======", ">>>>>>>"))
+    }
+    assert list(marker_at) == [
+        "<<<<<<<",
+        "|||||||",
+        "=======",
+        ">>>>>>>",
+    ]  # diff3 style, in order
     assert "all done: step" in lines[marker_at["<<<<<<<"] + 1]  # the user's line
     assert OLD_LINE in lines[marker_at["|||||||"] + 1]  # the old template's
     assert NEW_LINE in lines[marker_at["======="] + 1]  # the new template's
@@ -201,9 +258,15 @@ def test_same_line_edit_gives_diff3_markers_and_can_be_redone(tmp_path: Path, ve
     assert "<<<<<<<" in (project / "train.py").read_text()
 
 
-def test_cli_upgrade_merges_into_the_installed_version_and_exits_0(tmp_path: Path) -> None:
+def test_cli_upgrade_merges_into_the_installed_version_and_exits_0(
+    tmp_path: Path,
+) -> None:
     # An older release whose final message differs; the installed scaffold is the newer one.
-    old_template = make_template(tmp_path / "old", {"tasks/causal_lm/train.py.jinja": ('f"done: step', 'f"over: step')}, {})
+    old_template = make_template(
+        tmp_path / "old",
+        {"tasks/causal_lm/train.py.jinja": ('f"done: step', 'f"over: step')},
+        {},
+    )
     project = generate(tmp_path, TemplateRelease(old_template, "0.0.1"))
     make_hand_edits(project)
 
@@ -213,11 +276,19 @@ def test_cli_upgrade_merges_into_the_installed_version_and_exits_0(tmp_path: Pat
     assert f"upgraded {project} from template 0.0.1 to {__version__}" in result.stdout
     assert "modified  train.py" in result.stdout and "git diff" in result.stdout
     train = (project / "train.py").read_text()
-    assert 'f"done: step' in train and "hand edit: inside the loop" in train and "beta2: float = 0.99" in train
+    assert (
+        'f"done: step' in train
+        and "hand edit: inside the loop" in train
+        and "beta2: float = 0.99" in train
+    )
 
 
 def test_cli_conflict_exits_1_and_says_how_to_resolve(tmp_path: Path) -> None:
-    old_template = make_template(tmp_path / "old", {"tasks/causal_lm/train.py.jinja": ('f"done: step', 'f"over: step')}, {})
+    old_template = make_template(
+        tmp_path / "old",
+        {"tasks/causal_lm/train.py.jinja": ('f"done: step', 'f"over: step')},
+        {},
+    )
     project = generate(tmp_path, TemplateRelease(old_template, "0.0.1"))
     replace_once(project / "train.py", 'f"over: step', 'f"all over: step')
     commit_all(project, "same line as the template")
@@ -230,7 +301,9 @@ def test_cli_conflict_exits_1_and_says_how_to_resolve(tmp_path: Path) -> None:
     assert "|||||||" in (project / "train.py").read_text()
 
 
-def test_dry_run_writes_nothing_and_shows_the_changes(tmp_path: Path, versions: Versions) -> None:
+def test_dry_run_writes_nothing_and_shows_the_changes(
+    tmp_path: Path, versions: Versions
+) -> None:
     project = generate(tmp_path, versions.old)
     make_hand_edits(project)
     before = snapshot(project)
@@ -245,7 +318,11 @@ def test_dry_run_writes_nothing_and_shows_the_changes(tmp_path: Path, versions: 
 
 
 def test_cli_dry_run_reports_conflicts_without_writing(tmp_path: Path) -> None:
-    old_template = make_template(tmp_path / "old", {"tasks/causal_lm/train.py.jinja": ('f"done: step', 'f"over: step')}, {})
+    old_template = make_template(
+        tmp_path / "old",
+        {"tasks/causal_lm/train.py.jinja": ('f"done: step', 'f"over: step')},
+        {},
+    )
     project = generate(tmp_path, TemplateRelease(old_template, "0.0.1"))
     replace_once(project / "train.py", 'f"over: step', 'f"all over: step')
     commit_all(project, "same line as the template")
@@ -260,7 +337,9 @@ def test_cli_dry_run_reports_conflicts_without_writing(tmp_path: Path) -> None:
     assert re.search(r"train\.py +\| +6 \+{6}$", result.stdout, re.M), result.stdout
 
 
-def test_upgrade_at_the_same_version_changes_nothing(tmp_path: Path, versions: Versions) -> None:
+def test_upgrade_at_the_same_version_changes_nothing(
+    tmp_path: Path, versions: Versions
+) -> None:
     project = generate(tmp_path, versions.old)
     before = snapshot(project)
     result = upgrade(project, versions.old)
@@ -288,23 +367,34 @@ def test_a_development_install_never_moves_a_release_tag(tmp_path: Path) -> None
 
     history = history_path()
     tree_b = git("rev-parse", f"{snapshot}^{{tree}}", cwd=history)
-    assert snapshot == dev_version("0.1.0", tree_b) and re.fullmatch(r"0\.1\.0\+dev\.[0-9a-f]{12}", snapshot)
+    assert snapshot == dev_version("0.1.0", tree_b) and re.fullmatch(
+        r"0\.1\.0\+dev\.[0-9a-f]{12}", snapshot
+    )
     assert tag_commit("0.1.0") == released  # the release tag did not move
     assert git("show", "0.1.0:copier.yml", cwd=history) == "one"
     assert git("show", f"{snapshot}:copier.yml", cwd=history) == "two"
-    assert git("rev-parse", f"{snapshot}^", cwd=history) == released  # history reads as 0.1.0, then the snapshot
+    assert (
+        git("rev-parse", f"{snapshot}^", cwd=history) == released
+    )  # history reads as 0.1.0, then the snapshot
     # Idempotent, and the release's own files still map to the release.
     tags = git("tag", "--list", cwd=history)
-    assert ensure_version(b, "0.1.0") == snapshot and ensure_version(a, "0.1.0") == "0.1.0"
+    assert (
+        ensure_version(b, "0.1.0") == snapshot and ensure_version(a, "0.1.0") == "0.1.0"
+    )
     assert git("tag", "--list", cwd=history) == tags
     # A release bundle that disagrees adds its other tags but does not move an existing one either.
     bundle = tmp_path / "release.bundle"
     _load_build_script().build_bundle(_release_repo(tmp_path / "release"), bundle)
     assert ensure_version(b, "0.1.0", bundle) == snapshot
-    assert tag_commit("0.1.0") == released and git("show", "0.2.0:copier.yml", cwd=history) == "two"
+    assert (
+        tag_commit("0.1.0") == released
+        and git("show", "0.2.0:copier.yml", cwd=history) == "two"
+    )
 
 
-def test_development_snapshots_upgrade_add_and_remove(tmp_path: Path, versions: Versions) -> None:
+def test_development_snapshots_upgrade_add_and_remove(
+    tmp_path: Path, versions: Versions
+) -> None:
     """A project of release 0.1.0 upgrades to a development install of 0.1.0 with other templates."""
     project = generate(tmp_path, versions.old)
     make_hand_edits(project, delete_clipping=False)
@@ -314,27 +404,41 @@ def test_development_snapshots_upgrade_add_and_remove(tmp_path: Path, versions: 
 
     assert result.old_version == "0.1.0" and result.new_version.startswith("0.1.0+dev.")
     train = (project / "train.py").read_text()
-    assert NEW_LINE in train and "hand edit: inside the loop" in train and "beta2: float = 0.99" in train
-    assert f"_commit: {result.new_version}" in (project / ".copier-answers.yml").read_text()
+    assert (
+        NEW_LINE in train
+        and "hand edit: inside the loop" in train
+        and "beta2: float = 0.99" in train
+    )
+    assert (
+        f"_commit: {result.new_version}"
+        in (project / ".copier-answers.yml").read_text()
+    )
     assert result.changes.conflicted == [] and result.changes.added == [ADDED_FILE]
     commit_all(project, "upgraded to the development snapshot")
     assert upgrade(project, development).changes.empty  # already there
     # add/remove re-render at the project's (development) version
     removed = remove(project, "seq_length_warmup", development)
     assert removed.old_version == removed.new_version == result.new_version
-    assert removed.changes.conflicted == [] and "seq_length_warmup" not in (project / "train.py").read_text()
+    assert (
+        removed.changes.conflicted == []
+        and "seq_length_warmup" not in (project / "train.py").read_text()
+    )
     assert NEW_LINE in (project / "train.py").read_text()
     # the release 0.1.0 is older than nothing here: going back to it is an update, not a downgrade
     commit_all(project, "no warmup")
     back = upgrade(project, versions.old)
-    assert back.new_version == "0.1.0" and OLD_LINE in (project / "train.py").read_text()
+    assert (
+        back.new_version == "0.1.0" and OLD_LINE in (project / "train.py").read_text()
+    )
 
 
 # --- refusals --------------------------------------------------------------------------------
 
 
 def _dirty(project: Path) -> None:
-    (project / "train.py").write_text((project / "train.py").read_text() + "# uncommitted\n")
+    (project / "train.py").write_text(
+        (project / "train.py").read_text() + "# uncommitted\n"
+    )
 
 
 def _untracked(project: Path) -> None:
@@ -361,33 +465,62 @@ def _set_answer(project: Path, old: str, new: str) -> None:
         (_dirty, "has uncommitted changes (train.py); commit or stash them first"),
         (_untracked, "has uncommitted changes (scratch.txt)"),
         (_not_git, "is not in a git work tree"),
-        (_no_answers, "has no .copier-answers.yml, so it was not generated by `scaffold new`"),
-        (lambda p: _set_answer(p, "_commit: 0.0.1", "_commit: 0.0.7"),
-         "template version 0.0.7, which the template history does not hold"),
-        (lambda p: _set_answer(p, "_src_path: ~/.cache/scaffold/template-history", "_src_path: gh:someone/else"),
-         "records template source 'gh:someone/else'"),
+        (
+            _no_answers,
+            "has no .copier-answers.yml, so it was not generated by `scaffold new`",
+        ),
+        (
+            lambda p: _set_answer(p, "_commit: 0.0.1", "_commit: 0.0.7"),
+            "template version 0.0.7, which the template history does not hold",
+        ),
+        (
+            lambda p: _set_answer(
+                p,
+                "_src_path: ~/.cache/scaffold/template-history",
+                "_src_path: gh:someone/else",
+            ),
+            "records template source 'gh:someone/else'",
+        ),
     ],
-    ids=["dirty", "untracked", "not-git", "no-answers", "unknown-version", "other-source"],
+    ids=[
+        "dirty",
+        "untracked",
+        "not-git",
+        "no-answers",
+        "unknown-version",
+        "other-source",
+    ],
 )
-def test_cli_refusals_touch_nothing_and_exit_2(spoil, message: str, tmp_path: Path) -> None:
-    project = generate(tmp_path, TemplateRelease(make_template(tmp_path / "old", {}, {}), "0.0.1"))
+def test_cli_refusals_touch_nothing_and_exit_2(
+    spoil, message: str, tmp_path: Path
+) -> None:
+    project = generate(
+        tmp_path, TemplateRelease(make_template(tmp_path / "old", {}, {}), "0.0.1")
+    )
     spoil(project)
     before = snapshot(project)
 
     result = scaffold_cli("upgrade", str(project))
 
     assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert (
+        result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    ), result.stderr
     assert message in result.stderr
     assert snapshot(project) == before
 
 
 def test_cli_refuses_a_downgrade(tmp_path: Path) -> None:
-    project = generate(tmp_path, TemplateRelease(make_template(tmp_path / "new", {}, {}), "9.0.0"))
+    project = generate(
+        tmp_path, TemplateRelease(make_template(tmp_path / "new", {}, {}), "9.0.0")
+    )
     before = snapshot(project)
     result = scaffold_cli("upgrade", str(project))
     assert result.returncode == 2
-    assert f"template 9.0.0, newer than this scaffold ({__version__}); upgrading would downgrade it" in result.stderr
+    assert (
+        f"template 9.0.0, newer than this scaffold ({__version__}); upgrading would downgrade it"
+        in result.stderr
+    )
     assert snapshot(project) == before
 
 
@@ -399,7 +532,9 @@ def test_missing_folder_is_refused(tmp_path: Path, versions: Versions) -> None:
 # --- add / remove ----------------------------------------------------------------------------
 
 
-def test_remove_then_add_keeps_edits_and_restores_the_files(tmp_path: Path, versions: Versions) -> None:
+def test_remove_then_add_keeps_edits_and_restores_the_files(
+    tmp_path: Path, versions: Versions
+) -> None:
     project = generate(tmp_path, versions.old)
     make_hand_edits(project, delete_clipping=False)
     edited = files_of(project)
@@ -407,10 +542,15 @@ def test_remove_then_add_keeps_edits_and_restores_the_files(tmp_path: Path, vers
     removed = remove(project, "seq_length_warmup", versions.old)
 
     train = (project / "train.py").read_text()
-    assert "# algorithm: seq_length_warmup" not in train and "seq_length_warmup_min_len" not in train
+    assert (
+        "# algorithm: seq_length_warmup" not in train
+        and "seq_length_warmup_min_len" not in train
+    )
     assert "hand edit: inside the loop" in train and "beta2: float = 0.99" in train
     assert "seq_length_warmup" not in (project / ".copier-answers.yml").read_text()
-    assert not (project / "tests" / "test_smoke.py").exists()  # the user's deletion holds
+    assert not (
+        project / "tests" / "test_smoke.py"
+    ).exists()  # the user's deletion holds
     assert removed.changes.conflicted == [] and "train.py" in removed.changes.modified
     commit_all(project, "remove seq_length_warmup")
 
@@ -420,7 +560,9 @@ def test_remove_then_add_keeps_edits_and_restores_the_files(tmp_path: Path, vers
     assert files_of(project) == edited
 
 
-def test_remove_beside_a_user_deleted_neighbour_merges_cleanly(tmp_path: Path, versions: Versions) -> None:
+def test_remove_beside_a_user_deleted_neighbour_merges_cleanly(
+    tmp_path: Path, versions: Versions
+) -> None:
     # The user deleted gradient clipping's fenced grad_norm metric; seq_length_warmup's metric
     # is its own fenced block after a blank line, so removing it is no conflict (in 0.1.0 the two
     # metric lines were adjacent and this was a 3-way conflict).
@@ -429,13 +571,24 @@ def test_remove_beside_a_user_deleted_neighbour_merges_cleanly(tmp_path: Path, v
     removed = remove(project, "seq_length_warmup", versions.old)
     assert removed.changes.conflicted == []
     train = (project / "train.py").read_text()
-    assert "seq_len\"]" not in train and "grad_norm" not in train and "hand edit: inside the loop" in train
+    assert (
+        'seq_len"]' not in train
+        and "grad_norm" not in train
+        and "hand edit: inside the loop" in train
+    )
 
 
-def test_add_with_hyperparameters_renders_them(tmp_path: Path, versions: Versions) -> None:
+def test_add_with_hyperparameters_renders_them(
+    tmp_path: Path, versions: Versions
+) -> None:
     project = generate(tmp_path, versions.old, recipe="gpt2-baseline")
     make_hand_edits(project)
-    add(project, "seq_length_warmup", ["min_len=16", "seq_length_warmup.duration=0.5dur"], versions.old)
+    add(
+        project,
+        "seq_length_warmup",
+        ["min_len=16", "seq_length_warmup.duration=0.5dur"],
+        versions.old,
+    )
     train = (project / "train.py").read_text()
     assert "seq_length_warmup_min_len: int = 16" in train
     assert 'seq_length_warmup_duration: Time = Time.parse("0.5dur")' in train
@@ -449,19 +602,37 @@ def test_cli_add_and_remove_refuse_with_the_reason(tmp_path: Path) -> None:
     refusals = {
         ("add", "alibbi"): "unknown algorithm 'alibbi' (did you mean 'alibi'?)",
         ("add", "gradient_clipping"): "'gradient_clipping' is already in this project",
-        ("remove", "alibi"): "algorithm 'alibi' is not in this project; it has: gradient_clipping",
-        ("add", "seq_length_warmup", "--set", "min_lenght=3"): "no hyperparameter 'min_lenght' (did you mean 'min_len'?)",
-        ("add", "seq_length_warmup", "--set", "min_len=short"): "seq_length_warmup.min_len = 'short' must be of type int",
+        (
+            "remove",
+            "alibi",
+        ): "algorithm 'alibi' is not in this project; it has: gradient_clipping",
+        (
+            "add",
+            "seq_length_warmup",
+            "--set",
+            "min_lenght=3",
+        ): "no hyperparameter 'min_lenght' (did you mean 'min_len'?)",
+        (
+            "add",
+            "seq_length_warmup",
+            "--set",
+            "min_len=short",
+        ): "seq_length_warmup.min_len = 'short' must be of type int",
     }
     for args, message in refusals.items():
         result = scaffold_cli(*args, str(project))
         assert result.returncode == 2, (args, result.stdout, result.stderr)
-        assert result.stderr.startswith("error: ") and message in result.stderr, (args, result.stderr)
+        assert result.stderr.startswith("error: ") and message in result.stderr, (
+            args,
+            result.stderr,
+        )
     assert snapshot(project) == before
 
 
 def test_cli_remove_then_add(tmp_path: Path) -> None:
-    project = generate(tmp_path, TemplateRelease(make_template(tmp_path / "old", {}, {}), "0.0.1"))
+    project = generate(
+        tmp_path, TemplateRelease(make_template(tmp_path / "old", {}, {}), "0.0.1")
+    )
     make_hand_edits(project)
     edited = files_of(project)
     removed = scaffold_cli("remove", "alibi", str(project))
@@ -493,20 +664,30 @@ GPT = ModelFamily("gpt", "", ("tiny",), {})
         ({}, "d", "algorithm 'd' does not apply to task 'causal_lm'"),
     ],
 )
-def test_add_refuses_conflicts_and_missing_requirements(current: dict, name: str, message: str) -> None:
+def test_add_refuses_conflicts_and_missing_requirements(
+    current: dict, name: str, message: str
+) -> None:
     with pytest.raises(RecipeError, match=message):
         add_algorithm(current, name, [], CATALOG, "causal_lm", GPT)
 
 
 def test_remove_refuses_what_another_algorithm_requires() -> None:
-    with pytest.raises(RecipeError, match="algorithm 'c' requires 'b'; remove 'c' first"):
+    with pytest.raises(
+        RecipeError, match="algorithm 'c' requires 'b'; remove 'c' first"
+    ):
         remove_algorithm({"b": {}, "c": {}}, "b", CATALOG)
     assert remove_algorithm({"b": {}, "c": {}}, "c", CATALOG) == {"b": {}}
 
 
 def test_add_keeps_catalog_order() -> None:
-    assert list(add_algorithm({"c": {}}, "b", [], CATALOG, "causal_lm", GPT)) == ["b", "c"]
-    assert list(add_algorithm({"b": {}}, "c", [], CATALOG, "causal_lm", GPT)) == ["b", "c"]
+    assert list(add_algorithm({"c": {}}, "b", [], CATALOG, "causal_lm", GPT)) == [
+        "b",
+        "c",
+    ]
+    assert list(add_algorithm({"b": {}}, "c", [], CATALOG, "causal_lm", GPT)) == [
+        "b",
+        "c",
+    ]
 
 
 # --- plain copier ----------------------------------------------------------------------------
@@ -517,13 +698,24 @@ def test_plain_copier_update_works(tmp_path: Path, versions: Versions) -> None:
     make_hand_edits(project)
     versions.new.prepare_history()  # any scaffold run puts its version in the history
 
-    result = subprocess.run([sys.executable, "-m", "copier", "update", "--trust", "--defaults"],
-                            cwd=project, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "copier", "update", "--trust", "--defaults"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
     assert result.returncode == 0, result.stderr
     train = (project / "train.py").read_text()
-    assert NEW_LINE in train and "hand edit: inside the loop" in train and "beta2: float = 0.99" in train
-    assert (project / ADDED_FILE).exists() and not (project / "tests" / "test_smoke.py").exists()
+    assert (
+        NEW_LINE in train
+        and "hand edit: inside the loop" in train
+        and "beta2: float = 0.99" in train
+    )
+    assert (project / ADDED_FILE).exists() and not (
+        project / "tests" / "test_smoke.py"
+    ).exists()
     assert "_commit: 0.2.0" in (project / ".copier-answers.yml").read_text()
 
 
@@ -531,7 +723,9 @@ def test_plain_copier_update_works(tmp_path: Path, versions: Versions) -> None:
 
 
 def _load_build_script():
-    spec = importlib.util.spec_from_file_location("build_template_history", REPO / "scripts" / "build_template_history.py")
+    spec = importlib.util.spec_from_file_location(
+        "build_template_history", REPO / "scripts" / "build_template_history.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -541,7 +735,12 @@ def _release_repo(root: Path) -> Path:
     """A repository with releases v0.1.0 and v0.2.0 (different templates/), plus tags to skip."""
     repo = root / "repo"
     (repo / "templates").mkdir(parents=True)
-    identity = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    identity = {
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
     git("init", "--quiet", cwd=repo)
     (repo / "README.md").write_text("before templates\n")
     git("add", "-A", cwd=repo)
@@ -574,16 +773,30 @@ def test_release_bundle_is_reproducible_and_holds_each_release(tmp_path: Path) -
     assert ensure_version(template, "0.2.0", first) == "0.2.0"
     history = history_path()
     for version in ("0.1.0", "0.2.0"):
-        assert git("rev-parse", f"{version}^{{tree}}", cwd=history) == git("rev-parse", f"v{version}:templates", cwd=repo)
-    assert git("rev-parse", "0.2.0^", cwd=history) == git("rev-parse", "0.1.0", cwd=history)
+        assert git("rev-parse", f"{version}^{{tree}}", cwd=history) == git(
+            "rev-parse", f"v{version}:templates", cwd=repo
+        )
+    assert git("rev-parse", "0.2.0^", cwd=history) == git(
+        "rev-parse", "0.1.0", cwd=history
+    )
 
 
 def test_release_script_refuses_a_repo_without_releases(tmp_path: Path) -> None:
     repo = tmp_path / "empty"
     repo.mkdir()
     git("init", "--quiet", cwd=repo)
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "build_template_history.py"), "--repo", str(repo),
-                             "--output", str(tmp_path / "x.bundle")], capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "build_template_history.py"),
+            "--repo",
+            str(repo),
+            "--output",
+            str(tmp_path / "x.bundle"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2 and "no release tag vX.Y.Z" in result.stderr
     assert not (tmp_path / "x.bundle").exists()
 
@@ -591,15 +804,23 @@ def test_release_script_refuses_a_repo_without_releases(tmp_path: Path) -> None:
 def test_wheel_ships_the_bundle_only_when_built(tmp_path: Path) -> None:
     pytest.importorskip("hatchling")
     source = tmp_path / "src"
-    tracked = run_git(REPO, "ls-files", "--cached", "--others", "--exclude-standard").split("\n")
+    tracked = run_git(
+        REPO, "ls-files", "--cached", "--others", "--exclude-standard"
+    ).split("\n")
     for name in filter(None, tracked):
         if (REPO / name).is_file():
             (source / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, source / name)
-    build = [sys.executable, "-c", "import sys; from hatchling.build import build_wheel; print(build_wheel(sys.argv[1]))"]
+    build = [
+        sys.executable,
+        "-c",
+        "import sys; from hatchling.build import build_wheel; print(build_wheel(sys.argv[1]))",
+    ]
 
     def wheel_names(out: Path) -> list[str]:
-        done = subprocess.run([*build, str(out)], cwd=source, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [*build, str(out)], cwd=source, capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0, done.stderr
         with zipfile.ZipFile(out / done.stdout.strip().splitlines()[-1]) as wheel:
             return wheel.namelist()
@@ -607,7 +828,10 @@ def test_wheel_ships_the_bundle_only_when_built(tmp_path: Path) -> None:
     assert "scaffold/template-history.bundle" not in wheel_names(tmp_path / "plain")
     (source / "scaffold" / "template-history.bundle").write_bytes(b"bundle")
     names = wheel_names(tmp_path / "release")
-    assert "scaffold/template-history.bundle" in names and "scaffold/templates/copier.yml" in names
+    assert (
+        "scaffold/template-history.bundle" in names
+        and "scaffold/templates/copier.yml" in names
+    )
 
 
 # --- projects generated by release 0.1.0 ---------------------------------------------------------
@@ -617,11 +841,19 @@ RELEASE_0_1_0 = "b7878b8b46933427b12ce963cc72df17c6e35114"  # the commit tagged 
 
 def release_from_git_history(commit: str, version: str, dest: Path) -> TemplateRelease:
     """The templates/ folder of a past commit of this repository, published as `version`."""
-    found = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=REPO, capture_output=True)
+    found = subprocess.run(
+        ["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=REPO, capture_output=True
+    )
     if found.returncode != 0:
-        pytest.skip(f"this checkout's git history lacks release commit {commit[:7]} (a shallow clone?)")
-    archive = subprocess.run(["git", "archive", "--format=tar", commit, "templates"], cwd=REPO,
-                             capture_output=True, check=True)
+        pytest.skip(
+            f"this checkout's git history lacks release commit {commit[:7]} (a shallow clone?)"
+        )
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", commit, "templates"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    )
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
     return TemplateRelease(dest / "templates", version)
 
@@ -636,12 +868,16 @@ def losses(project: Path, workdir: Path) -> list[tuple[float, float | None]]:
     from projects import read_metrics, run_train
 
     workdir.mkdir()
-    result = run_train(project, workdir, "--max_duration=6ba", "--eval_interval=3ba", "--run_name=r")
+    result = run_train(
+        project, workdir, "--max_duration=6ba", "--eval_interval=3ba", "--run_name=r"
+    )
     assert result.returncode == 0, result.stderr
     return [(row["loss"], row.get("val_loss")) for row in read_metrics(workdir, "r")]
 
 
-def test_a_0_1_0_project_with_a_hand_edit_upgrades_to_task_packs_and_trains_the_same(tmp_path: Path) -> None:
+def test_a_0_1_0_project_with_a_hand_edit_upgrades_to_task_packs_and_trains_the_same(
+    tmp_path: Path,
+) -> None:
     """Release 0.1.0 (one template folder, algorithms named in it) -> today's task packs: the user's
     edit survives, nothing conflicts, the files equal a fresh render plus the edit, and training
     gives the same losses, bitwise."""
@@ -650,9 +886,18 @@ def test_a_0_1_0_project_with_a_hand_edit_upgrades_to_task_packs_and_trains_the_
     new = TemplateRelease(template_dir(), __version__)
     # 0.1.0's own answers for its gpt2-speedup golden project (this scaffold resolves recipes
     # against today's packs, so the old project is rendered from its recorded answers).
-    recorded = subprocess.run(["git", "show", f"{RELEASE_0_1_0}:tests/golden/{RECIPE}/.copier-answers.yml"],
-                              cwd=REPO, capture_output=True, text=True, check=True).stdout
-    answers = {key: value for key, value in yaml.safe_load(recorded).items() if not key.startswith("_")}
+    recorded = subprocess.run(
+        ["git", "show", f"{RELEASE_0_1_0}:tests/golden/{RECIPE}/.copier-answers.yml"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    answers = {
+        key: value
+        for key, value in yaml.safe_load(recorded).items()
+        if not key.startswith("_")
+    }
     project = tmp_path / "my-gpt"
     render(answers, project, old)
     commit_all(project, "generated by scaffold 0.1.0")
@@ -673,30 +918,63 @@ def test_a_0_1_0_project_with_a_hand_edit_upgrades_to_task_packs_and_trains_the_
     assert losses(project, tmp_path / "work-new") == before
 
 
-def test_an_image_classification_project_upgrades_keeping_hand_edits_and_trains(tmp_path: Path) -> None:
+def test_an_image_classification_project_upgrades_keeping_hand_edits_and_trains(
+    tmp_path: Path,
+) -> None:
     """The vision task pack upgrades like the language one: template change merged, edits kept."""
     from projects import read_metrics, run_train
 
     root = tmp_path / "versions"
     old = TemplateRelease(make_template(root / "0.1.0", {}, {}), "0.1.0")
-    new = TemplateRelease(make_template(
-        root / "0.2.0", {"tasks/image_classification/train.py.jinja": (OLD_LINE, NEW_LINE)}, {}), "0.2.0")
+    new = TemplateRelease(
+        make_template(
+            root / "0.2.0",
+            {"tasks/image_classification/train.py.jinja": (OLD_LINE, NEW_LINE)},
+            {},
+        ),
+        "0.2.0",
+    )
     project = generate_at(tmp_path / "my-cnn", old, "cifar-resnet56-baseline")
     train = project / "train.py"
-    replace_once(train, "    beta2: float = 0.999  # adamw\n", "    beta2: float = 0.99  # adamw\n")
-    replace_once(train, "            inputs = data.normalize(pixels, images)\n",
-                 "            inputs = data.normalize(pixels, images)\n"
-                 "            inputs = inputs.contiguous()  # hand edit: inside the loop\n")
+    replace_once(
+        train,
+        "    beta2: float = 0.999  # adamw\n",
+        "    beta2: float = 0.99  # adamw\n",
+    )
+    replace_once(
+        train,
+        "            inputs = data.normalize(pixels, images)\n",
+        "            inputs = data.normalize(pixels, images)\n"
+        "            inputs = inputs.contiguous()  # hand edit: inside the loop\n",
+    )
     commit_all(project, "hand edits")
     edited = train.read_text()
 
     result = upgrade(project, new)
 
     assert train.read_text() == edited.replace(OLD_LINE, NEW_LINE)
-    assert result.changes.modified == [".copier-answers.yml", "train.py"] and result.changes.conflicted == []
+    assert (
+        result.changes.modified == [".copier-answers.yml", "train.py"]
+        and result.changes.conflicted == []
+    )
     answers = yaml.safe_load((project / ".copier-answers.yml").read_text())
-    assert answers["_commit"] == "0.2.0" and answers["bn_group_size"] == 128 and answers["momentum"] == 0.9
-    trained = run_train(project, tmp_path, "--model=tiny", "--global_batch_size=8", "--device_microbatch_size=4",
-                        "--bn_group_size=4", "--max_duration=2ba", "--lr_warmup=0.5dur", "--run_name=up")
+    assert (
+        answers["_commit"] == "0.2.0"
+        and answers["bn_group_size"] == 128
+        and answers["momentum"] == 0.9
+    )
+    trained = run_train(
+        project,
+        tmp_path,
+        "--model=tiny",
+        "--global_batch_size=8",
+        "--device_microbatch_size=4",
+        "--bn_group_size=4",
+        "--max_duration=2ba",
+        "--lr_warmup=0.5dur",
+        "--run_name=up",
+    )
     assert trained.returncode == 0, trained.stderr[-3000:]
-    assert "finished: step 2" in trained.stdout and [r["step"] for r in read_metrics(tmp_path, "up")] == [1, 2]
+    assert "finished: step 2" in trained.stdout and [
+        r["step"] for r in read_metrics(tmp_path, "up")
+    ] == [1, 2]

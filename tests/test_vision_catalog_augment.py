@@ -25,24 +25,39 @@ from projects import checkout_env, project_modules, read_metrics, run_train
 from scaffold.render import new_project
 
 TESTS = Path(__file__).resolve().parent
-SMALL = ["--model=tiny", "--precision=fp32", "--global_batch_size=8", "--device_microbatch_size=4",
-         "--bn_group_size=2", "--eval_batches=1", "--dist_timeout=60"]
+SMALL = [
+    "--model=tiny",
+    "--precision=fp32",
+    "--global_batch_size=8",
+    "--device_microbatch_size=4",
+    "--bn_group_size=2",
+    "--eval_batches=1",
+    "--dist_timeout=60",
+]
 
 
 def render(root: Path, name: str, algorithms: str) -> Path:
     recipe = root / f"{name}.toml"
-    recipe.write_text('[answers]\ntask = "image_classification"\nmodel_family = "resnet"\n'
-                      f'model = "tiny"\n{algorithms}')
+    recipe.write_text(
+        '[answers]\ntask = "image_classification"\nmodel_family = "resnet"\n'
+        f'model = "tiny"\n{algorithms}'
+    )
     new_project(str(recipe), root / name, [], name)
     return root / name
 
 
 @pytest.fixture(scope="module")
-def projects(tmp_path_factory: pytest.TempPathFactory, isolated_home: Path) -> dict[str, Path]:
+def projects(
+    tmp_path_factory: pytest.TempPathFactory, isolated_home: Path
+) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("augment")
     return {
-        "randaugment": render(root, "ra", "[algorithms.randaugment]\n[algorithms.progressive_resizing]\n"
-                                          "initial_scale = 0.5\ndelay_fraction = 0.2\nfinetune_fraction = 0.2\n"),
+        "randaugment": render(
+            root,
+            "ra",
+            "[algorithms.randaugment]\n[algorithms.progressive_resizing]\n"
+            "initial_scale = 0.5\ndelay_fraction = 0.2\nfinetune_fraction = 0.2\n",
+        ),
         "augmix": render(root, "am", "[algorithms.augmix]\njsd = true\n"),
     }
 
@@ -67,7 +82,9 @@ def image_folder(root: Path, size: int = 24, per_class: int = 8) -> Path:
             (root / split / name).mkdir(parents=True, exist_ok=True)
             for i in range(per_class):
                 pixels = rng.integers(0, 120, size=(size, size, 3)) + 100 * label
-                Image.fromarray(pixels.astype(np.uint8)).save(root / split / name / f"{i}.png")
+                Image.fromarray(pixels.astype(np.uint8)).save(
+                    root / split / name / f"{i}.png"
+                )
     return root
 
 
@@ -89,7 +106,9 @@ def test_each_operation_does_what_it_says(ra) -> None:
     # posterize: keeps the top bits: 3 bits -> multiples of 32, each pixel rounded down
     posterized = data.posterize(ramp, 3)
     assert set(posterized.unique().tolist()) == set(range(0, 256, 32))
-    assert torch.equal(posterized, ramp // 32 * 32) and torch.equal(data.posterize(ramp, 8), ramp)
+    assert torch.equal(posterized, ramp // 32 * 32) and torch.equal(
+        data.posterize(ramp, 8), ramp
+    )
     # rotate: by 90 and 180 degrees (counter-clockwise) a known asymmetric pattern
     pattern = torch.arange(3 * 6 * 6, dtype=torch.uint8).view(3, 6, 6)
     assert torch.equal(data.rotate(pattern, 90), torch.rot90(pattern, 1, dims=(1, 2)))
@@ -106,9 +125,13 @@ def test_each_operation_does_what_it_says(ra) -> None:
     # autocontrast: every channel stretched to 0..255; a flat channel untouched
     dull = torch.stack([ramp[0] // 4 + 50, torch.full((16, 16), 7, dtype=torch.uint8)])
     stretched = data.autocontrast(dull)
-    assert (stretched[0].min(), stretched[0].max()) == (0, 255) and torch.equal(stretched[1], dull[1])
+    assert (stretched[0].min(), stretched[0].max()) == (0, 255) and torch.equal(
+        stretched[1], dull[1]
+    )
     # equalize: PIL's ImageOps.equalize, exactly, on a skewed image
-    skewed = (np.random.default_rng(1).beta(2, 8, size=(20, 20, 3)) * 255).astype(np.uint8)
+    skewed = (np.random.default_rng(1).beta(2, 8, size=(20, 20, 3)) * 255).astype(
+        np.uint8
+    )
     expected = np.asarray(ImageOps.equalize(Image.fromarray(skewed)))
     assert torch.equal(data.equalize(chw(skewed)), chw(expected))
     # brightness 0: black; color 0: grey (all channels equal); contrast 0: one grey level
@@ -118,9 +141,13 @@ def test_each_operation_does_what_it_says(ra) -> None:
     assert torch.equal(grey[0], grey[1]) and torch.equal(grey[1], grey[2])
     assert data.contrast(rgb, 0.0).unique().numel() == 1
     # sharpness 0: PIL's SMOOTH filter inside, the border kept
-    smooth = np.asarray(Image.fromarray(skewed).filter(__import__("PIL.ImageFilter").ImageFilter.SMOOTH))
+    smooth = np.asarray(
+        Image.fromarray(skewed).filter(__import__("PIL.ImageFilter").ImageFilter.SMOOTH)
+    )
     blurred = data.sharpness(rgb, 0.0)
-    assert (blurred[:, 1:-1, 1:-1].int() - chw(smooth)[:, 1:-1, 1:-1].int()).abs().max() <= 1
+    assert (
+        blurred[:, 1:-1, 1:-1].int() - chw(smooth)[:, 1:-1, 1:-1].int()
+    ).abs().max() <= 1
     assert torch.equal(blurred[:, 0], rgb[:, 0])
     # every operation of the set runs on grey and colour images and keeps shape and dtype
     rng = np.random.default_rng(0)
@@ -134,13 +161,16 @@ def test_each_operation_does_what_it_says(ra) -> None:
 
 
 def samples_in_worker(batches, indices: list[int]) -> list[torch.Tensor]:
-    loader = torch.utils.data.DataLoader(batches, batch_size=None, sampler=indices, num_workers=2)
+    loader = torch.utils.data.DataLoader(
+        batches, batch_size=None, sampler=indices, num_workers=2
+    )
     return [pixels for pixels, _, _ in loader]
 
 
 @pytest.mark.parametrize("which", ["randaugment", "augmix"])
-def test_same_seed_epoch_index_same_image_in_a_worker_and_here(which: str, projects: dict[str, Path],
-                                                                tmp_path: Path) -> None:
+def test_same_seed_epoch_index_same_image_in_a_worker_and_here(
+    which: str, projects: dict[str, Path], tmp_path: Path
+) -> None:
     folder = image_folder(tmp_path / "images")
     with project_modules(projects[which]) as modules:
         data, train = modules["data"], modules["train"]
@@ -148,21 +178,34 @@ def test_same_seed_epoch_index_same_image_in_a_worker_and_here(which: str, proje
         augment = train.augmentations(cfg)
         assert len(augment) == 1
         images = data.load_images(str(folder))
-        batches = data.Batches(images, "train", 4, seed=5, image_size=16, epoch=2, augment=augment)
+        batches = data.Batches(
+            images, "train", 4, seed=5, image_size=16, epoch=2, augment=augment
+        )
         plain = data.Batches(images, "train", 4, seed=5, image_size=16, epoch=2)
         here = [batches[i][0] for i in range(len(batches))]
-        assert all(torch.equal(a, b) for a, b in zip(here, samples_in_worker(batches, list(range(len(batches))))))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(here, samples_in_worker(batches, list(range(len(batches)))))
+        )
         # different samples give different images; another epoch another one
         flat = torch.cat(here)
         assert len({tuple(x.flatten().tolist()) for x in flat}) == len(flat)
-        other_epoch = data.Batches(images, "train", 4, seed=5, image_size=16, epoch=3, augment=augment)
+        other_epoch = data.Batches(
+            images, "train", 4, seed=5, image_size=16, epoch=3, augment=augment
+        )
         same_sample = other_epoch.order.tolist().index(batches.order[0])
         share = 4
-        assert not torch.equal(other_epoch[same_sample // share][0][same_sample % share], here[0][0])
-        if which == "augmix":  # (clean, view 1, view 2): the clean one is the plain crop
+        assert not torch.equal(
+            other_epoch[same_sample // share][0][same_sample % share], here[0][0]
+        )
+        if (
+            which == "augmix"
+        ):  # (clean, view 1, view 2): the clean one is the plain crop
             assert flat.shape[1:] == (3, 3, 16, 16)
             assert all(torch.equal(a[:, 0], plain[i][0]) for i, a in enumerate(here))
-            assert not torch.equal(flat[:, 1], flat[:, 0]) and not torch.equal(flat[:, 1], flat[:, 2])
+            assert not torch.equal(flat[:, 1], flat[:, 0]) and not torch.equal(
+                flat[:, 1], flat[:, 2]
+            )
         else:
             assert all(not torch.equal(a, plain[i][0]) for i, a in enumerate(here))
 
@@ -180,22 +223,39 @@ def test_augmix_jsd_equals_its_closed_form(am) -> None:
     def entropy(p: torch.Tensor) -> torch.Tensor:
         return -(p * p.log()).sum(dim=1)
 
-    expected = (entropy(mixture) - torch.stack([entropy(p) for p in probs]).mean(0)).sum()
-    assert math.isclose(am["train"].augmix_jsd(*logits).item(), expected.item(), rel_tol=1e-5)
+    expected = (
+        entropy(mixture) - torch.stack([entropy(p) for p in probs]).mean(0)
+    ).sum()
+    assert math.isclose(
+        am["train"].augmix_jsd(*logits).item(), expected.item(), rel_tol=1e-5
+    )
     same = am["train"].augmix_jsd(logits[0], logits[0], logits[0])
     assert abs(same.item()) < 1e-6
 
 
-def test_augmix_jsd_step_does_not_depend_on_the_microbatch_size(projects: dict[str, Path], tmp_path: Path) -> None:
-    args = [a for a in SMALL if "microbatch" not in a] + ["--max_duration=2ba", "--eval_interval=2ba", "--lr=0.5"]
+def test_augmix_jsd_step_does_not_depend_on_the_microbatch_size(
+    projects: dict[str, Path], tmp_path: Path
+) -> None:
+    args = [a for a in SMALL if "microbatch" not in a] + [
+        "--max_duration=2ba",
+        "--eval_interval=2ba",
+        "--lr=0.5",
+    ]
     runs = {}
     for micro in (2, 8):
-        result = run_train(projects["augmix"], tmp_path, *args, f"--device_microbatch_size={micro}",
-                           f"--run_name=m{micro}")
+        result = run_train(
+            projects["augmix"],
+            tmp_path,
+            *args,
+            f"--device_microbatch_size={micro}",
+            f"--run_name=m{micro}",
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         runs[micro] = [row["loss"] for row in read_metrics(tmp_path, f"m{micro}")]
     assert runs[2] == pytest.approx(runs[8], abs=2e-6)
-    unweighted = run_train(projects["augmix"], tmp_path, *args, "--augmix_jsd_weight=0", "--run_name=w0")
+    unweighted = run_train(
+        projects["augmix"], tmp_path, *args, "--augmix_jsd_weight=0", "--run_name=w0"
+    )
     assert unweighted.returncode == 0, unweighted.stderr[-3000:]
     # the same clean images and weights at step 1: the difference is 12 x a divergence > 0
     assert read_metrics(tmp_path, "w0")[0]["loss"] < runs[8][0]
@@ -206,27 +266,58 @@ def test_augmix_jsd_step_does_not_depend_on_the_microbatch_size(projects: dict[s
 
 def test_size_schedule_matches_composers_formula(ra) -> None:
     train = ra["train"]
-    cfg = train.Config(progressive_resizing_initial_scale=0.5, progressive_resizing_delay_fraction=0.4,
-                       progressive_resizing_finetune_fraction=0.2, progressive_resizing_size_increment=4)
+    cfg = train.Config(
+        progressive_resizing_initial_scale=0.5,
+        progressive_resizing_delay_fraction=0.4,
+        progressive_resizing_finetune_fraction=0.2,
+        progressive_resizing_size_increment=4,
+    )
     # scale = 0.5 until 0.4, then linear to 1.0 at 0.8 (= 1 - finetune); width rounded to 4
-    for fraction, scale in ((0.0, 0.5), (0.4, 0.5), (0.5, 0.625), (0.7, 0.875), (0.8, 1.0), (0.99, 1.0)):
+    for fraction, scale in (
+        (0.0, 0.5),
+        (0.4, 0.5),
+        (0.5, 0.625),
+        (0.7, 0.875),
+        (0.8, 1.0),
+        (0.99, 1.0),
+    ):
         width = round(224 * scale / 4) * 4
-        assert train.progressive_resizing_size(fraction, 224, 224, cfg) == (width, width), fraction
+        assert train.progressive_resizing_size(fraction, 224, 224, cfg) == (
+            width,
+            width,
+        ), fraction
     # the height follows the width's factor (Composer rounds the width only)
-    assert train.progressive_resizing_size(0.5, 150, 224, cfg) == (int(150 * 140 / 224), 140)
+    assert train.progressive_resizing_size(0.5, 150, 224, cfg) == (
+        int(150 * 140 / 224),
+        140,
+    )
     # a full side that is no multiple of the increment is kept whole at full scale
     assert train.progressive_resizing_size(0.9, 30, 30, cfg) == (30, 30)
 
 
 def test_distinct_sizes_are_bounded_by_the_increment(ra) -> None:
     train = ra["train"]
-    for side, initial, step in ((224, 0.5, 4), (176, 0.6, 8), (32, 0.25, 4), (30, 0.5, 4)):
-        cfg = train.Config(progressive_resizing_initial_scale=initial, progressive_resizing_size_increment=step,
-                           progressive_resizing_delay_fraction=0.2, progressive_resizing_finetune_fraction=0.2)
-        sizes = {train.progressive_resizing_size(step_i / 5000, side, side, cfg) for step_i in range(5000)}
+    for side, initial, step in (
+        (224, 0.5, 4),
+        (176, 0.6, 8),
+        (32, 0.25, 4),
+        (30, 0.5, 4),
+    ):
+        cfg = train.Config(
+            progressive_resizing_initial_scale=initial,
+            progressive_resizing_size_increment=step,
+            progressive_resizing_delay_fraction=0.2,
+            progressive_resizing_finetune_fraction=0.2,
+        )
+        sizes = {
+            train.progressive_resizing_size(step_i / 5000, side, side, cfg)
+            for step_i in range(5000)
+        }
         assert len(sizes) <= (1 - initial) * side / step + 2
         assert all(w % step == 0 or w == side for _, w in sizes)
-        assert len(sizes) >= (1 - initial) * side / step - 1  # it does grow through the sizes
+        assert (
+            len(sizes) >= (1 - initial) * side / step - 1
+        )  # it does grow through the sizes
 
 
 def test_resize_and_crop_keep_channels_last_and_views(ra) -> None:
@@ -234,80 +325,164 @@ def test_resize_and_crop_keep_channels_last_and_views(ra) -> None:
     images = torch.arange(2 * 3 * 8 * 8, dtype=torch.float32).view(2, 3, 8, 8)
     last = images.contiguous(memory_format=torch.channels_last)
     resized = data.progressive_resize(last, (4, 4), "resize", [0, 1])
-    assert resized.is_contiguous(memory_format=torch.channels_last) and not resized.is_contiguous()
+    assert (
+        resized.is_contiguous(memory_format=torch.channels_last)
+        and not resized.is_contiguous()
+    )
     assert torch.equal(resized, images[:, :, ::2, ::2])  # nearest neighbour, factor 2
     cropped = data.progressive_resize(images, (4, 4), "crop", [0, 1])
-    offsets = [(t, l) for t in range(5) for l in range(5)
-               if torch.equal(cropped, images[:, :, t:t + 4, l:l + 4])]
+    offsets = [
+        (t, l)
+        for t in range(5)
+        for l in range(5)
+        if torch.equal(cropped, images[:, :, t : t + 4, l : l + 4])
+    ]
     assert len(offsets) == 1 and cropped.is_contiguous()
-    assert torch.equal(data.progressive_resize(images, (4, 4), "crop", [0, 1]), cropped)  # (seed, step)
-    assert data.progressive_resize(last, (4, 4), "crop", [0, 1]).is_contiguous(memory_format=torch.channels_last)
-    views = images.view(2, 1, 3, 8, 8).expand(2, 3, 3, 8, 8)  # AugMix's (N, views, C, H, W)
-    assert torch.equal(data.progressive_resize(views, (4, 4), "resize", [0, 1])[:, 2], resized)
+    assert torch.equal(
+        data.progressive_resize(images, (4, 4), "crop", [0, 1]), cropped
+    )  # (seed, step)
+    assert data.progressive_resize(last, (4, 4), "crop", [0, 1]).is_contiguous(
+        memory_format=torch.channels_last
+    )
+    views = images.view(2, 1, 3, 8, 8).expand(
+        2, 3, 3, 8, 8
+    )  # AugMix's (N, views, C, H, W)
+    assert torch.equal(
+        data.progressive_resize(views, (4, 4), "resize", [0, 1])[:, 2], resized
+    )
     assert data.progressive_resize(images, (8, 8), "resize", [0, 1]) is images
 
 
-def test_kill_9_resume_continues_the_schedule_bitwise(projects: dict[str, Path], tmp_path: Path) -> None:
+def test_kill_9_resume_continues_the_schedule_bitwise(
+    projects: dict[str, Path], tmp_path: Path
+) -> None:
     """RandAugment in DataLoader workers + progressive resizing on 24-pixel images: a run killed
-    (-9) inside its 5th save and rerun equals an uninterrupted one bitwise, sizes included."""
+    (-9) inside its 5th save and rerun equals an uninterrupted one bitwise, sizes included.
+    """
     project = projects["randaugment"]
     folder = image_folder(tmp_path / "images", size=24, per_class=40)
-    args = [*SMALL, f"--data={folder}", "--image_size=24", "--num_workers=2", "--max_duration=10ba",
-            "--eval_interval=10ba", "--save_interval=1ba"]
+    args = [
+        *SMALL,
+        f"--data={folder}",
+        "--image_size=24",
+        "--num_workers=2",
+        "--max_duration=10ba",
+        "--eval_interval=10ba",
+        "--save_interval=1ba",
+    ]
     result = run_train(project, tmp_path, *args, "--run_name=ref")
     assert result.returncode == 0, result.stderr[-3000:]
     expected = read_metrics(tmp_path, "ref")
-    killed = subprocess.run([sys.executable, str(TESTS / "stop_after.py"), "kill:5", str(project / "train.py"),
-                             *args, "--run_name=cut", "--device=cpu"], cwd=tmp_path, env=checkout_env(),
-                            capture_output=True, text=True, timeout=300)
+    killed = subprocess.run(
+        [
+            sys.executable,
+            str(TESTS / "stop_after.py"),
+            "kill:5",
+            str(project / "train.py"),
+            *args,
+            "--run_name=cut",
+            "--device=cpu",
+        ],
+        cwd=tmp_path,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert killed.returncode == -9, killed.stderr[-3000:]
     resumed = run_train(project, tmp_path, *args, "--run_name=cut")
-    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[
+        -3000:
+    ]
     rows = read_metrics(tmp_path, "cut")
     keys = ("step", "loss", "image_width", "val_loss")
-    assert [[r.get(k) for k in keys] for r in rows if r["step"] > 4] == \
-        [[r.get(k) for k in keys] for r in expected if r["step"] > 4]
+    assert [[r.get(k) for k in keys] for r in rows if r["step"] > 4] == [
+        [r.get(k) for k in keys] for r in expected if r["step"] > 4
+    ]
     # the logged sizes are the schedule's: 0.5 until 0.2 of training, full from 0.8 on
     for row in expected:
         fraction = (row["step"] - 1) / 10  # before the step: the size it trained at
-        grown = min(max(fraction - 0.2, 0) / (1 - 0.2 - 0.2), 1)  # float ties as in train.py
+        grown = min(
+            max(fraction - 0.2, 0) / (1 - 0.2 - 0.2), 1
+        )  # float ties as in train.py
         width = min(24, round(24 * (0.5 + 0.5 * grown) / 4) * 4)
         assert row["image_width"] == width, row
     assert len({row["image_width"] for row in expected}) >= 3
 
 
-@pytest.mark.parametrize(("which", "arg", "message"), [
-    ("randaugment", "--randaugment_severity=11", "error: randaugment_severity=11 is outside its range [0, 10]"),
-    ("augmix", "--augmix_alpha=0", "error: augmix_alpha=0.0 is outside its range (0, inf)"),
-    ("augmix", "--augmix_depth=0", "error: augmix_depth=0: use -1 (1 to 3 operations, drawn per chain) or at "
-                                   "least 1"),
-    ("randaugment", "--progressive_resizing_finetune_fraction=0.9",
-     "error: progressive_resizing_delay_fraction=0.2 and _finetune_fraction=0.9 add up to more than 1 (of "
-     "training)"),
-])
-def test_a_hyperparameter_out_of_range_is_one_line_exit_2(which: str, arg: str, message: str,
-                                                          projects: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("which", "arg", "message"),
+    [
+        (
+            "randaugment",
+            "--randaugment_severity=11",
+            "error: randaugment_severity=11 is outside its range [0, 10]",
+        ),
+        (
+            "augmix",
+            "--augmix_alpha=0",
+            "error: augmix_alpha=0.0 is outside its range (0, inf)",
+        ),
+        (
+            "augmix",
+            "--augmix_depth=0",
+            "error: augmix_depth=0: use -1 (1 to 3 operations, drawn per chain) or at "
+            "least 1",
+        ),
+        (
+            "randaugment",
+            "--progressive_resizing_finetune_fraction=0.9",
+            "error: progressive_resizing_delay_fraction=0.2 and _finetune_fraction=0.9 add up to more than 1 (of "
+            "training)",
+        ),
+    ],
+)
+def test_a_hyperparameter_out_of_range_is_one_line_exit_2(
+    which: str, arg: str, message: str, projects: dict[str, Path], tmp_path: Path
+) -> None:
     result = run_train(projects[which], tmp_path, *SMALL, arg, "--run_name=bad")
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [message]
     assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.slow
-def test_compiled_progressive_resizing_finishes_with_bounded_graphs(projects: dict[str, Path],
-                                                                    tmp_path: Path) -> None:
+def test_compiled_progressive_resizing_finishes_with_bounded_graphs(
+    projects: dict[str, Path], tmp_path: Path
+) -> None:
     """compile=true through sizes 12, 16, 20, 24: static graphs per size (the automatic
     dynamic graph crashed Inductor here), each recompile within the raised limit, no fallback
     to eager, the run finishes. Minutes on a CPU."""
     folder = image_folder(tmp_path / "images", size=24, per_class=40)
-    args = [*SMALL, f"--data={folder}", "--image_size=24", "--num_workers=0", "--max_duration=10ba",
-            "--eval_interval=10ba", "--compile=true", "--run_name=compiled"]
-    result = subprocess.run([sys.executable, str(projects["randaugment"] / "train.py"), *args, "--device=cpu"],
-                            cwd=tmp_path, env={**checkout_env(), "TORCH_LOGS": "recompiles"},
-                            capture_output=True, text=True, timeout=1500)
+    args = [
+        *SMALL,
+        f"--data={folder}",
+        "--image_size=24",
+        "--num_workers=0",
+        "--max_duration=10ba",
+        "--eval_interval=10ba",
+        "--compile=true",
+        "--run_name=compiled",
+    ]
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(projects["randaugment"] / "train.py"),
+            *args,
+            "--device=cpu",
+        ],
+        cwd=tmp_path,
+        env={**checkout_env(), "TORCH_LOGS": "recompiles"},
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     widths = [row["image_width"] for row in read_metrics(tmp_path, "compiled")]
     assert sorted(set(widths)) == [12, 16, 20, 24]
     recompiles = result.stderr.count("Recompiling function")
-    blocks, sizes = 3, 24 // 4 + 1  # the tiny ResNet's blocks; sizes within the increment's bound
+    blocks, sizes = (
+        3,
+        24 // 4 + 1,
+    )  # the tiny ResNet's blocks; sizes within the increment's bound
     assert 0 < recompiles < 4 * sizes * blocks
     assert "recompile_limit" not in result.stderr

@@ -33,10 +33,23 @@ ALL = {
     "channels_last": {},
 }
 # A global batch of 8 in BatchNorm groups of 2: microbatches of 2, 4 or 8 give the same step.
-RUN = ["--device=cpu", "--model=tiny", "--precision=fp32", "--global_batch_size=8", "--bn_group_size=2",
-       "--lr=0.2", "--lr_warmup=0.25dur", "--eval_interval=1000ba", "--eval_batches=1",
-       "--save_interval=1000ba", "--dist_timeout=120", "--num_workers=0"]
-TOLERANCE = 2e-5  # fp32 summation order (microbatches, ranks); steps move losses by ~1e-2
+RUN = [
+    "--device=cpu",
+    "--model=tiny",
+    "--precision=fp32",
+    "--global_batch_size=8",
+    "--bn_group_size=2",
+    "--lr=0.2",
+    "--lr_warmup=0.25dur",
+    "--eval_interval=1000ba",
+    "--eval_batches=1",
+    "--save_interval=1000ba",
+    "--dist_timeout=120",
+    "--num_workers=0",
+]
+TOLERANCE = (
+    2e-5  # fp32 summation order (microbatches, ranks); steps move losses by ~1e-2
+)
 
 
 def run_args(*overrides: str) -> list[str]:
@@ -47,7 +60,12 @@ def run_args(*overrides: str) -> list[str]:
 
 def render(root: Path, name: str, algorithms: dict[str, dict]) -> Path:
     """An image_classification project (tiny ResNet) with these algorithms."""
-    lines = ["[answers]", 'task = "image_classification"', 'model_family = "resnet"', 'model = "tiny"']
+    lines = [
+        "[answers]",
+        'task = "image_classification"',
+        'model_family = "resnet"',
+        'model = "tiny"',
+    ]
     for algorithm, params in algorithms.items():
         lines.append(f"[algorithms.{algorithm}]")
         lines += [f"{key} = {json.dumps(value)}" for key, value in params.items()]
@@ -58,13 +76,17 @@ def render(root: Path, name: str, algorithms: dict[str, dict]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def projects(tmp_path_factory: pytest.TempPathFactory, isolated_home: Path) -> dict[str, Path]:
+def projects(
+    tmp_path_factory: pytest.TempPathFactory, isolated_home: Path
+) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vision")
     return {
         "base": render(root, "base", {}),
         "all": render(root, "all", ALL),
         "blurpool": render(root, "blurpool", {"blurpool": ALL["blurpool"]}),
-        "squeeze_excite": render(root, "squeeze_excite", {"squeeze_excite": ALL["squeeze_excite"]}),
+        "squeeze_excite": render(
+            root, "squeeze_excite", {"squeeze_excite": ALL["squeeze_excite"]}
+        ),
         "channels_last": render(root, "channels_last", {"channels_last": {}}),
         "stochastic_depth": render(root, "stochastic_depth", {"stochastic_depth": {}}),
     }
@@ -85,16 +107,26 @@ def same_weights(model: torch.nn.Module, plain: torch.nn.Module) -> bool:
     """`model` holds every parameter and buffer of `plain`, under the same key and with the
     same value (an algorithm built into model.py left the plain model's init alone)."""
     ours = model.state_dict()
-    return all(key in ours and torch.equal(ours[key], value) for key, value in plain.state_dict().items())
+    return all(
+        key in ours and torch.equal(ours[key], value)
+        for key, value in plain.state_dict().items()
+    )
 
 
-def train(project: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch, *args: str,
-          run: str = "r") -> list[float]:
+def train(
+    project: Path,
+    workdir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    *args: str,
+    run: str = "r",
+) -> list[float]:
     """The generated train.py's main() in this process; the logged training losses."""
     workdir.mkdir(exist_ok=True)
     monkeypatch.chdir(workdir)
     with project_modules(project) as loaded:
-        monkeypatch.setattr(sys, "argv", ["train.py", f"--run_name={run}", *run_args(*args)])
+        monkeypatch.setattr(
+            sys, "argv", ["train.py", f"--run_name={run}", *run_args(*args)]
+        )
         try:
             loaded["train"].main()
         finally:
@@ -107,9 +139,15 @@ def train(project: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch, *args: 
 
 def imagenet_like(model, min_width: int = 8):
     """A small ImageNet-style ResNet (7x7 stride-2 stem, max pool, 1x1 strided shortcuts)."""
-    config = model.ResNetConfig(num_classes=10, in_channels=3, block="basic", layers=(1, 1, 1, 1),
-                                widths=(min_width, 2 * min_width, 4 * min_width, 8 * min_width),
-                                stem="imagenet", bn_group_size=2)
+    config = model.ResNetConfig(
+        num_classes=10,
+        in_channels=3,
+        block="basic",
+        layers=(1, 1, 1, 1),
+        widths=(min_width, 2 * min_width, 4 * min_width, 8 * min_width),
+        stem="imagenet",
+        bn_group_size=2,
+    )
     torch.manual_seed(0)
     return model.ResNet(config)
 
@@ -119,19 +157,25 @@ def imagenet_like(model, min_width: int = 8):
 
 def checkerboard(channels: int, size: int) -> torch.Tensor:
     grid = torch.arange(size)
-    board = ((grid[:, None] + grid[None, :]) % 2 * 2 - 1).float()  # +1/-1: the Nyquist tone
+    board = (
+        (grid[:, None] + grid[None, :]) % 2 * 2 - 1
+    ).float()  # +1/-1: the Nyquist tone
     return board.expand(2, channels, size, size).clone()
 
 
 @pytest.mark.parametrize("blur_first", [True, False])
-def test_blurpool_removes_a_checkerboards_aliasing_and_keeps_shapes(models, blur_first: bool,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_blurpool_removes_a_checkerboards_aliasing_and_keeps_shapes(
+    models, blur_first: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = models("blurpool")  # BLURPOOL_MIN_CHANNELS = 8
     monkeypatch.setattr(model, "BLURPOOL_BLUR_FIRST", blur_first)
     torch.manual_seed(0)
     plain = torch.nn.Conv2d(16, 8, 3, 2, 1, bias=False)
     blurred = model.conv(16, 8, 3, 2, 1)  # strided, 16 input channels: built blurring
-    assert type(blurred) is model.BlurConv2d and type(model.conv(16, 8, 3, 1, 1)) is torch.nn.Conv2d
+    assert (
+        type(blurred) is model.BlurConv2d
+        and type(model.conv(16, 8, 3, 1, 1)) is torch.nn.Conv2d
+    )
     blurred.load_state_dict(plain.state_dict())
     x = checkerboard(16, 16)
     # Subsampled by 2, the checkerboard aliases to a constant; the binomial blur has a
@@ -141,11 +185,17 @@ def test_blurpool_removes_a_checkerboards_aliasing_and_keeps_shapes(models, blur
     assert energy > 0.1 and left < 1e-10 * energy
     # A constant image passes the blur unchanged (the kernel sums to 1).
     flat = torch.ones(2, 16, 16, 16)
-    torch.testing.assert_close(blurred(flat)[:, :, 1:-1, 1:-1], plain(flat)[:, :, 1:-1, 1:-1])
+    torch.testing.assert_close(
+        blurred(flat)[:, :, 1:-1, 1:-1], plain(flat)[:, :, 1:-1, 1:-1]
+    )
     # Same output shapes as the plain layers, odd and even sizes, convs and max pools, also
     # when turned blurring in place (torchvision's layers: use_blurpool).
-    for layer in (lambda: torch.nn.Conv2d(16, 4, 3, 2, 1), lambda: torch.nn.Conv2d(16, 4, 1, 2),
-                  lambda: torch.nn.Conv2d(16, 4, 7, 2, 3), lambda: torch.nn.MaxPool2d(3, 2, 1)):
+    for layer in (
+        lambda: torch.nn.Conv2d(16, 4, 3, 2, 1),
+        lambda: torch.nn.Conv2d(16, 4, 1, 2),
+        lambda: torch.nn.Conv2d(16, 4, 7, 2, 3),
+        lambda: torch.nn.MaxPool2d(3, 2, 1),
+    ):
         for size in (7, 8, 15):
             x = torch.randn(2, 16, size, size)
             reference, swapped = layer(), torch.nn.Sequential(layer())
@@ -157,27 +207,40 @@ def test_blurpool_removes_a_checkerboards_aliasing_and_keeps_shapes(models, blur
 
 
 def replaced(model) -> set[str]:
-    return {name for name, m in model.named_modules() if type(m).__name__.startswith("Blur")}
+    return {
+        name for name, m in model.named_modules() if type(m).__name__.startswith("Blur")
+    }
 
 
-def test_blurpool_builds_what_its_flags_and_min_channels_say(models, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_blurpool_builds_what_its_flags_and_min_channels_say(
+    models, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model, base = models("blurpool"), models("base")
     # widths 8/16/32/64: strided convs are the stem (3 input channels), the first conv and
     # the 1x1 shortcut of stages 2-4 (inputs 8, 16, 32); one max pool in the stem.
     monkeypatch.setattr(model, "BLURPOOL_MIN_CHANNELS", 16)
     blurred, plain = imagenet_like(model), imagenet_like(base)
-    assert replaced(blurred) == {"stem.3", "blocks.2.conv1", "blocks.2.shortcut.0", "blocks.3.conv1",
-                                 "blocks.3.shortcut.0"}
+    assert replaced(blurred) == {
+        "stem.3",
+        "blocks.2.conv1",
+        "blocks.2.shortcut.0",
+        "blocks.3.conv1",
+        "blocks.3.shortcut.0",
+    }
     # The plain model's keys and initial values (the same RNG draws, in the same order): a
     # plain model's checkpoint loads strictly, and the blur filters are not saved.
-    assert set(blurred.state_dict()) == set(plain.state_dict()) and same_weights(blurred, plain)
+    assert set(blurred.state_dict()) == set(plain.state_dict()) and same_weights(
+        blurred, plain
+    )
     blurred.load_state_dict(plain.state_dict(), strict=True)
     assert blurred(torch.randn(2, 3, 32, 32)).shape == (2, 10)
 
     monkeypatch.setattr(model, "BLURPOOL_MIN_CHANNELS", 3)
     monkeypatch.setattr(model, "BLURPOOL_REPLACE_MAXPOOLS", False)
     blurred = imagenet_like(model)
-    assert len(replaced(blurred)) == 7 and "stem.0" in replaced(blurred)  # the stem conv (3 in) too
+    assert len(replaced(blurred)) == 7 and "stem.0" in replaced(
+        blurred
+    )  # the stem conv (3 in) too
     assert "stem.3" not in replaced(blurred) and same_weights(blurred, plain)
     monkeypatch.setattr(model, "BLURPOOL_MIN_CHANNELS", 0)
     monkeypatch.setattr(model, "BLURPOOL_REPLACE_MAXPOOLS", True)
@@ -186,7 +249,11 @@ def test_blurpool_builds_what_its_flags_and_min_channels_say(models, monkeypatch
     # CIFAR ResNets: parameter-free shortcuts, so only the stage-opening 3x3 convs.
     monkeypatch.setattr(model, "BLURPOOL_MIN_CHANNELS", 16)
     monkeypatch.setattr(model, "BLURPOOL_REPLACE_CONVS", True)
-    tiny = model.ResNet(model.ResNetConfig(num_classes=10, in_channels=1, bn_group_size=2, **model.PRESETS["tiny"]))
+    tiny = model.ResNet(
+        model.ResNetConfig(
+            num_classes=10, in_channels=1, bn_group_size=2, **model.PRESETS["tiny"]
+        )
+    )
     assert replaced(tiny) == {"blocks.2.conv1"}
 
 
@@ -202,8 +269,15 @@ def test_channels_last_in_the_loop_and_losses_equal_the_contiguous_model(
     def recording(self, images):
         if self.training:
             convs = [p for p in self.parameters() if p.dim() == 4]
-            seen.append((images.is_contiguous(memory_format=torch.channels_last),
-                         all(p.is_contiguous(memory_format=torch.channels_last) for p in convs)))
+            seen.append(
+                (
+                    images.is_contiguous(memory_format=torch.channels_last),
+                    all(
+                        p.is_contiguous(memory_format=torch.channels_last)
+                        for p in convs
+                    ),
+                )
+            )
         return original(self, images)
 
     args = ["--max_duration=3ba", "--device_microbatch_size=4"]
@@ -211,7 +285,9 @@ def test_channels_last_in_the_loop_and_losses_equal_the_contiguous_model(
         original = loaded["model"].ResNet.forward
         monkeypatch.setattr(loaded["model"].ResNet, "forward", recording)
         monkeypatch.chdir(tmp_path)
-        monkeypatch.setattr(sys, "argv", ["train.py", "--run_name=cl", *run_args(*args)])
+        monkeypatch.setattr(
+            sys, "argv", ["train.py", "--run_name=cl", *run_args(*args)]
+        )
         try:
             loaded["train"].main()
         finally:
@@ -223,12 +299,27 @@ def test_channels_last_in_the_loop_and_losses_equal_the_contiguous_model(
     rows = (tmp_path / "runs" / "cl" / "metrics.jsonl").read_text().splitlines()
     nhwc = [json.loads(row)["loss"] for row in rows]
     nchw = train(projects["base"], tmp_path, monkeypatch, *args, run="base")
-    assert len(nhwc) == 3 and max(abs(a - b) for a, b in zip(nhwc, nchw, strict=True)) <= 1e-5
-    assert abs(nchw[0] - nchw[-1]) > 1e-3  # the steps moved the loss: a meaningful comparison
+    assert (
+        len(nhwc) == 3
+        and max(abs(a - b) for a, b in zip(nhwc, nchw, strict=True)) <= 1e-5
+    )
+    assert (
+        abs(nchw[0] - nchw[-1]) > 1e-3
+    )  # the steps moved the loss: a meaningful comparison
     # FSDP2 refuses non-contiguous parameters: under fsdp only the inputs go NHWC.
-    fsdp = subprocess.run([sys.executable, str(projects["channels_last"] / "train.py"),
-                           *run_args(*args, "--parallelism=fsdp"), "--run_name=fsdp"],
-                          cwd=tmp_path, env=checkout_env(), capture_output=True, text=True, timeout=300)
+    fsdp = subprocess.run(
+        [
+            sys.executable,
+            str(projects["channels_last"] / "train.py"),
+            *run_args(*args, "--parallelism=fsdp"),
+            "--run_name=fsdp",
+        ],
+        cwd=tmp_path,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert fsdp.returncode == 0, fsdp.stderr[-3000:]
     rows = (tmp_path / "runs" / "fsdp" / "metrics.jsonl").read_text().splitlines()
     sharded = [json.loads(row)["loss"] for row in rows]
@@ -245,15 +336,20 @@ def test_squeeze_excite_adds_exactly_the_se_parameters_and_gates_in_0_1(
 
     def tiny(module):
         torch.manual_seed(0)
-        return module.ResNet(module.ResNetConfig(num_classes=10, in_channels=1, bn_group_size=2,
-                                                 **module.PRESETS["tiny"]))
+        return module.ResNet(
+            module.ResNetConfig(
+                num_classes=10, in_channels=1, bn_group_size=2, **module.PRESETS["tiny"]
+            )
+        )
 
     # tiny (widths 8/16/32): convs with min(in, out) >= 16 are blocks.1.conv2 (16->16),
     # blocks.2.conv1 (16->32) and blocks.2.conv2 (32->32); each gate adds 2 * C * L.
     plain = tiny(base)
     monkeypatch.setattr(model, "SQUEEZE_EXCITE_MIN_CHANNELS", 16)
     gated = tiny(model)  # L = C / 4: 4, 8, 8
-    assert gated.num_params() - plain.num_params() == 2 * 16 * 4 + 2 * 32 * 8 + 2 * 32 * 8
+    assert (
+        gated.num_params() - plain.num_params() == 2 * 16 * 4 + 2 * 32 * 8 + 2 * 32 * 8
+    )
     monkeypatch.setattr(model, "SQUEEZE_EXCITE_LATENT_CHANNELS", 6)
     counted = tiny(model)  # L = 6 each
     assert counted.num_params() - plain.num_params() == 2 * 6 * (16 + 32 + 32)
@@ -272,9 +368,16 @@ def test_squeeze_excite_adds_exactly_the_se_parameters_and_gates_in_0_1(
     assert (gates > 0.99).any() or (gates < 0.01).any()
     y = torch.randn(4, 32, 5, 5)
     plain_out = torch.nn.functional.conv2d(y, conv.weight, padding=1)
-    torch.testing.assert_close(conv(y), plain_out * conv.se.gates(plain_out)[:, :, None, None])
+    torch.testing.assert_close(
+        conv(y), plain_out * conv.se.gates(plain_out)[:, :, None, None]
+    )
     # A model built elsewhere (torchvision's layers) gets its gates in place.
-    assert model.use_squeeze_excite(torch.nn.Sequential(torch.nn.Conv2d(8, 40, 1), torch.nn.Conv2d(40, 40, 1))) == 1
+    assert (
+        model.use_squeeze_excite(
+            torch.nn.Sequential(torch.nn.Conv2d(8, 40, 1), torch.nn.Conv2d(40, 40, 1))
+        )
+        == 1
+    )
 
 
 # ---------------------------------------------------------------- stochastic_depth
@@ -283,7 +386,9 @@ def test_squeeze_excite_adds_exactly_the_se_parameters_and_gates_in_0_1(
 def tiny_model(model, block: str = "basic"):
     torch.manual_seed(0)
     preset = dict(model.PRESETS["tiny"], block=block)
-    net = model.ResNet(model.ResNetConfig(num_classes=10, in_channels=1, bn_group_size=2, **preset))
+    net = model.ResNet(
+        model.ResNetConfig(num_classes=10, in_channels=1, bn_group_size=2, **preset)
+    )
     for bn in net.modules():  # gamma 1 everywhere: every residual branch matters
         if isinstance(bn, model.BatchNorm2d):
             torch.nn.init.ones_(bn.weight)
@@ -291,7 +396,9 @@ def tiny_model(model, block: str = "basic"):
 
 
 @pytest.mark.parametrize("block", ["basic", "bottleneck"])
-def test_stochastic_depth_at_rate_1_skips_the_deepest_block_in_training_only(models, block: str) -> None:
+def test_stochastic_depth_at_rate_1_skips_the_deepest_block_in_training_only(
+    models, block: str
+) -> None:
     net = tiny_model(models("stochastic_depth"), block)
     depth = net.stochastic_depth  # model.py's, applied by every block's forward
     assert all(b.stochastic_depth is depth for b in net.blocks)
@@ -321,7 +428,11 @@ def test_stochastic_depth_at_rate_1_skips_the_deepest_block_in_training_only(mod
 def test_stochastic_depth_probabilities_follow_the_distribution(models) -> None:
     model = models("stochastic_depth")
     linear = tiny_model(model).stochastic_depth  # 3 blocks
-    assert linear.max_rates == [0.0, 0.0, 0.0]  # until train.py sets them: the plain blocks
+    assert linear.max_rates == [
+        0.0,
+        0.0,
+        0.0,
+    ]  # until train.py sets them: the plain blocks
     linear.schedule(0.3, "linear", "block")
     assert linear.max_rates == pytest.approx([0.1, 0.2, 0.3])
     uniform = tiny_model(model).stochastic_depth
@@ -342,7 +453,9 @@ def test_stochastic_depth_probabilities_follow_the_distribution(models) -> None:
         assert float(linear.scales[index, 0]) == pytest.approx(expected)
 
 
-def test_stochastic_depth_draws_are_a_function_of_seed_step_block_and_global_sample(models) -> None:
+def test_stochastic_depth_draws_are_a_function_of_seed_step_block_and_global_sample(
+    models,
+) -> None:
     model = models("stochastic_depth")
     cpu = torch.device("cpu")
 
@@ -369,9 +482,22 @@ def test_stochastic_depth_draws_are_a_function_of_seed_step_block_and_global_sam
 def test_stochastic_depth_warmup_ramps_the_rates_in_the_loop(
     projects: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    train(projects["stochastic_depth"], tmp_path, monkeypatch, "--max_duration=4ba", "--device_microbatch_size=4",
-          "--stochastic_depth_drop_warmup=0.5dur", "--stochastic_depth_drop_rate=0.4", run="warm")
-    rows = [json.loads(line) for line in (tmp_path / "runs" / "warm" / "metrics.jsonl").read_text().splitlines()]
+    train(
+        projects["stochastic_depth"],
+        tmp_path,
+        monkeypatch,
+        "--max_duration=4ba",
+        "--device_microbatch_size=4",
+        "--stochastic_depth_drop_warmup=0.5dur",
+        "--stochastic_depth_drop_rate=0.4",
+        run="warm",
+    )
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "runs" / "warm" / "metrics.jsonl")
+        .read_text()
+        .splitlines()
+    ]
     # Steps start at 0, 1/4, 2/4, 3/4 of training: the rates ramp 0, 1/2, 1, 1 of drop_rate.
     assert [row["drop_rate"] for row in rows] == pytest.approx([0.0, 0.2, 0.4, 0.4])
 
@@ -384,11 +510,23 @@ def test_stochastic_depth_resumes_and_ignores_the_microbatch_size(
     projects: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Sample mode at a high rate: 4 steps straight == 2 steps, cut off, resumed (bitwise);
-    microbatches of 2 == 8 (within fp32 summation order); and the drops change the losses."""
+    microbatches of 2 == 8 (within fp32 summation order); and the drops change the losses.
+    """
     project = projects["stochastic_depth"]
-    common = ["--max_duration=4ba", "--stochastic_depth_mode=sample", "--stochastic_depth_drop_rate=0.7",
-              "--save_interval=2ba"]
-    straight = train(project, tmp_path, monkeypatch, *common, "--device_microbatch_size=2", run="straight")
+    common = [
+        "--max_duration=4ba",
+        "--stochastic_depth_mode=sample",
+        "--stochastic_depth_drop_rate=0.7",
+        "--save_interval=2ba",
+    ]
+    straight = train(
+        project,
+        tmp_path,
+        monkeypatch,
+        *common,
+        "--device_microbatch_size=2",
+        run="straight",
+    )
 
     import runtime.checkpoint as checkpoint
 
@@ -403,59 +541,155 @@ def test_stochastic_depth_resumes_and_ignores_the_microbatch_size(
 
     monkeypatch.setattr(checkpoint.Checkpointer, "save", save_then_stop)
     with pytest.raises(Stop) as cut:
-        train(project, tmp_path, monkeypatch, *common, "--device_microbatch_size=2", run="cut")
+        train(
+            project,
+            tmp_path,
+            monkeypatch,
+            *common,
+            "--device_microbatch_size=2",
+            run="cut",
+        )
     cut = None  # the traceback's frames hold the run lock's file: drop them
     gc.collect()
     monkeypatch.setattr(checkpoint.Checkpointer, "save", save)
-    resumed = train(project, tmp_path, monkeypatch, *common, "--device_microbatch_size=2", run="cut")
+    resumed = train(
+        project, tmp_path, monkeypatch, *common, "--device_microbatch_size=2", run="cut"
+    )
     assert len(resumed) == 4 and resumed == straight
-    whole = train(project, tmp_path, monkeypatch, *common, "--device_microbatch_size=8", run="whole")
+    whole = train(
+        project,
+        tmp_path,
+        monkeypatch,
+        *common,
+        "--device_microbatch_size=8",
+        run="whole",
+    )
     assert max(abs(a - b) for a, b in zip(whole, straight, strict=True)) <= TOLERANCE
     no_drops = [arg.replace("=0.7", "=0.0") for arg in common]
-    plain = train(project, tmp_path, monkeypatch, *no_drops, "--device_microbatch_size=2", run="plain")
-    assert max(abs(a - b) for a, b in zip(plain, straight, strict=True)) > 100 * TOLERANCE
+    plain = train(
+        project,
+        tmp_path,
+        monkeypatch,
+        *no_drops,
+        "--device_microbatch_size=2",
+        run="plain",
+    )
+    assert (
+        max(abs(a - b) for a, b in zip(plain, straight, strict=True)) > 100 * TOLERANCE
+    )
 
 
-def test_stochastic_depth_two_ranks_equal_one_process(projects: dict[str, Path], tmp_path: Path) -> None:
+def test_stochastic_depth_two_ranks_equal_one_process(
+    projects: dict[str, Path], tmp_path: Path
+) -> None:
     """FSDP2 on 2 ranks (block mode: skipped blocks' parameters get no gradient; sample mode:
     each rank's samples keyed by their global index) against one process."""
     project = projects["stochastic_depth"]
     for mode in ("block", "sample"):
-        common = run_args("--max_duration=3ba", "--device_microbatch_size=2", f"--stochastic_depth_mode={mode}",
-                          "--stochastic_depth_drop_rate=0.6", "--seed=1")
-        one = subprocess.run([sys.executable, str(project / "train.py"), *common, f"--run_name=one-{mode}"],
-                             cwd=tmp_path, env=checkout_env(), capture_output=True, text=True, timeout=300)
+        common = run_args(
+            "--max_duration=3ba",
+            "--device_microbatch_size=2",
+            f"--stochastic_depth_mode={mode}",
+            "--stochastic_depth_drop_rate=0.6",
+            "--seed=1",
+        )
+        one = subprocess.run(
+            [
+                sys.executable,
+                str(project / "train.py"),
+                *common,
+                f"--run_name=one-{mode}",
+            ],
+            cwd=tmp_path,
+            env=checkout_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert one.returncode == 0, one.stderr[-3000:]
-        two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                              str(project / "train.py"), *common, f"--run_name=two-{mode}"],
-                             cwd=tmp_path, env=checkout_env(), capture_output=True, text=True, timeout=400)
+        two = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                str(project / "train.py"),
+                *common,
+                f"--run_name=two-{mode}",
+            ],
+            cwd=tmp_path,
+            env=checkout_env(),
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
         assert two.returncode == 0, two.stderr[-3000:]
         losses = {}
         for run in ("one", "two"):
-            lines = (tmp_path / "runs" / f"{run}-{mode}" / "metrics.jsonl").read_text().splitlines()
+            lines = (
+                (tmp_path / "runs" / f"{run}-{mode}" / "metrics.jsonl")
+                .read_text()
+                .splitlines()
+            )
             losses[run] = [json.loads(line)["loss"] for line in lines]
         assert len(losses["one"]) == 3
-        assert max(abs(a - b) for a, b in zip(losses["one"], losses["two"], strict=True)) <= TOLERANCE, mode
+        assert (
+            max(abs(a - b) for a, b in zip(losses["one"], losses["two"], strict=True))
+            <= TOLERANCE
+        ), mode
 
 
-def test_stochastic_depth_block_mode_with_ddp_is_refused(projects: dict[str, Path], tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, str(projects["stochastic_depth"] / "train.py"), *RUN,
-                             "--parallelism=ddp", "--max_duration=1ba"],
-                            cwd=tmp_path, env=checkout_env(), capture_output=True, text=True, timeout=300)
+def test_stochastic_depth_block_mode_with_ddp_is_refused(
+    projects: dict[str, Path], tmp_path: Path
+) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(projects["stochastic_depth"] / "train.py"),
+            *RUN,
+            "--parallelism=ddp",
+            "--max_duration=1ba",
+        ],
+        cwd=tmp_path,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].startswith("error: stochastic_depth_mode=block skips")
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: stochastic_depth_mode=block skips")
+    )
     assert not (tmp_path / "runs").exists()
 
 
 # ---------------------------------------------------------------- together, and add/remove
 
 
-@pytest.mark.parametrize(("arg", "message"), [
-    ("--stochastic_depth_drop_rate=1.5", "error: stochastic_depth_drop_rate=1.5 is outside its range [0, 1]"),
-    ("--stochastic_depth_drop_warmup=3ep", "error: stochastic_depth_drop_warmup: '3ep' cannot be compared"),
-])
-def test_bad_hyperparameters_are_one_error_line(arg: str, message: str, projects: dict[str, Path], tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+@pytest.mark.parametrize(
+    ("arg", "message"),
+    [
+        (
+            "--stochastic_depth_drop_rate=1.5",
+            "error: stochastic_depth_drop_rate=1.5 is outside its range [0, 1]",
+        ),
+        (
+            "--stochastic_depth_drop_warmup=3ep",
+            "error: stochastic_depth_drop_warmup: '3ep' cannot be compared",
+        ),
+    ],
+)
+def test_bad_hyperparameters_are_one_error_line(
+    arg: str,
+    message: str,
+    projects: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys,
+) -> None:
     with pytest.raises(SystemExit) as stopped:
         train(projects["all"], tmp_path, monkeypatch, "--max_duration=2ba", arg)
     assert stopped.value.code == 2
@@ -463,28 +697,55 @@ def test_bad_hyperparameters_are_one_error_line(arg: str, message: str, projects
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize(("setting", "message"), [
-    ("blurpool.min_channels=-1", "error: blurpool.min_channels = -1 is outside its range [0, inf)"),
-    ("squeeze_excite.latent_channels=0", "error: squeeze_excite.latent_channels = 0.0 is outside its range (0, inf)"),
-])
-def test_bad_architecture_settings_are_refused_when_generating(setting: str, message: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        (
+            "blurpool.min_channels=-1",
+            "error: blurpool.min_channels = -1 is outside its range [0, inf)",
+        ),
+        (
+            "squeeze_excite.latent_channels=0",
+            "error: squeeze_excite.latent_channels = 0.0 is outside its range (0, inf)",
+        ),
+    ],
+)
+def test_bad_architecture_settings_are_refused_when_generating(
+    setting: str, message: str, tmp_path: Path
+) -> None:
     """blurpool's and squeeze_excite's settings are model.py constants: checked by `scaffold new`."""
     recipe = tmp_path / "r.toml"
-    recipe.write_text('[answers]\ntask = "image_classification"\n[algorithms.blurpool]\n[algorithms.squeeze_excite]\n')
-    made = scaffold_cli("new", "--recipe", str(recipe), str(tmp_path / "p"), "--set", setting)
+    recipe.write_text(
+        '[answers]\ntask = "image_classification"\n[algorithms.blurpool]\n[algorithms.squeeze_excite]\n'
+    )
+    made = scaffold_cli(
+        "new", "--recipe", str(recipe), str(tmp_path / "p"), "--set", setting
+    )
     assert made.returncode == 2 and made.stderr.strip().startswith(message), made.stderr
     assert not (tmp_path / "p").exists()
 
 
-def test_all_four_together_train(projects: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_all_four_together_train(
+    projects: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     args = ["--max_duration=2ba", "--device_microbatch_size=4", "--eval_interval=2ba"]
     losses = train(projects["all"], tmp_path, monkeypatch, *args)
     assert len(losses) == 2 and all(loss == loss for loss in losses)
     # The same under FSDP2 (a group of one process): model surgery happens before sharding,
     # the blur filters are unsaved buffers, the SE gates are sharded with their blocks.
-    fsdp = subprocess.run([sys.executable, str(projects["all"] / "train.py"), *run_args(*args, "--parallelism=fsdp"),
-                           "--run_name=fsdp"], cwd=tmp_path, env=checkout_env(), capture_output=True, text=True,
-                          timeout=300)
+    fsdp = subprocess.run(
+        [
+            sys.executable,
+            str(projects["all"] / "train.py"),
+            *run_args(*args, "--parallelism=fsdp"),
+            "--run_name=fsdp",
+        ],
+        cwd=tmp_path,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert fsdp.returncode == 0, fsdp.stderr[-3000:]
     rows = (tmp_path / "runs" / "fsdp" / "metrics.jsonl").read_text().splitlines()
     sharded = [json.loads(row)["loss"] for row in rows if "loss" in json.loads(row)]
@@ -493,23 +754,39 @@ def test_all_four_together_train(projects: dict[str, Path], tmp_path: Path, monk
     # finished model to channels last; blurpool and squeeze_excite are not in it at all.
     train_py = (projects["all"] / "train.py").read_text()
     at_model = train_py[train_py.index("# event: MODEL") :]
-    assert at_model.index("# algorithm: stochastic_depth\n") < at_model.index("# algorithm: channels_last\n")
-    assert "# algorithm: blurpool" not in train_py and "# algorithm: squeeze_excite" not in train_py
+    assert at_model.index("# algorithm: stochastic_depth\n") < at_model.index(
+        "# algorithm: channels_last\n"
+    )
+    assert (
+        "# algorithm: blurpool" not in train_py
+        and "# algorithm: squeeze_excite" not in train_py
+    )
     model_py = (projects["all"] / "model.py").read_text()
     fences = {name: model_py.count(f"# algorithm: {name}\n") for name in ALL}
-    assert fences == {"blurpool": 4, "squeeze_excite": 3, "stochastic_depth": 3, "channels_last": 0}
+    assert fences == {
+        "blurpool": 4,
+        "squeeze_excite": 3,
+        "stochastic_depth": 3,
+        "channels_last": 0,
+    }
 
 
-def test_add_and_remove_stochastic_depth_on_a_hand_edited_project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_add_and_remove_stochastic_depth_on_a_hand_edited_project(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     project = tmp_path / "cnn"
     made = scaffold_cli("new", "--recipe", "cifar-resnet56-baseline", str(project))
     assert made.returncode == 0, made.stderr
     train_py = project / "train.py"
     text = train_py.read_text()
-    edits = [("    beta2: float = 0.999  # adamw\n", "    beta2: float = 0.99  # adamw\n"),
-             ("            inputs = data.normalize(pixels, images)\n",
-              "            inputs = data.normalize(pixels, images)\n"
-              "            inputs = inputs.contiguous()  # hand edit: inside the loop\n")]
+    edits = [
+        ("    beta2: float = 0.999  # adamw\n", "    beta2: float = 0.99  # adamw\n"),
+        (
+            "            inputs = data.normalize(pixels, images)\n",
+            "            inputs = data.normalize(pixels, images)\n"
+            "            inputs = inputs.contiguous()  # hand edit: inside the loop\n",
+        ),
+    ]
     for old, new in edits:
         assert text.count(old) == 1
         text = text.replace(old, new)
@@ -518,17 +795,33 @@ def test_add_and_remove_stochastic_depth_on_a_hand_edited_project(tmp_path: Path
     edited = train_py.read_text()
     plain_model = (project / "model.py").read_text()
 
-    added = scaffold_cli("add", "stochastic_depth", str(project), "--set", "mode=sample")
+    added = scaffold_cli(
+        "add", "stochastic_depth", str(project), "--set", "mode=sample"
+    )
     assert added.returncode == 0, added.stderr
     with_depth = train_py.read_text()
-    assert "inputs = inputs.contiguous()  # hand edit" in with_depth and "beta2: float = 0.99 " in with_depth
+    assert (
+        "inputs = inputs.contiguous()  # hand edit" in with_depth
+        and "beta2: float = 0.99 " in with_depth
+    )
     # config, checks, MODEL, BATCH_START, MICROBATCH_START, metrics; the rest in model.py
     assert with_depth.count("# algorithm: stochastic_depth\n") == 6
-    assert (project / "model.py").read_text().count("# algorithm: stochastic_depth\n") == 3
+    assert (project / "model.py").read_text().count(
+        "# algorithm: stochastic_depth\n"
+    ) == 3
     assert 'stochastic_depth_mode: Literal["block", "sample"] = "sample"' in with_depth
-    losses = train(project, tmp_path / "work", monkeypatch, "--max_duration=2ba", "--device_microbatch_size=4")
+    losses = train(
+        project,
+        tmp_path / "work",
+        monkeypatch,
+        "--max_duration=2ba",
+        "--device_microbatch_size=4",
+    )
     assert len(losses) == 2
     commit_all(project, "stochastic depth")
     removed = scaffold_cli("remove", "stochastic_depth", str(project))
     assert removed.returncode == 0, removed.stderr
-    assert train_py.read_text() == edited and (project / "model.py").read_text() == plain_model
+    assert (
+        train_py.read_text() == edited
+        and (project / "model.py").read_text() == plain_model
+    )

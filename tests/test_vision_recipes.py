@@ -14,14 +14,23 @@ import pytest
 from projects import read_metrics, run_train
 from test_image import SMALL, TOLERANCE, ok, torchrun
 
-SPEEDUPS = ["cifar-resnet56-mild", "cifar-resnet56-medium", "resnet50-mild", "resnet50-medium", "resnet50-hot"]
+SPEEDUPS = [
+    "cifar-resnet56-mild",
+    "cifar-resnet56-medium",
+    "resnet50-mild",
+    "resnet50-medium",
+    "resnet50-hot",
+]
 # Two steps, an evaluation after each.
 ARGS = [*SMALL, "--max_duration=2ba", "--eval_interval=1ba"]
 METRICS = ("loss", "val_loss", "val_top1", "ema_val_loss", "ema_val_top1")
 
 
 def trajectory(workdir: Path, run: str) -> list[dict]:
-    return [{key: row[key] for key in ("step", *METRICS) if key in row} for row in read_metrics(workdir, run)]
+    return [
+        {key: row[key] for key in ("step", *METRICS) if key in row}
+        for row in read_metrics(workdir, run)
+    ]
 
 
 @pytest.mark.parametrize("recipe", SPEEDUPS)
@@ -41,10 +50,25 @@ def test_recipe_trains_offline_and_two_fsdp_ranks_equal_one_process(
     assert all("val_loss" in row for row in one)
     assert ("ema_val_loss" in one[-1]) == ("# algorithm: ema" in train)
 
-    ok(torchrun(2, project / "train.py", *args, "--parallelism=fsdp", "--run_name=two", cwd=tmp_path))
+    ok(
+        torchrun(
+            2,
+            project / "train.py",
+            *args,
+            "--parallelism=fsdp",
+            "--run_name=two",
+            cwd=tmp_path,
+        )
+    )
     two = trajectory(tmp_path, "two")
     assert [sorted(row) for row in two] == [sorted(row) for row in one]
     for ours, theirs in zip(two, one, strict=True):
         for key in METRICS:
             if key in theirs:
-                assert abs(ours[key] - theirs[key]) <= TOLERANCE, (recipe, ours["step"], key, ours[key], theirs[key])
+                assert abs(ours[key] - theirs[key]) <= TOLERANCE, (
+                    recipe,
+                    ours["step"],
+                    key,
+                    ours[key],
+                    theirs[key],
+                )

@@ -52,9 +52,16 @@ prob = 0.5
 [algorithms.colout]
 """
 # The tiny ResNet on the 8x8 digits: a global batch of 12, BatchNorm groups of 2.
-SMALL = ["--precision=fp32", f"--global_batch_size={BATCH}", "--bn_group_size=2",
-         "--lr=0.2", "--lr_warmup=0.25dur", "--eval_batches=1", "--dist_timeout=120",
-         f"--seed={SEED}"]
+SMALL = [
+    "--precision=fp32",
+    f"--global_batch_size={BATCH}",
+    "--bn_group_size=2",
+    "--lr=0.2",
+    "--lr_warmup=0.25dur",
+    "--eval_batches=1",
+    "--dist_timeout=120",
+    f"--seed={SEED}",
+]
 # Only the target rewrites: no pixels dropped (cutout cannot be switched off: it keeps a
 # 1-pixel hole at a known place, reproduced below).
 TARGETS_ONLY = ["--colout_p_row=0", "--colout_p_col=0", "--cutout_length=1"]
@@ -70,17 +77,26 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "p"
 
 
-def test_all_five_together_render_black_clean_in_the_declared_order(project: Path) -> None:
+def test_all_five_together_render_black_clean_in_the_declared_order(
+    project: Path,
+) -> None:
     train = (project / "train.py").read_text()
     assert black.format_str(train, mode=BLACK_MODE) == train
-    batch_start = train[train.index("# event: BATCH_START") : train.index("# event: AFTER_BACKWARD")]
-    fences = [line.strip().removeprefix("# algorithm: ") for line in batch_start.splitlines()
-              if line.strip().startswith("# algorithm: ")]
+    batch_start = train[
+        train.index("# event: BATCH_START") : train.index("# event: AFTER_BACKWARD")
+    ]
+    fences = [
+        line.strip().removeprefix("# algorithm: ")
+        for line in batch_start.splitlines()
+        if line.strip().startswith("# algorithm: ")
+    ]
     # The catalog's order: label_smoothing declares before = [mixup, cutmix], and that holds.
     order = catalog_order(load_algorithms(template_dir()))
     assert fences == [name for name in order if name in fences]
     assert sorted(fences) == ["colout", "cutmix", "cutout", "label_smoothing", "mixup"]
-    assert fences.index("label_smoothing") < min(fences.index("mixup"), fences.index("cutmix"))
+    assert fences.index("label_smoothing") < min(
+        fences.index("mixup"), fences.index("cutmix")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -89,13 +105,24 @@ def modules(project: Path):
         yield loaded
 
 
-def train_once(project: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> list[dict]:
+def train_once(
+    project: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch, *args: str
+) -> list[dict]:
     """main() of the generated train.py in this process: `args` on top of SMALL."""
     workdir.mkdir()
     monkeypatch.chdir(workdir)
     with project_modules(project) as loaded:
-        argv = ["train.py", "--run_name=r", "--device=cpu", *SMALL, "--max_duration=1ba", "--save_interval=1000ba",
-                "--eval_interval=1000ba", "--device_microbatch_size=4", *args]
+        argv = [
+            "train.py",
+            "--run_name=r",
+            "--device=cpu",
+            *SMALL,
+            "--max_duration=1ba",
+            "--save_interval=1000ba",
+            "--eval_interval=1000ba",
+            "--device_microbatch_size=4",
+            *args,
+        ]
         monkeypatch.setattr(sys, "argv", argv)
         try:
             loaded["train"].main()
@@ -110,10 +137,15 @@ def first_batch(modules) -> tuple[torch.Tensor, torch.Tensor, torch.nn.Module]:
     """Step 0's normalized global batch, its labels, and the initial model (train mode)."""
     data, model = modules["data"], modules["model"]
     images = data.load_images("")
-    pixels, labels, _ = data.Batches(images, "train", batch_size=BATCH, seed=SEED, image_size=224)[0]
+    pixels, labels, _ = data.Batches(
+        images, "train", batch_size=BATCH, seed=SEED, image_size=224
+    )[0]
     torch.manual_seed(SEED)  # as train.py: the initial weights
-    net = model.ResNet(model.ResNetConfig(num_classes=CLASSES, in_channels=1, bn_group_size=2,
-                                          **model.PRESETS["tiny"]))
+    net = model.ResNet(
+        model.ResNetConfig(
+            num_classes=CLASSES, in_channels=1, bn_group_size=2, **model.PRESETS["tiny"]
+        )
+    )
     inputs = data.normalize(pixels, images)
     # The 1-pixel CutOut hole of TARGETS_ONLY: one per image, at its drawn centre.
     rng = data.step_rng(SEED, 0, "cutout")
@@ -126,7 +158,9 @@ def first_batch(modules) -> tuple[torch.Tensor, torch.Tensor, torch.nn.Module]:
 def smoothed_loss(logits: torch.Tensor, labels: torch.Tensor, s: float) -> torch.Tensor:
     """Per-sample closed form: -(1 - s) log p[y] - (s / K) sum_c log p[c]."""
     log_p = logits.log_softmax(dim=1)
-    return -(1 - s) * log_p.gather(1, labels[:, None])[:, 0] - s / log_p.shape[1] * log_p.sum(dim=1)
+    return -(1 - s) * log_p.gather(1, labels[:, None])[:, 0] - s / log_p.shape[
+        1
+    ] * log_p.sum(dim=1)
 
 
 def step_one_loss(rows: list[dict]) -> float:
@@ -146,8 +180,9 @@ def test_mixup_batch_equals_a_hand_computation(modules) -> None:
         torch.testing.assert_close(mixed[i], 0.3 * x[i] + 0.7 * x[perm[i]])
     logits = torch.randn(6, CLASSES, generator=torch.Generator().manual_seed(1))
     loss = F.cross_entropy(logits, targets, reduction="none")
-    expected = 0.3 * F.cross_entropy(logits, y, reduction="none") + 0.7 * F.cross_entropy(
-        logits, y[perm], reduction="none")
+    expected = 0.3 * F.cross_entropy(
+        logits, y, reduction="none"
+    ) + 0.7 * F.cross_entropy(logits, y[perm], reduction="none")
     torch.testing.assert_close(loss, expected)
     # Soft (smoothed) targets are mixed as they are.
     soft = torch.full((6, CLASSES), 0.01) + 0.9 * F.one_hot(y, CLASSES)
@@ -189,8 +224,12 @@ def test_cutout_blanks_exactly_the_stated_squares(modules) -> None:
     assert two.sum() == 18 and two[0, 0, 0:3, 0:3].all() and two[0, 0, 4:7, 4:7].all()
 
 
-@pytest.mark.parametrize(("p_row", "p_col", "rows", "cols"), [(0.25, 0.5, 6, 4), (0.0, 0.125, 8, 7)])
-def test_colout_drops_exactly_the_stated_rows_and_columns(modules, p_row, p_col, rows, cols) -> None:
+@pytest.mark.parametrize(
+    ("p_row", "p_col", "rows", "cols"), [(0.25, 0.5, 6, 4), (0.0, 0.125, 8, 7)]
+)
+def test_colout_drops_exactly_the_stated_rows_and_columns(
+    modules, p_row, p_col, rows, cols
+) -> None:
     data = modules["data"]  # an image op: it lives in data.py
     # Pixel values encode their place: value = 8 * row + column.
     x = torch.arange(64.0).view(1, 1, 8, 8).expand(3, 2, 8, 8)
@@ -199,20 +238,32 @@ def test_colout_drops_exactly_the_stated_rows_and_columns(modules, p_row, p_col,
     kept_rows, kept_cols = out[0, 0, :, 0] // 8, out[0, 0, 0, :] % 8
     assert kept_rows.tolist() == sorted(set(kept_rows.tolist()))  # distinct, in order
     assert kept_cols.tolist() == sorted(set(kept_cols.tolist()))
-    assert torch.equal(out, x[..., kept_rows.long(), :][..., kept_cols.long()])  # same for all
+    assert torch.equal(
+        out, x[..., kept_rows.long(), :][..., kept_cols.long()]
+    )  # same for all
     again = data.colout_batch(x, p_row, p_col, seed=SEED, step=5)
     assert torch.equal(out, again)  # a pure function of (seed, step)
     others = [data.colout_batch(x, 0.25, 0.5, seed=SEED, step=s) for s in range(6, 10)]
-    assert any(not torch.equal(o, data.colout_batch(x, 0.25, 0.5, SEED, 5)) for o in others)
+    assert any(
+        not torch.equal(o, data.colout_batch(x, 0.25, 0.5, SEED, 5)) for o in others
+    )
 
 
 # ---------------------------------------------------------------- a real first step
 
 
-def test_label_smoothing_loss_equals_the_closed_form(project: Path, modules, tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    rows = train_once(project, tmp_path / "w", monkeypatch, *TARGETS_ONLY, "--mixup_prob=0",
-                      "--cutmix_prob=0", "--label_smoothing_smoothing=0.2")
+def test_label_smoothing_loss_equals_the_closed_form(
+    project: Path, modules, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rows = train_once(
+        project,
+        tmp_path / "w",
+        monkeypatch,
+        *TARGETS_ONLY,
+        "--mixup_prob=0",
+        "--cutmix_prob=0",
+        "--label_smoothing_smoothing=0.2",
+    )
     inputs, labels, net = first_batch(modules)
     expected = smoothed_loss(net(inputs), labels, 0.2).mean().item()
     assert abs(step_one_loss(rows) - expected) < 1e-5 * expected
@@ -220,65 +271,110 @@ def test_label_smoothing_loss_equals_the_closed_form(project: Path, modules, tmp
     assert abs(plain - expected) > 1e-3  # smoothing changed the loss
 
 
-def test_smoothing_then_mixup_loss_equals_the_hand_computation(project: Path, modules, tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_smoothing_then_mixup_loss_equals_the_hand_computation(
+    project: Path, modules, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Label smoothing runs before MixUp (declared order); the loss of the first step is
     lam * smoothed loss(own label) + (1 - lam) * smoothed loss(partner's label), with lam
     and the partners drawn from (seed, step 0)."""
-    rows = train_once(project, tmp_path / "w", monkeypatch, *TARGETS_ONLY, "--mixup_prob=1",
-                      "--cutmix_prob=0")
+    rows = train_once(
+        project,
+        tmp_path / "w",
+        monkeypatch,
+        *TARGETS_ONLY,
+        "--mixup_prob=1",
+        "--cutmix_prob=0",
+    )
     inputs, labels, net = first_batch(modules)
     rng = modules["data"].step_rng(SEED, 0, "mixup")
     lam = float(rng.beta(0.4, 0.4))
     perm = torch.from_numpy(rng.permutation(BATCH))
     assert rows[0]["mixup_lambda"] == lam and rows[0]["cutmix_lambda"] == 1.0
     logits = net(lam * inputs + (1 - lam) * inputs[perm])
-    expected = (lam * smoothed_loss(logits, labels, 0.1)
-                + (1 - lam) * smoothed_loss(logits, labels[perm], 0.1)).mean().item()
+    expected = (
+        (
+            lam * smoothed_loss(logits, labels, 0.1)
+            + (1 - lam) * smoothed_loss(logits, labels[perm], 0.1)
+        )
+        .mean()
+        .item()
+    )
     assert abs(step_one_loss(rows) - expected) < 1e-5 * expected
 
 
-def test_cutmix_loss_equals_the_hand_computation(project: Path, modules, tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    rows = train_once(project, tmp_path / "w", monkeypatch, *TARGETS_ONLY, "--mixup_prob=0",
-                      "--cutmix_prob=1", "--label_smoothing_smoothing=0")
+def test_cutmix_loss_equals_the_hand_computation(
+    project: Path, modules, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rows = train_once(
+        project,
+        tmp_path / "w",
+        monkeypatch,
+        *TARGETS_ONLY,
+        "--mixup_prob=0",
+        "--cutmix_prob=1",
+        "--label_smoothing_smoothing=0",
+    )
     inputs, labels, net = first_batch(modules)
     rng = modules["data"].step_rng(SEED, 0, "cutmix")
     lam = float(rng.beta(1.0, 1.0))
     row, col = rng.integers(8), rng.integers(8)
     perm = torch.from_numpy(rng.permutation(BATCH))
     half = int(8 * math.sqrt(1 - lam)) // 2
-    top, bottom, left, right = max(row - half, 0), min(row + half, 8), max(col - half, 0), min(col + half, 8)
+    top, bottom, left, right = (
+        max(row - half, 0),
+        min(row + half, 8),
+        max(col - half, 0),
+        min(col + half, 8),
+    )
     mixed = inputs.clone()
     mixed[..., top:bottom, left:right] = inputs[perm][..., top:bottom, left:right]
     lam = 1 - (bottom - top) * (right - left) / 64
     assert rows[0]["cutmix_lambda"] == pytest.approx(lam, abs=1e-12) and lam < 1
     logits = net(mixed)
-    expected = (lam * F.cross_entropy(logits, labels, reduction="none")
-                + (1 - lam) * F.cross_entropy(logits, labels[perm], reduction="none")).mean().item()
+    expected = (
+        (
+            lam * F.cross_entropy(logits, labels, reduction="none")
+            + (1 - lam) * F.cross_entropy(logits, labels[perm], reduction="none")
+        )
+        .mean()
+        .item()
+    )
     assert abs(step_one_loss(rows) - expected) < 1e-5 * expected
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--label_smoothing_smoothing=1.0"], "label_smoothing_smoothing=1.0 is outside its range [0, 1)"),
+        (
+            ["--label_smoothing_smoothing=1.0"],
+            "label_smoothing_smoothing=1.0 is outside its range [0, 1)",
+        ),
         (["--mixup_alpha=0"], "mixup_alpha=0.0 is outside its range (0, inf)"),
         (["--cutmix_alpha=-1"], "cutmix_alpha=-1.0 is outside its range (0, inf)"),
         (["--mixup_prob=0.6", "--cutmix_prob=0.6"], "add up to more than 1"),
-        (["--cutout_length=1.5"], "cutout_length=1.5 must be a fraction in (0, 1) of the image or a whole number"),
+        (
+            ["--cutout_length=1.5"],
+            "cutout_length=1.5 must be a fraction in (0, 1) of the image or a whole number",
+        ),
         (["--cutout_num_holes=0"], "cutout_num_holes=0 is outside its range [1, inf)"),
         (["--colout_p_col=1.0"], "colout_p_col=1.0 is outside its range [0, 1)"),
     ],
 )
-def test_bad_hyperparameters_are_one_line_exit_2(args: list[str], message: str, project: Path, tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_hyperparameters_are_one_line_exit_2(
+    args: list[str],
+    message: str,
+    project: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     with pytest.raises(SystemExit) as exited:
         train_once(project, tmp_path / "w", monkeypatch, *args)
     assert exited.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert (
+        len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+    ), lines
     assert not (tmp_path / "w" / "runs").exists()
 
 
@@ -286,8 +382,10 @@ def test_bad_hyperparameters_are_one_line_exit_2(args: list[str], message: str, 
 
 
 def trajectory(workdir: Path) -> list[tuple]:
-    return [(r["step"], r["loss"], r["mixup_lambda"], r["cutmix_lambda"], r.get("val_loss"))
-            for r in read_metrics(workdir, "r")]
+    return [
+        (r["step"], r["loss"], r["mixup_lambda"], r["cutmix_lambda"], r.get("val_loss"))
+        for r in read_metrics(workdir, "r")
+    ]
 
 
 def ok(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
@@ -295,14 +393,20 @@ def ok(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[
     return result
 
 
-def test_mixing_is_the_same_on_2_ranks_any_microbatch_and_after_kill_9(project: Path, modules,
-                                                                       tmp_path: Path) -> None:
+def test_mixing_is_the_same_on_2_ranks_any_microbatch_and_after_kill_9(
+    project: Path, modules, tmp_path: Path
+) -> None:
     """All five algorithms, 8 steps: one process with whole-batch microbatches; the same
     killed (-9, inside the save of step 3) and resumed: bitwise equal; FSDP on 2 ranks with
     microbatches of 2 (partners on the other rank: all-gathered): equal within reduction
     order. The shared draw gives every step to exactly one mixer."""
-    common = [*SMALL, f"--max_duration={STEPS}ba", "--eval_interval=4ba", "--save_interval=1ba",
-              "--run_name=r"]
+    common = [
+        *SMALL,
+        f"--max_duration={STEPS}ba",
+        "--eval_interval=4ba",
+        "--save_interval=1ba",
+        "--run_name=r",
+    ]
     one, killed, two = (tmp_path / name for name in ("one", "killed", "two"))
     for folder in (one, killed, two):
         folder.mkdir()
@@ -313,20 +417,57 @@ def test_mixing_is_the_same_on_2_ranks_any_microbatch_and_after_kill_9(project: 
     step_rng = modules["data"].step_rng
     for step, _, mixup_lambda, cutmix_lambda, _ in reference:
         draw = step_rng(SEED, step - 1, "batch mixer").random()
-        assert (mixup_lambda < 1.0) == (draw < 0.5) and (cutmix_lambda < 1.0) == (draw >= 0.5), step
-    assert {row[2] < 1.0 for row in reference} == {True, False}  # both mixers took steps
+        assert (mixup_lambda < 1.0) == (draw < 0.5) and (cutmix_lambda < 1.0) == (
+            draw >= 0.5
+        ), step
+    assert {row[2] < 1.0 for row in reference} == {
+        True,
+        False,
+    }  # both mixers took steps
 
-    died = subprocess.run([sys.executable, str(STOP_AFTER), "kill:3", str(project / "train.py"), *common,
-                           "--device_microbatch_size=12", "--device=cpu"], cwd=killed, env=checkout_env(),
-                          capture_output=True, text=True, timeout=300)
+    died = subprocess.run(
+        [
+            sys.executable,
+            str(STOP_AFTER),
+            "kill:3",
+            str(project / "train.py"),
+            *common,
+            "--device_microbatch_size=12",
+            "--device=cpu",
+        ],
+        cwd=killed,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert died.returncode == -9, died.stderr[-3000:]
     resumed = ok(run_train(project, killed, *common, "--device_microbatch_size=12"))
     assert "resumed from" in resumed.stdout
     assert trajectory(killed) == reference
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(project / "train.py"), *common, "--device_microbatch_size=2", "--parallelism=fsdp", "--device=cpu"]
-    ok(subprocess.run(command, cwd=two, env=checkout_env(), capture_output=True, text=True, timeout=400))
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(project / "train.py"),
+        *common,
+        "--device_microbatch_size=2",
+        "--parallelism=fsdp",
+        "--device=cpu",
+    ]
+    ok(
+        subprocess.run(
+            command,
+            cwd=two,
+            env=checkout_env(),
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
+    )
     for ours, theirs in zip(trajectory(two), reference, strict=True):
         assert ours[0] == theirs[0] and ours[2:4] == theirs[2:4]
         assert abs(ours[1] - theirs[1]) <= TOLERANCE, (ours, theirs)
@@ -343,16 +484,36 @@ def test_mixing_is_the_same_on_2_ranks_any_microbatch_and_after_kill_9(project: 
 @pytest.mark.parametrize(
     ("refused", "accepted", "message"),
     [
-        ("label_smoothing.smoothing=1", "label_smoothing.smoothing=0",
-         "label_smoothing.smoothing = 1.0 is outside its range [0, 1)"),
-        ("mixup.alpha=0", "mixup.alpha=1e-3", "mixup.alpha = 0.0 is outside its range (0, inf)"),
-        ("cutmix.prob=1.5", "cutmix.prob=0", "cutmix.prob = 1.5 is outside its range [0, 1]"),
-        ("colout.p_row=-0.1", "colout.p_row=0", "colout.p_row = -0.1 is outside its range [0, 1)"),
-        ("cutout.num_holes=0", "cutout.num_holes=1", "cutout.num_holes = 0 is outside its range [1, inf)"),
+        (
+            "label_smoothing.smoothing=1",
+            "label_smoothing.smoothing=0",
+            "label_smoothing.smoothing = 1.0 is outside its range [0, 1)",
+        ),
+        (
+            "mixup.alpha=0",
+            "mixup.alpha=1e-3",
+            "mixup.alpha = 0.0 is outside its range (0, inf)",
+        ),
+        (
+            "cutmix.prob=1.5",
+            "cutmix.prob=0",
+            "cutmix.prob = 1.5 is outside its range [0, 1]",
+        ),
+        (
+            "colout.p_row=-0.1",
+            "colout.p_row=0",
+            "colout.p_row = -0.1 is outside its range [0, 1)",
+        ),
+        (
+            "cutout.num_holes=0",
+            "cutout.num_holes=1",
+            "cutout.num_holes = 0 is outside its range [1, inf)",
+        ),
     ],
 )
-def test_scaffold_new_refuses_a_hyperparameter_out_of_range(refused: str, accepted: str, message: str,
-                                                             tmp_path: Path) -> None:
+def test_scaffold_new_refuses_a_hyperparameter_out_of_range(
+    refused: str, accepted: str, message: str, tmp_path: Path
+) -> None:
     """The declared `range` of algorithm.toml, checked when the project is generated: one
     line, exit 2, nothing written; the range's closed end is accepted."""
     recipe = tmp_path / "recipe.toml"
@@ -360,13 +521,22 @@ def test_scaffold_new_refuses_a_hyperparameter_out_of_range(refused: str, accept
     dest = tmp_path / "p"
     result = scaffold_cli("new", "--recipe", str(recipe), str(dest), "--set", refused)
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [f"error: {message}; fix the recipe or the --set value"]
+    assert result.stderr.strip().splitlines() == [
+        f"error: {message}; fix the recipe or the --set value"
+    ]
     assert not dest.exists()
-    assert scaffold_cli("new", "--recipe", str(recipe), str(dest), "--set", accepted).returncode == 0
+    assert (
+        scaffold_cli(
+            "new", "--recipe", str(recipe), str(dest), "--set", accepted
+        ).returncode
+        == 0
+    )
 
 
 @pytest.mark.parametrize("bad", ['range = "0..1"', 'range = "[0.5, 1)"'])
-def test_a_malformed_range_or_a_default_outside_it_is_a_catalog_error(bad: str, tmp_path: Path) -> None:
+def test_a_malformed_range_or_a_default_outside_it_is_a_catalog_error(
+    bad: str, tmp_path: Path
+) -> None:
     template = tmp_path / "templates"
     shutil.copytree(template_dir(), template)
     toml = template / "algorithms" / "label_smoothing" / "algorithm.toml"

@@ -18,7 +18,11 @@ URLs: staged uploads, downloads, remote rotation), `failures` (a storage failure
 """
 
 from runtime.checkpoint.checkpointer import Checkpointer, Resumed, load, will_resume
-from runtime.checkpoint.compat import resume, save, wait  # scaffold 0.1.0 projects, until upgraded
+from runtime.checkpoint.compat import (
+    resume,
+    save,
+    wait,
+)  # scaffold 0.1.0 projects, until upgraded
 from runtime.checkpoint.export import export_safetensors
 from runtime.checkpoint.failures import StorageError
 from runtime.checkpoint.layout import (
@@ -31,6 +35,21 @@ from runtime.checkpoint.layout import (
     resolve,
 )
 
-__all__ = ("MARKER", "TRAIN_STATE", "CheckpointError", "Checkpointer", "Resumed", "StorageError",
-           "export_safetensors", "is_complete", "latest", "load", "remove_incomplete", "resolve",
-           "resume", "save", "wait", "will_resume")
+__all__ = (
+    "MARKER",
+    "TRAIN_STATE",
+    "CheckpointError",
+    "Checkpointer",
+    "Resumed",
+    "StorageError",
+    "export_safetensors",
+    "is_complete",
+    "latest",
+    "load",
+    "remove_incomplete",
+    "resolve",
+    "resume",
+    "save",
+    "wait",
+    "will_resume",
+)

@@ -36,8 +36,9 @@ from runtime.checkpoint.writing import Writer
 from runtime.time import Progress
 
 
-def load(path: Path, state: dict[str, Any], *, seed: int = 0,
-         restore_rng: bool = True) -> Resumed:
+def load(
+    path: Path, state: dict[str, Any], *, seed: int = 0, restore_rng: bool = True
+) -> Resumed:
     """Restore a checkpoint saved on any world size into the objects of `state`.
 
     Only the entries in `state` are read (`{"model": model}` loads weights alone); the
@@ -52,8 +53,10 @@ def load(path: Path, state: dict[str, Any], *, seed: int = 0,
     if not path.is_dir():
         raise CheckpointError(f"{path} does not exist")
     if not layout.is_complete(path):
-        raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} marker); "
-                              "pass a step-<N> folder written by a finished save")
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint (no {MARKER} marker); "
+            "pass a step-<N> folder written by a finished save"
+        )
     progress = state.get("progress")
     per_epoch = progress.batches_per_epoch if isinstance(progress, Progress) else None
     train_state = layout.read_train_state(path, per_epoch)
@@ -65,13 +68,20 @@ def load(path: Path, state: dict[str, Any], *, seed: int = 0,
     reading.check_files(path, metadata)
     if through_dcp:
         # Not necessarily damage (another optimizer's state also fails here): a hint.
-        reading.load(loaded, path, "; if its files are damaged, delete it to resume "
-                     "from the previous complete checkpoint")
+        reading.load(
+            loaded,
+            path,
+            "; if its files are damaged, delete it to resume "
+            "from the previous complete checkpoint",
+        )
     contents.restore(path, state, found, loaded, train_state)
     step = int(train_state["progress"]["batch"])
     rng_file = path / f"rng-rank{dist.rank()}.pt"
-    rng_restored = (restore_rng and train_state["world_size"] == dist.world_size()
-                    and rng_file.is_file())
+    rng_restored = (
+        restore_rng
+        and train_state["world_size"] == dist.world_size()
+        and rng_file.is_file()
+    )
     if rng_restored:
         rng = torch.load(rng_file, weights_only=True)
         torch.set_rng_state(rng["torch"])
@@ -86,17 +96,23 @@ def load(path: Path, state: dict[str, Any], *, seed: int = 0,
 def progress_of(state: dict[str, Any]) -> Progress:
     """`state["progress"]`: a checkpoint is named by its step and records it."""
     if "progress" not in state:
-        raise ValueError(f"state has no 'progress' entry (it has "
-                         f"{', '.join(state) or 'none'}); add the loop's "
-                         "runtime.time.Progress: state['progress'] = progress")
+        raise ValueError(
+            f"state has no 'progress' entry (it has "
+            f"{', '.join(state) or 'none'}); add the loop's "
+            "runtime.time.Progress: state['progress'] = progress"
+        )
     progress = state["progress"]
     if not isinstance(progress, Progress):
-        raise TypeError(f"state['progress'] is a {type(progress).__name__}, not a "
-                        "runtime.time.Progress")
+        raise TypeError(
+            f"state['progress'] is a {type(progress).__name__}, not a "
+            "runtime.time.Progress"
+        )
     return progress
 
 
-def will_resume(folder: Path | str, *, load_path: str = "", autoresume: bool = True) -> bool:
+def will_resume(
+    folder: Path | str, *, load_path: str = "", autoresume: bool = True
+) -> bool:
     """Whether `Checkpointer(folder).resume(...)` will load weights: a load_path, or (with
     autoresume) a complete checkpoint in `folder`. Reads only; call before the model is built
     to skip an initialisation the resume would overwrite."""
@@ -142,7 +158,11 @@ GENERATED_BY_0_2_0 = (
 
 
 def _origin(load_path: str) -> str:
-    return load_path.rstrip("/") if storage.is_remote(load_path) else str(Path(load_path).resolve())
+    return (
+        load_path.rstrip("/")
+        if storage.is_remote(load_path)
+        else str(Path(load_path).resolve())
+    )
 
 
 class Checkpointer:
@@ -155,27 +175,49 @@ class Checkpointer:
     entry holding averaged weights, say); every checkpoint records it in train_state.json.
     """
 
-    def __init__(self, folder: Path | str, *, keep: int = 0, async_save: bool = False,
-                 export: str = "model") -> None:
+    def __init__(
+        self,
+        folder: Path | str,
+        *,
+        keep: int = 0,
+        async_save: bool = False,
+        export: str = "model",
+    ) -> None:
         self.remote = storage.Remote(str(folder)) if storage.is_remote(folder) else None
-        self.location = str(self.remote) if self.remote else str(storage.local_path(folder))
+        self.location = (
+            str(self.remote) if self.remote else str(storage.local_path(folder))
+        )
         # Where DCP writes: the folder itself, or this rank's staging folder for a remote one.
         self.scratch = storage.staging_root(str(folder), dist.rank())
-        self.folder = self.scratch / "save" if self.remote else storage.local_path(folder)
+        self.folder = (
+            self.scratch / "save" if self.remote else storage.local_path(folder)
+        )
         self.keep = keep
         self.async_save = async_save
         self.export = export
         self.origin: str | None = None  # carried into every checkpoint of this run
         self.last_complete: str | None = None  # where a rerun would resume from
-        self._pending: tuple[str, Future] | None = None  # an asynchronous save in flight
+        self._pending: tuple[str, Future] | None = (
+            None  # an asynchronous save in flight
+        )
         # Made collectively here (every rank builds the Checkpointer at the same point).
-        self._group = torch_dist.new_group(backend="gloo") if async_save and dist.is_distributed() else None
+        self._group = (
+            torch_dist.new_group(backend="gloo")
+            if async_save and dist.is_distributed()
+            else None
+        )
 
     # ------------------------------------------------------------ resume
 
-    def resume(self, state: dict[str, Any], *legacy: Any, load_path: str = "",
-               weights_only: bool = False, autoresume: bool = True,
-               seed: int = 0) -> Resumed | None:
+    def resume(
+        self,
+        state: dict[str, Any],
+        *legacy: Any,
+        load_path: str = "",
+        weights_only: bool = False,
+        autoresume: bool = True,
+        seed: int = 0,
+    ) -> Resumed | None:
         """Start or continue a run: clean up interrupted saves, then load what the run
         starts from into the objects of `state` (see `load`), the progress included.
 
@@ -196,12 +238,16 @@ class Checkpointer:
             layout.remove_incomplete(self.folder)
             plan = self._plan(load_path, autoresume, weights_only)
         else:  # rank 0 lists the store; every rank gets its answer or its error
-            plan = self._from_rank0(lambda: self._plan(load_path, autoresume, weights_only))
+            plan = self._from_rank0(
+                lambda: self._plan(load_path, autoresume, weights_only)
+            )
         if plan is None:
             return None
         source, self.origin, weights_only, notes = plan
         self.last_complete = source
-        local = self._each_rank(lambda: self._fetch(source), f"cannot download {storage.redact(source)}")
+        local = self._each_rank(
+            lambda: self._fetch(source), f"cannot download {storage.redact(source)}"
+        )
         try:
             resumed = self._load(local, state, weights_only, seed, notes)
         finally:
@@ -210,8 +256,9 @@ class Checkpointer:
         resumed.path = source if storage.is_remote(source) else local
         return resumed
 
-    def _plan(self, load_path: str, autoresume: bool, weights_only: bool
-              ) -> tuple[str, str | None, bool, list[str]] | None:
+    def _plan(
+        self, load_path: str, autoresume: bool, weights_only: bool
+    ) -> tuple[str, str | None, bool, list[str]] | None:
         """(checkpoint to load, the run's origin, weights only, notes), or None for a fresh start."""
         if self.remote is not None:
             self.remote.remove_incomplete()
@@ -224,10 +271,14 @@ class Checkpointer:
         if load_path:
             origin = _origin(load_path)
             if own is not None and self._train_state(own).get("origin") == origin:
-                notes.append(f"load_path {load_path}: continuing this run from its own checkpoint")
+                notes.append(
+                    f"load_path {load_path}: continuing this run from its own checkpoint"
+                )
             else:
                 if own is not None:
-                    notes.append(f"load_path {load_path} takes precedence over this run's {storage.redact(own)}")
+                    notes.append(
+                        f"load_path {load_path} takes precedence over this run's {storage.redact(own)}"
+                    )
                 if storage.is_remote(load_path):
                     remote = storage.Remote(load_path)
                     explicit = remote.url_of(remote.resolve(remote.root))
@@ -260,8 +311,13 @@ class Checkpointer:
                 answer = [run(), None]
             except CheckpointError as error:
                 answer = [None, str(error)]
-            except Exception as error:  # noqa: BLE001 - a store that is unreachable or refusing
-                answer = [None, f"cannot read checkpoints in {self.location}: {cause(error)}"]
+            except (
+                Exception
+            ) as error:  # noqa: BLE001 - a store that is unreachable or refusing
+                answer = [
+                    None,
+                    f"cannot read checkpoints in {self.location}: {cause(error)}",
+                ]
         if dist.is_distributed():
             torch_dist.broadcast_object_list(answer, src=0)
         if answer[1] is not None:
@@ -278,14 +334,25 @@ class Checkpointer:
         if dist.any_rank(error is not None):
             if isinstance(error, CheckpointError):
                 raise error
-            raise CheckpointError(f"{what}: {cause(error) if error else 'it failed on another rank'}")
+            raise CheckpointError(
+                f"{what}: {cause(error) if error else 'it failed on another rank'}"
+            )
         return result
 
-    def _load(self, path: Path, state: dict[str, Any], weights_only: bool, seed: int,
-              notes: list[str]) -> Resumed:
+    def _load(
+        self,
+        path: Path,
+        state: dict[str, Any],
+        weights_only: bool,
+        seed: int,
+        notes: list[str],
+    ) -> Resumed:
         if weights_only:
-            modules = {name: value for name, value in state.items()
-                       if isinstance(value, torch.nn.Module)}
+            modules = {
+                name: value
+                for name, value in state.items()
+                if isinstance(value, torch.nn.Module)
+            }
             resumed = load(path, modules, seed=seed, restore_rng=False)
         else:
             resumed = load(path, state, seed=seed)
@@ -296,24 +363,36 @@ class Checkpointer:
 
     def _target(self, name: str) -> str:
         """Where checkpoint `name` is stored: a local folder or a URL."""
-        return self.remote.url_of(self.remote.join(name)) if self.remote else str(self.folder / name)
+        return (
+            self.remote.url_of(self.remote.join(name))
+            if self.remote
+            else str(self.folder / name)
+        )
 
     def _failed(self, name: str, error: BaseException | None) -> StorageError:
         why = cause(error) if error is not None else "it failed on another rank"
         where = storage.redact(self._target(name))
         last = self.last_complete
-        if self.remote is None:  # on disk, whoever wrote it (cheap to look up, unlike a store)
+        if (
+            self.remote is None
+        ):  # on disk, whoever wrote it (cheap to look up, unlike a store)
             found = layout.latest(self.folder)
             last = str(found) if found else last
         last = storage.redact(last) if last else None
-        return StorageError(f"checkpoint {name} was not saved to {where}: {why}; {resume_hint(last)}")
+        return StorageError(
+            f"checkpoint {name} was not saved to {where}: {why}; {resume_hint(last)}"
+        )
 
-    def _agree(self, name: str, run: Any, group: torch_dist.ProcessGroup | None = None) -> None:
+    def _agree(
+        self, name: str, run: Any, group: torch_dist.ProcessGroup | None = None
+    ) -> None:
         """`run()` on every rank; a failure on any rank is a StorageError on every rank."""
         error = None
         try:
             run()
-        except Exception as exc:  # noqa: BLE001 - OSError, a storage client's error, DCP's
+        except (
+            Exception
+        ) as exc:  # noqa: BLE001 - OSError, a storage client's error, DCP's
             error = exc
         if dist.any_rank(error is not None, group):
             raise self._failed(name, error)
@@ -338,9 +417,13 @@ class Checkpointer:
         if self.remote is not None and target == self.last_complete:
             return target
         saved, plain = contents.split(state)
-        train_state = {"progress": plain.pop("progress"),
-                       "world_size": dist.world_size(), "origin": self.origin,
-                       "export": self.export, **plain}
+        train_state = {
+            "progress": plain.pop("progress"),
+            "world_size": dist.world_size(),
+            "origin": self.origin,
+            "export": self.export,
+            **plain,
+        }
 
         def stage() -> None:
             # Each rank's RNG file and rank 0's JSON are written before the rank joins DCP's
@@ -351,7 +434,9 @@ class Checkpointer:
                 rng["cuda"] = torch.cuda.get_rng_state()
             torch.save(rng, path / f"rng-rank{dist.rank()}.pt")
             if dist.rank() == 0:
-                layout.write_atomic(path / TRAIN_STATE, json.dumps(train_state, indent=2))
+                layout.write_atomic(
+                    path / TRAIN_STATE, json.dumps(train_state, indent=2)
+                )
 
         self._agree(name, stage)
         # Two writer threads per rank: on this project's 2-core test machine that cut a 1.1 GB
@@ -362,22 +447,38 @@ class Checkpointer:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             if self.async_save:
-                written = dcp.async_save(saved, storage_writer=writer, process_group=self._group,
-                                         no_dist=no_dist)
-                self._pending = (name, self._finish_after(written, name, progress.batch))
+                written = dcp.async_save(
+                    saved,
+                    storage_writer=writer,
+                    process_group=self._group,
+                    no_dist=no_dist,
+                )
+                self._pending = (
+                    name,
+                    self._finish_after(written, name, progress.batch),
+                )
                 return result
             try:
                 dcp.save(saved, storage_writer=writer, no_dist=no_dist)
-            except BaseException as error:  # DCP's CheckpointException: the same on every rank
+            except (
+                BaseException
+            ) as error:  # DCP's CheckpointException: the same on every rank
                 if isinstance(error, (KeyboardInterrupt, SystemExit)):
                     raise
                 self._discard(path)
                 raise self._failed(name, error) from None
         try:
             if self.remote is not None:
-                self._agree(name, lambda: self.remote.upload(path, self.remote.join(name)))
+                self._agree(
+                    name, lambda: self.remote.upload(path, self.remote.join(name))
+                )
             # Every rank's shards are stored before the marker (the agreement is a barrier).
-            self._agree(name, lambda: self._finish(name, progress.batch) if dist.rank() == 0 else None)
+            self._agree(
+                name,
+                lambda: (
+                    self._finish(name, progress.batch) if dist.rank() == 0 else None
+                ),
+            )
         finally:
             self._discard(path)
         self.last_complete = target
@@ -409,9 +510,15 @@ class Checkpointer:
                 written.result()
                 if self.remote is not None:
                     self.remote.upload(self.folder / name, self.remote.join(name))
-            except BaseException as exc:  # noqa: BLE001 - DCP's error is a BaseException
+            except (
+                BaseException
+            ) as exc:  # noqa: BLE001 - DCP's error is a BaseException
                 error = exc
-            if self.remote is not None and dist.any_rank(error is not None, self._group) and error is None:
+            if (
+                self.remote is not None
+                and dist.any_rank(error is not None, self._group)
+                and error is None
+            ):
                 error = CheckpointError("it failed on another rank")
             if error is None and dist.rank() == 0:
                 try:

@@ -45,9 +45,13 @@ LEGACY_EXTRA = "extra"
 def _module_of(state: dict[str, Any], name: str) -> nn.Module:
     params = {id(p) for group in state[name].param_groups for p in group["params"]}
     for value in state.values():
-        if isinstance(value, nn.Module) and params <= {id(p) for p in value.parameters()}:
+        if isinstance(value, nn.Module) and params <= {
+            id(p) for p in value.parameters()
+        }:
             return value
-    raise TypeError(f"state[{name!r}] optimizes parameters of no module in the state; add its model")
+    raise TypeError(
+        f"state[{name!r}] optimizes parameters of no module in the state; add its model"
+    )
 
 
 def _optimizers(value: Any) -> Any:
@@ -57,22 +61,35 @@ def _optimizers(value: Any) -> Any:
     if isinstance(value, torch.optim.Optimizer):
         return value
     chained = getattr(value, "optimizers", None)
-    if isinstance(chained, list) and chained and all(isinstance(o, torch.optim.Optimizer) for o in chained):
+    if (
+        isinstance(chained, list)
+        and chained
+        and all(isinstance(o, torch.optim.Optimizer) for o in chained)
+    ):
         return chained
     return None
 
 
 def _check_entry(name: str, value: Any) -> None:
     if name in RESERVED:
-        raise TypeError(f"state[{name!r}]: train_state.json keeps its own {name!r} "
-                        "there; give the entry another name")
-    saveable = (isinstance(value, nn.Module) or _optimizers(value) is not None
-                or (callable(getattr(value, "state_dict", None))
-                    and callable(getattr(value, "load_state_dict", None))))
+        raise TypeError(
+            f"state[{name!r}]: train_state.json keeps its own {name!r} "
+            "there; give the entry another name"
+        )
+    saveable = (
+        isinstance(value, nn.Module)
+        or _optimizers(value) is not None
+        or (
+            callable(getattr(value, "state_dict", None))
+            and callable(getattr(value, "load_state_dict", None))
+        )
+    )
     if not saveable:
-        raise TypeError(f"state[{name!r}] is a {type(value).__name__}: checkpoints "
-                        "hold modules, optimizers and objects with state_dict() and "
-                        "load_state_dict()")
+        raise TypeError(
+            f"state[{name!r}] is a {type(value).__name__}: checkpoints "
+            "hold modules, optimizers and objects with state_dict() and "
+            "load_state_dict()"
+        )
 
 
 def _through_dcp(value: Any) -> bool:
@@ -105,7 +122,9 @@ def state_dicts(state: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, nn.Module):
             result[name] = get_model_state_dict(value)
         elif _optimizers(value) is not None:
-            result[name] = get_optimizer_state_dict(_module_of(state, name), _optimizers(value))
+            result[name] = get_optimizer_state_dict(
+                _module_of(state, name), _optimizers(value)
+            )
         else:
             result[name] = value.state_dict()
     return result
@@ -115,13 +134,17 @@ def split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The state dicts to save: (through DCP, into train_state.json); see the module
     docstring. TypeError for an entry that cannot be saved."""
     saved = state_dicts(state)
-    plain = {name: saved.pop(name) for name, value in state.items()
-             if not _through_dcp(value) and is_plain(saved[name])}
+    plain = {
+        name: saved.pop(name)
+        for name, value in state.items()
+        if not _through_dcp(value) and is_plain(saved[name])
+    }
     return saved, plain
 
 
-def sources(path: Path, state: dict[str, Any], train_state: dict[str, Any],
-            metadata: Metadata) -> dict[str, str]:
+def sources(
+    path: Path, state: dict[str, Any], train_state: dict[str, Any], metadata: Metadata
+) -> dict[str, str]:
     """Where each entry of `state` comes back from: "dcp", "json" (its key in
     train_state.json) or LEGACY_EXTRA (a checkpoint of 0.2.0 or before: the dict the
     microbatch search and the early stopper were saved in, merged; each object picks its
@@ -143,20 +166,29 @@ def sources(path: Path, state: dict[str, Any], train_state: dict[str, Any],
         elif _has_state(value):
             absent.append(name)
     if absent:
-        raise CheckpointError(f"{path} holds no {', '.join(absent)} (it holds "
-                              f"{', '.join(sorted(in_dcp | in_json))}); start from a "
-                              "checkpoint saved with the same state entries")
+        raise CheckpointError(
+            f"{path} holds no {', '.join(absent)} (it holds "
+            f"{', '.join(sorted(in_dcp | in_json))}); start from a "
+            "checkpoint saved with the same state entries"
+        )
     return found
 
 
-def restore(path: Path, state: dict[str, Any], found: dict[str, str],
-            loaded: dict[str, Any], train_state: dict[str, Any]) -> None:
+def restore(
+    path: Path,
+    state: dict[str, Any],
+    found: dict[str, str],
+    loaded: dict[str, Any],
+    train_state: dict[str, Any],
+) -> None:
     """Load into the objects of `state`: DCP's `loaded` (`state_dicts` of the "dcp"
     entries, filled by DCP), the others' state dicts from train_state.json."""
     # Optimizers first, then modules: the order of DCP's set_state_dict.
     for name, value in state.items():
         if found.get(name) == "dcp" and _optimizers(value) is not None:
-            set_optimizer_state_dict(_module_of(state, name), _optimizers(value), loaded[name])
+            set_optimizer_state_dict(
+                _module_of(state, name), _optimizers(value), loaded[name]
+            )
     for name, value in state.items():
         source = found.get(name)
         if source == "dcp" and isinstance(value, nn.Module):
@@ -174,10 +206,13 @@ def restore(path: Path, state: dict[str, Any], found: dict[str, str],
                 raise CheckpointError(
                     f"{path} (saved by scaffold 0.2.0 or before) holds no {name}, and "
                     f"its extra state does not restore it ({why}); start from a "
-                    "checkpoint saved with the same state entries") from error
+                    "checkpoint saved with the same state entries"
+                ) from error
 
 
-def check_saved(path: Path, metadata: Metadata, state: dict[str, Any], loaded: dict[str, Any]) -> None:
+def check_saved(
+    path: Path, metadata: Metadata, state: dict[str, Any], loaded: dict[str, Any]
+) -> None:
     """Each module's keys and shapes are the checkpoint's: all differences named (DCP
     reports only the first, and not unexpected keys)."""
     problems = []
@@ -185,23 +220,41 @@ def check_saved(path: Path, metadata: Metadata, state: dict[str, Any], loaded: d
         if isinstance(value, nn.Module):
             problems += _module_problems(name, metadata, loaded[name])
     if problems:
-        raise CheckpointError(f"{path} was saved from a different model ({'; '.join(problems)}); "
-                              "build the model with the configuration it was trained with")
+        raise CheckpointError(
+            f"{path} was saved from a different model ({'; '.join(problems)}); "
+            "build the model with the configuration it was trained with"
+        )
 
 
-def _module_problems(name: str, metadata: Metadata, module_state: dict[str, Any]) -> list[str]:
-    saved = {key.removeprefix(f"{name}."): meta for key, meta in metadata.state_dict_metadata.items()
-             if key.startswith(f"{name}.")}
+def _module_problems(
+    name: str, metadata: Metadata, module_state: dict[str, Any]
+) -> list[str]:
+    saved = {
+        key.removeprefix(f"{name}."): meta
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(f"{name}.")
+    }
     problems = []
     for label, keys in (
-        ("missing from the checkpoint", [key for key in module_state if key not in saved]),
-        ("in the checkpoint but not in this model", [key for key in saved if key not in module_state]),
-        ("different shapes", [
-            f"{key} (saved {list(saved[key].size)}, model {list(value.shape)})"
-            for key, value in module_state.items()
-            if key in saved and isinstance(value, torch.Tensor) and hasattr(saved[key], "size")
-            and tuple(saved[key].size) != tuple(value.shape)
-        ]),
+        (
+            "missing from the checkpoint",
+            [key for key in module_state if key not in saved],
+        ),
+        (
+            "in the checkpoint but not in this model",
+            [key for key in saved if key not in module_state],
+        ),
+        (
+            "different shapes",
+            [
+                f"{key} (saved {list(saved[key].size)}, model {list(value.shape)})"
+                for key, value in module_state.items()
+                if key in saved
+                and isinstance(value, torch.Tensor)
+                and hasattr(saved[key], "size")
+                and tuple(saved[key].size) != tuple(value.shape)
+            ],
+        ),
     ):
         if keys:
             more = f" and {len(keys) - 10} more" if len(keys) > 10 else ""

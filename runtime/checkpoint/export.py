@@ -14,7 +14,9 @@ from runtime.checkpoint import layout, reading, storage
 from runtime.checkpoint.layout import CheckpointError
 
 
-def read_weights(source: Path | str, entry: str = "") -> tuple[dict[str, torch.Tensor], int, Path | str, str]:
+def read_weights(
+    source: Path | str, entry: str = ""
+) -> tuple[dict[str, torch.Tensor], int, Path | str, str]:
     """A checkpoint's full weights of one state entry (keys without the entry's prefix), its
     step, the checkpoint it read (a local folder, or the URL of a remote one) and the entry.
 
@@ -43,7 +45,9 @@ def read_weights(source: Path | str, entry: str = "") -> tuple[dict[str, torch.T
     return weights, step, path, entry
 
 
-def export_safetensors(source: Path | str, out_file: Path | str, entry: str = "") -> dict[str, Any]:
+def export_safetensors(
+    source: Path | str, out_file: Path | str, entry: str = ""
+) -> dict[str, Any]:
     """Consolidate a checkpoint's weights of one state entry (see `read_weights`) into one
     safetensors file.
 
@@ -58,11 +62,20 @@ def export_safetensors(source: Path | str, out_file: Path | str, entry: str = ""
     out = Path(out_file)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp),
-              metadata={"checkpoint": str(checkpoint), "step": str(step), "format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in weights.items()},
+        str(tmp),
+        metadata={"checkpoint": str(checkpoint), "step": str(step), "format": "pt"},
+    )
     os.replace(tmp, out)
-    return {"checkpoint": checkpoint, "step": step, "entry": entry, "tensors": len(weights),
-            "numel": sum(v.numel() for v in weights.values()), "file": out}
+    return {
+        "checkpoint": checkpoint,
+        "step": step,
+        "entry": entry,
+        "tensors": len(weights),
+        "numel": sum(v.numel() for v in weights.values()),
+        "file": out,
+    }
 
 
 def _read(path: Path, entry: str) -> tuple[dict[str, torch.Tensor], int, str]:
@@ -71,7 +84,9 @@ def _read(path: Path, entry: str) -> tuple[dict[str, torch.Tensor], int, str]:
     train_state = layout.read_train_state(path)
     entry = entry or str(train_state.get("export", "model"))
     weights = {
-        key.removeprefix(f"{entry}."): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        key.removeprefix(f"{entry}."): torch.empty(
+            tuple(meta.size), dtype=meta.properties.dtype
+        )
         for key, meta in metadata.state_dict_metadata.items()
         if key.startswith(f"{entry}.") and isinstance(meta, TensorStorageMetadata)
     }

@@ -14,7 +14,8 @@ from runtime.checkpoint.layout import CheckpointError
 
 class StorageError(CheckpointError):
     """A save failed in storage (disk full, permission denied, a store unreachable or refusing);
-    the message names the checkpoint, the storage path, the cause and where a rerun resumes."""
+    the message names the checkpoint, the storage path, the cause and where a rerun resumes.
+    """
 
 
 def _chain(error: BaseException) -> Iterator[BaseException]:
@@ -26,10 +27,17 @@ def _chain(error: BaseException) -> Iterator[BaseException]:
             continue
         seen.add(id(exc))
         yield exc
-        failures = getattr(exc, "failures", None)  # DCP's CheckpointException: {rank: (exc, tb)}
+        failures = getattr(
+            exc, "failures", None
+        )  # DCP's CheckpointException: {rank: (exc, tb)}
         if isinstance(failures, dict):
-            todo += [value[0] if isinstance(value, tuple) else value for value in failures.values()]
-        todo += [linked for linked in (exc.__cause__, exc.__context__) if linked is not None]
+            todo += [
+                value[0] if isinstance(value, tuple) else value
+                for value in failures.values()
+            ]
+        todo += [
+            linked for linked in (exc.__cause__, exc.__context__) if linked is not None
+        ]
 
 
 def _first_line(exc: BaseException) -> str:
@@ -41,8 +49,18 @@ def cause(error: BaseException) -> str:
     """The innermost OS error (errno and file), else a storage client's error, else the first
     line; a refusal (403, PermissionError) says where credentials come from."""
     found = _cause(error)
-    if any(word in found for word in ("(403)", "PermissionError", "Forbidden", "AccessDenied",
-                                         "SignatureDoesNotMatch", "InvalidAccessKeyId", "ExpiredToken")):
+    if any(
+        word in found
+        for word in (
+            "(403)",
+            "PermissionError",
+            "Forbidden",
+            "AccessDenied",
+            "SignatureDoesNotMatch",
+            "InvalidAccessKeyId",
+            "ExpiredToken",
+        )
+    ):
         found += " (the store refused: check the credentials in its usual environment variables or config files)"
     return found
 
@@ -55,10 +73,14 @@ def _cause(error: BaseException) -> str:
             return f"{exc.strerror} [errno {exc.errno}]{where}"
     for exc in chain:
         module = type(exc).__module__ or ""
-        if module.startswith(("botocore", "aiobotocore", "s3fs", "gcsfs", "google", "aiohttp", "ocifs")):
+        if module.startswith(
+            ("botocore", "aiobotocore", "s3fs", "gcsfs", "google", "aiohttp", "ocifs")
+        ):
             return _first_line(exc)
     for exc in chain:
-        if isinstance(exc, OSError):  # s3fs maps refusals to PermissionError, FileNotFoundError
+        if isinstance(
+            exc, OSError
+        ):  # s3fs maps refusals to PermissionError, FileNotFoundError
             return _first_line(exc)
     for exc in chain:
         if isinstance(exc, CheckpointError):

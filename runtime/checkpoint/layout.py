@@ -31,8 +31,10 @@ class CheckpointError(RuntimeError):
 
 def damaged(path: Path, what: str) -> CheckpointError:
     # Autoresume picks the newest complete checkpoint, so the way back is removing this one.
-    return CheckpointError(f"{what}; the checkpoint is damaged: delete {path} to resume from "
-                           "the previous complete checkpoint")
+    return CheckpointError(
+        f"{what}; the checkpoint is damaged: delete {path} to resume from "
+        "the previous complete checkpoint"
+    )
 
 
 def step_dirs(folder: Path) -> list[tuple[int, Path]]:
@@ -83,24 +85,33 @@ def rotate(folder: Path, keep: int, current: Path) -> None:
         # Count complete checkpoints only: an interrupted save must not push a good one out.
         complete = [old for _, old in step_dirs(folder) if is_complete(old)]
         for old in (old for old in complete[:-keep] if old != current):
-            (old / MARKER).unlink(missing_ok=True)  # a kill mid-delete leaves it incomplete
+            (old / MARKER).unlink(
+                missing_ok=True
+            )  # a kill mid-delete leaves it incomplete
             shutil.rmtree(old, ignore_errors=True)
 
 
-def read_train_state(path: Path, batches_per_epoch: int | None = None) -> dict[str, Any]:
+def read_train_state(
+    path: Path, batches_per_epoch: int | None = None
+) -> dict[str, Any]:
     """train_state.json, checked before anything is restored (so a bad file changes nothing)."""
     file = path / TRAIN_STATE
     try:
         state = json.loads(file.read_text())
     except (OSError, ValueError) as error:
         raise damaged(path, f"{file} is unreadable ({error})") from error
-    if not (isinstance(state, dict) and isinstance(state.get("progress"), dict)
-            and isinstance(state.get("world_size"), int)):
+    if not (
+        isinstance(state, dict)
+        and isinstance(state.get("progress"), dict)
+        and isinstance(state.get("world_size"), int)
+    ):
         raise damaged(path, f"{file} lacks progress or world_size")
     try:
         # A scratch Progress validates every counter (and batches_per_epoch against this run).
         saved = state["progress"]
-        Progress(batches_per_epoch=batches_per_epoch or saved.get("batches_per_epoch")).load_state_dict(saved)
+        Progress(
+            batches_per_epoch=batches_per_epoch or saved.get("batches_per_epoch")
+        ).load_state_dict(saved)
     except (ValueError, TypeError) as error:
         raise CheckpointError(f"{file}: {error}") from error
     return state
@@ -111,16 +122,22 @@ def resolve(path: Path | str) -> Path:
     checkpoints folder or a run folder (`runs/<name>` holding `checkpoints/`)."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"{path} does not exist; pass a step-<N> checkpoint folder, a "
-                              "checkpoints folder or a run folder")
+        raise CheckpointError(
+            f"{path} does not exist; pass a step-<N> checkpoint folder, a "
+            "checkpoints folder or a run folder"
+        )
     if is_complete(path) or (path / METADATA).exists() or STEP_DIR.fullmatch(path.name):
         if not is_complete(path):
-            raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} marker): "
-                                  "its save was interrupted")
+            raise CheckpointError(
+                f"{path} is not a complete checkpoint (no {MARKER} marker): "
+                "its save was interrupted"
+            )
         return path
     for folder in (path, path / "checkpoints"):
         found = latest(folder)
         if found is not None:
             return found
-    raise CheckpointError(f"{path} holds no complete checkpoint (no step-<N> folder with a "
-                          f"{MARKER} marker in it or in {path / 'checkpoints'})")
+    raise CheckpointError(
+        f"{path} holds no complete checkpoint (no step-<N> folder with a "
+        f"{MARKER} marker in it or in {path / 'checkpoints'})"
+    )

@@ -19,7 +19,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import ReadItem
 
 from runtime import dist
@@ -27,26 +31,32 @@ from runtime.checkpoint.layout import METADATA, CheckpointError, damaged
 
 # What a DCP `.metadata` pickle legitimately refers to (torch 2.6 - 2.13).
 _METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
-_METADATA_GLOBALS = frozenset({
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "Path"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-})
+_METADATA_GLOBALS = frozenset(
+    {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "Path"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("collections", "OrderedDict"),
+    }
+)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         allowed = module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout)
+        ):
             allowed = True  # torch.float32, torch.strided, ...
         if not allowed:
-            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+            raise pickle.UnpicklingError(
+                f"{module}.{name} is not allowed in checkpoint metadata"
+            )
         return super().find_class(module, name)
 
 
@@ -58,14 +68,18 @@ class SafeReader(dcp.FileSystemReader):
         with self.fs.create_stream(path, "rb") as handle:
             metadata = _MetadataUnpickler(handle).load()
         if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+            raise pickle.UnpicklingError(
+                f"{path} holds a {type(metadata).__name__}, not DCP metadata"
+            )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def _slice_file(self, file: Any, sinfo: Any) -> Any:
-        self._reading = sinfo.relative_path  # named in the error if this item is unreadable
+        self._reading = (
+            sinfo.relative_path
+        )  # named in the error if this item is unreadable
         return super()._slice_file(file, sinfo)
 
     def read_data(self, plan: Any, planner: Any) -> Future[None]:
@@ -76,7 +90,9 @@ class SafeReader(dcp.FileSystemReader):
             if self._reading is None:
                 raise
             file = Path(self.path) / self._reading
-            if isinstance(error, pickle.UnpicklingError):  # torch.load(weights_only=True) refused
+            if isinstance(
+                error, pickle.UnpicklingError
+            ):  # torch.load(weights_only=True) refused
                 why = "it holds a pickled object that is not plain data; refused, not executed"
             else:
                 first = (str(error).splitlines() or [""])[0]
@@ -90,7 +106,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            set_element(
+                self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj
+            )
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 
@@ -100,7 +118,9 @@ def read_metadata(path: Path) -> Metadata:
     try:
         return SafeReader(path).read_metadata()
     except Exception as error:  # missing, truncated, or naming a forbidden class
-        raise damaged(path, f"cannot read {path / METADATA} ({type(error).__name__}: {error})") from error
+        raise damaged(
+            path, f"cannot read {path / METADATA} ({type(error).__name__}: {error})"
+        ) from error
 
 
 def check_files(path: Path, metadata: Metadata) -> None:
@@ -115,47 +135,79 @@ def check_files(path: Path, metadata: Metadata) -> None:
             raise damaged(path, f"{file} is missing")
         actual = file.stat().st_size
         if actual < size:
-            raise damaged(path, f"{file} is truncated ({actual:,} bytes; the metadata needs {size:,})")
+            raise damaged(
+                path,
+                f"{file} is truncated ({actual:,} bytes; the metadata needs {size:,})",
+            )
 
 
 def check_written(path: Path) -> None:
     """Every item the metadata lists was written: DCP drops a failed extra writer thread's files
-    from the metadata without an error (torch 2.13), and such a save must not be marked complete."""
+    from the metadata without an error (torch 2.13), and such a save must not be marked complete.
+    """
     metadata = read_metadata(path)
-    written = {(index.fqn, None if index.offset is None else tuple(index.offset))
-               for index in metadata.storage_data}
+    written = {
+        (index.fqn, None if index.offset is None else tuple(index.offset))
+        for index in metadata.storage_data
+    }
 
     def items(fqn: str, meta: Any) -> list[tuple]:
-        if isinstance(meta, TensorStorageMetadata):  # one item per non-empty chunk (shard)
-            return [(fqn, tuple(chunk.offsets)) for chunk in meta.chunks if chunk.sizes.numel()]
+        if isinstance(
+            meta, TensorStorageMetadata
+        ):  # one item per non-empty chunk (shard)
+            return [
+                (fqn, tuple(chunk.offsets))
+                for chunk in meta.chunks
+                if chunk.sizes.numel()
+            ]
         return [(fqn, None)]
 
-    lost = [fqn for fqn, meta in metadata.state_dict_metadata.items()
-            if any(item not in written for item in items(fqn, meta))]
+    lost = [
+        fqn
+        for fqn, meta in metadata.state_dict_metadata.items()
+        if any(item not in written for item in items(fqn, meta))
+    ]
     if lost:
-        raise CheckpointError(f"{path}: {len(lost)} items were not written (first: {lost[0]}); "
-                              "a writer failed: check the disk (space, permissions)")
+        raise CheckpointError(
+            f"{path}: {len(lost)} items were not written (first: {lost[0]}); "
+            "a writer failed: check the disk (space, permissions)"
+        )
 
 
 def describe(error: BaseException) -> str:
     """One line per failed rank: DCP's str() is a full traceback per rank."""
+
     def one(exc: BaseException) -> str:
-        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__  # bare EOFError
+        return (
+            f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        )  # bare EOFError
 
     failures = getattr(error, "failures", None)
     if isinstance(failures, dict) and failures:
-        return "; ".join(f"rank {rank}: {one(exc)}" for rank, (exc, _) in failures.items())
+        return "; ".join(
+            f"rank {rank}: {one(exc)}" for rank, (exc, _) in failures.items()
+        )
     return one(error)
 
 
-def load(state: dict[str, Any], path: Path, hint: str = "", no_dist: bool | None = None) -> None:
+def load(
+    state: dict[str, Any], path: Path, hint: str = "", no_dist: bool | None = None
+) -> None:
     """DCP's load into `state` (in place), read safely; a failure is a CheckpointError + `hint`."""
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner(),
-                     no_dist=not dist.is_distributed() if no_dist is None else no_dist)
-    except BaseException as error:  # DCP's CheckpointException derives from BaseException
+            dcp.load(
+                state,
+                storage_reader=SafeReader(path),
+                planner=SafeLoadPlanner(),
+                no_dist=not dist.is_distributed() if no_dist is None else no_dist,
+            )
+    except (
+        BaseException
+    ) as error:  # DCP's CheckpointException derives from BaseException
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise
-        raise CheckpointError(f"cannot load {path}: {describe(error)[:2000]}{hint}") from error
+        raise CheckpointError(
+            f"cannot load {path}: {describe(error)[:2000]}{hint}"
+        ) from error

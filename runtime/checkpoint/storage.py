@@ -37,7 +37,11 @@ def is_remote(location: Path | str) -> bool:
 def local_path(location: Path | str) -> Path:
     """A local folder from a path or a file:// URL."""
     text = str(location)
-    return Path(text[len("file://"):]) if text.lower().startswith("file://") else Path(text)
+    return (
+        Path(text[len("file://") :])
+        if text.lower().startswith("file://")
+        else Path(text)
+    )
 
 
 def redact(url: str) -> str:
@@ -47,7 +51,10 @@ def redact(url: str) -> str:
 
 def staging_root(url: str, rank: int) -> Path:
     """Where this rank stages saves to and downloads into: $SCAFFOLD_STAGING or the temp dir."""
-    base = Path(os.environ.get("SCAFFOLD_STAGING") or Path(tempfile.gettempdir()) / "scaffold-staging")
+    base = Path(
+        os.environ.get("SCAFFOLD_STAGING")
+        or Path(tempfile.gettempdir()) / "scaffold-staging"
+    )
     return base / hashlib.sha256(redact(url).encode()).hexdigest()[:16] / f"rank{rank}"
 
 
@@ -58,8 +65,10 @@ class Remote:
         try:
             from fsspec.core import url_to_fs
         except ImportError as error:
-            raise CheckpointError(f"{redact(url)}: remote checkpoints need fsspec (pip install fsspec "
-                                  "and the backend: s3fs, gcsfs or ocifs)") from error
+            raise CheckpointError(
+                f"{redact(url)}: remote checkpoints need fsspec (pip install fsspec "
+                "and the backend: s3fs, gcsfs or ocifs)"
+            ) from error
         self.url = url.rstrip("/")
         try:
             self.fs, self.root = url_to_fs(self.url)
@@ -122,9 +131,13 @@ class Remote:
 
     def upload(self, local: Path, path: str, threads: int = 8) -> None:
         """Every file of the local folder `local` into `path`, in parallel."""
-        files = sorted(p for p in local.iterdir() if p.is_file() and not p.name.endswith(".tmp"))
+        files = sorted(
+            p for p in local.iterdir() if p.is_file() and not p.name.endswith(".tmp")
+        )
         with ThreadPoolExecutor(max_workers=threads) as pool:
-            for done in [pool.submit(self.fs.put_file, str(f), f"{path}/{f.name}") for f in files]:
+            for done in [
+                pool.submit(self.fs.put_file, str(f), f"{path}/{f.name}") for f in files
+            ]:
                 done.result()
 
     def mark_complete(self, path: str, step: int) -> None:
@@ -134,17 +147,25 @@ class Remote:
         """A complete step folder from a step-<N> URL, a checkpoints folder or a run folder."""
         name = path.rstrip("/").rsplit("/", 1)[-1]
         self.fs.invalidate_cache()
-        if self.is_complete(path) or STEP_DIR.fullmatch(name) or self.fs.exists(f"{path}/{METADATA}"):
+        if (
+            self.is_complete(path)
+            or STEP_DIR.fullmatch(name)
+            or self.fs.exists(f"{path}/{METADATA}")
+        ):
             if not self.is_complete(path):
-                raise CheckpointError(f"{self.display(path)} is not a complete checkpoint (no {MARKER} "
-                                      "marker): its save was interrupted or it does not exist")
+                raise CheckpointError(
+                    f"{self.display(path)} is not a complete checkpoint (no {MARKER} "
+                    "marker): its save was interrupted or it does not exist"
+                )
             return path
         for folder in (path, f"{path}/checkpoints"):
             found = self.latest(folder)
             if found is not None:
                 return found
-        raise CheckpointError(f"{self.display(path)} holds no complete checkpoint (no step-<N> folder "
-                              f"with a {MARKER} marker in it or in its checkpoints/)")
+        raise CheckpointError(
+            f"{self.display(path)} holds no complete checkpoint (no step-<N> folder "
+            f"with a {MARKER} marker in it or in its checkpoints/)"
+        )
 
     def download(self, path: str, local: Path, threads: int = 8) -> Path:
         """A remote step folder into `local/<its name>` (replaced); returns the local folder."""
@@ -152,10 +173,15 @@ class Remote:
         target.mkdir(parents=True, exist_ok=True)
         for stale in target.iterdir():
             stale.unlink()
-        names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.fs.ls(path, detail=False)]
+        names = [
+            entry.rstrip("/").rsplit("/", 1)[-1]
+            for entry in self.fs.ls(path, detail=False)
+        ]
         with ThreadPoolExecutor(max_workers=threads) as pool:
-            jobs = [pool.submit(self.fs.get_file, f"{path}/{name}", str(target / name)) for name in names]
+            jobs = [
+                pool.submit(self.fs.get_file, f"{path}/{name}", str(target / name))
+                for name in names
+            ]
             for done in jobs:
                 done.result()
         return target
-

@@ -18,13 +18,18 @@ from torch.futures import Future
 
 class Writer(dcp.FileSystemWriter):
     def _write_data(self, planner: Any, file_queue: queue.Queue) -> Future:
-        threads, self.thread_count = self.thread_count, 1  # torch's writer: no threads of its own
+        threads, self.thread_count = (
+            self.thread_count,
+            1,
+        )  # torch's writer: no threads of its own
         results: list[Any] = []
         errors: list[BaseException] = []
 
         def write() -> None:
             try:
-                results.extend(super(Writer, self)._write_data(planner, file_queue).wait())
+                results.extend(
+                    super(Writer, self)._write_data(planner, file_queue).wait()
+                )
             except BaseException as error:  # noqa: BLE001 - handed to the caller below
                 errors.append(error)
                 while True:  # the other writers must not pick up this writer's share
@@ -34,7 +39,10 @@ class Writer(dcp.FileSystemWriter):
                         break
 
         try:
-            extra = [threading.Thread(target=write, name=f"checkpoint-writer-{i}") for i in range(1, threads)]
+            extra = [
+                threading.Thread(target=write, name=f"checkpoint-writer-{i}")
+                for i in range(1, threads)
+            ]
             for thread in extra:
                 thread.start()
             write()
