@@ -10,9 +10,9 @@ only moves matrices to where that function runs:
   rank (round robin, largest first). The owner gathers the matrix's momentum update once
   (`gather`), orthogonalises it, and sends every rank its rows back (`scatter`): two
   collectives per matrix, and each rank runs 1/world of the Newton–Schulz work.
-  `torch.optim.Muon` on the same DTensors is correct only through DTensor's hidden
-  collectives (12 all-reduces and 15 all-gathers for 2 matrices), and every rank runs every
-  Newton–Schulz.
+  `torch.optim.Muon` cannot step these DTensors: in torch 2.13 its step raises
+  `aten.add_.Tensor: in-place operations that require placement changes are not supported`
+  (tests/muon_worker.py records the error on 2 ranks).
 
 `Muon` keeps `torch.optim.Muon`'s hyperparameters, state (`momentum_buffer`) and update, so
 on one process it takes the same steps; the state is per parameter (shards under FSDP2) and
