@@ -447,7 +447,7 @@ def test_gpt2_mapping_and_init_from_only_where_the_layout_fits(
         fits = not [
             p
             for p in spec.model_points("gpt")
-            if p not in ("imports", "functions", "init")
+            if p not in ("imports", "functions", "init", "layer_norm")
         ]
         assert all(m in model for m in mapping) == fits, name
         assert ("init_from" in train) == fits and ("from runtime import" in train), name

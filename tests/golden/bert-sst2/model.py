@@ -106,7 +106,8 @@ def load_model(name: str, num_labels: int, tokenizer, max_seq_len: int) -> nn.Mo
 def load_pretrained(
     name: str, num_labels: int, tokenizer, max_seq_len: int
 ) -> nn.Module:
-    """A hub id's or a saved folder's model, checked against its tokenizer and length."""
+    """A hub id's or a saved folder's model, checked against its tokenizer and its
+    length."""
     try:
         model = transformers.AutoModelForSequenceClassification.from_pretrained(
             name, num_labels=num_labels, ignore_mismatched_sizes=True

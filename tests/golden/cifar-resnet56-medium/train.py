@@ -65,9 +65,9 @@ class Config:
     eval_resize: int = 0  # short side resized first; 0: crop / 0.875
     num_workers: int = 8  # processes decoding images from disk (in-memory data: none)
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
-    # model: a preset (PRESETS in model.py); torchvision:NAME, any torchvision classifier
-    # (random weights, its BatchNorm made ghost as below: TorchvisionNet in model.py);
-    # auto: cifar-resnet56 with --data, `tiny` on the embedded digits (a CPU demo of minutes)
+    # model: a preset (PRESETS in model.py); torchvision:NAME, any torchvision
+    # classifier (random weights, BatchNorm made ghost: TorchvisionNet in model.py);
+    # auto: cifar-resnet56 with --data, `tiny` on the embedded digits (a CPU demo)
     model: Preset | Literal["auto"] | str = "auto"  # auto, a preset, torchvision:NAME
     # BatchNorm statistics are taken over groups of this many samples ("ghost"
     # BatchNorm), so a step does not depend on the microbatch size or the number of

@@ -37,7 +37,7 @@ class Config:
     data: str = ""  # "": stdlib source; a text file, a folder, uint16 .bin, shards
     vocab_size: int = 0  # 0: from the data (bytes 256; .bin: meta.pkl, else GPT-2's)
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
-    # model (dropout off as in modern pretraining: on, world sizes agree in distribution)
+    # model (no dropout, as in modern pretraining: with it, ranks agree in distribution)
     model: Preset = "tiny"  # size preset, see PRESETS in model.py
     seq_len: int = 128  # tokens per training sequence
     dropout: float = 0.0
@@ -142,9 +142,9 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     with config.failing(ValueError, prefix="seq_length_warmup_duration: "):
         as_fraction(cfg.seq_length_warmup_duration, cfg.max_duration)
     if cfg.seq_length_warmup_min_len > cfg.seq_len:
+        min_len = cfg.seq_length_warmup_min_len
         config.fail(
-            f"seq_length_warmup_min_len={cfg.seq_length_warmup_min_len} must be at most "
-            f"seq_len={cfg.seq_len}"
+            f"seq_length_warmup_min_len={min_len} must be at most seq_len={cfg.seq_len}"
         )
     # end algorithm: seq_length_warmup
 
