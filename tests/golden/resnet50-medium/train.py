@@ -40,12 +40,6 @@ from runtime import profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum, training_flops
 from runtime.time import Progress, Time, as_fraction
 
-# algorithm: sam
-import contextlib
-from collections.abc import Iterator
-
-# end algorithm: sam
-
 # algorithm: ema
 import copy
 
@@ -275,29 +269,31 @@ def augmentations(cfg: Config) -> list[data.Augment]:
 
 
 # algorithm: sam
-@contextlib.contextmanager
-def sam_uphill(model: torch.nn.Module, rho: float) -> Iterator[None]:
-    """Sharpness-aware minimisation (Foret et al. 2021): inside, the weights are
-    w + rho * g / |g| (g: the gradient in .grad, already global) and .grad is empty
-    for the second pass; on exit (also after an error) the weights are w again,
-    bitwise, and ghost BatchNorm keeps the first pass's statistics."""
+def sam_ascend(model: torch.nn.Module, rho: float) -> tuple[list, list, dict]:
+    """Sharpness-aware minimisation (Foret et al. 2021): move the weights w to
+    w + rho * g / |g| (g: the gradient in .grad, already global) and empty .grad for
+    the second pass. Returns what sam_descend needs to put w back."""
     params = [p for p in model.parameters() if p.grad is not None]
-    grads = [p.grad for p in params]
     scale = rho / (fsdp.grad_norm(params).item() + 1e-12)  # |g| over ranks and shards
     weights = [p.detach().clone() for p in params]
+    # Ghost BatchNorm keeps the first pass's statistics.
     stats = {m: m.step_stats for m in model.modules() if hasattr(m, "step_stats")}
     with torch.no_grad():
-        torch._foreach_add_(params, grads, alpha=scale)
+        torch._foreach_add_(params, [p.grad for p in params], alpha=scale)
     for p in params:
         p.grad = None
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for p, w in zip(params, weights):
-                p.copy_(w)
-        for module, step_stats in stats.items():
-            module.step_stats = step_stats
+    return params, weights, stats
+
+
+def sam_descend(model: torch.nn.Module, saved: tuple[list, list, dict]) -> None:
+    """The weights w again, bitwise, and the first pass's BatchNorm statistics; .grad
+    keeps the gradient taken uphill."""
+    params, weights, stats = saved
+    with torch.no_grad():
+        for p, w in zip(params, weights):
+            p.copy_(w)
+    for module, step_stats in stats.items():
+        module.step_stats = step_stats
 
 
 # end algorithm: sam
@@ -753,15 +749,11 @@ def main() -> None:
             # pushed uphill by sam_rho along the normalised gradient; the weights then
             # return (bitwise) and the optimizer steps with that second gradient.
             if progress.batch % cfg.sam_interval == 0:
-                with sam_uphill(model, cfg.sam_rho):
-                    forward_backward(
-                        model,
-                        inputs,
-                        targets,
-                        cfg.device_microbatch_size,
-                        loss_scale,
-                        cfg,
-                    )
+                sam_saved = sam_ascend(model, cfg.sam_rho)
+                forward_backward(
+                    model, inputs, targets, cfg.device_microbatch_size, loss_scale, cfg
+                )
+                sam_descend(model, sam_saved)
             # end algorithm: sam
 
             if cfg.optimizer == "sgd":
