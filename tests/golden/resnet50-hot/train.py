@@ -792,7 +792,11 @@ def main() -> None:
             ):
                 rng = data.step_rng(cfg.seed, progress.batch, "mixup")
                 mixup_lambda = float(rng.beta(cfg.mixup_alpha, cfg.mixup_alpha))
-                partner = torch.from_numpy(rng.permutation(cfg.global_batch_size))
+                # Over this step's global rows: fewer than global_batch_size after a
+                # selection (selective backprop); every rank holds as many.
+                partner = torch.from_numpy(
+                    rng.permutation(len(inputs) * env.world_size)
+                )
                 inputs, targets = mixup_batch(
                     inputs,
                     targets,
