@@ -38,7 +38,7 @@ from model import (
 from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, preempt
 from runtime import profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum, training_flops
-from runtime.time import Progress, Time, as_fraction
+from runtime.time import Progress, Time, as_fraction, check_fraction
 
 # algorithm: ema
 import copy
@@ -74,7 +74,7 @@ class Config:
     device_microbatch_size: int | Literal["auto"] = 256
     optimizer: Literal["sgd", "adamw"] = "sgd"
     lr: float = 1.2  # peak learning rate
-    lr_warmup: Time = Time.parse("8ep")  # linear from 0, then cosine decay
+    lr_warmup: Time = Time.parse("5ep")  # linear from 0, then cosine decay
     min_lr_ratio: float = 0.0  # the cosine ends at min_lr_ratio * lr
     # decoupled weight decay on conv and linear weights (BatchNorm and biases exempt):
     # sgd shrinks weights by weight_decay * lr / peak lr per step (Composer's
@@ -203,7 +203,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
                 f"{cfg.bn_group_size}; BatchNorm groups must not be split: change one"
             )
     with config.failing(ValueError, prefix="lr_warmup: "):
-        as_fraction(cfg.lr_warmup, cfg.max_duration)
+        check_fraction(cfg.lr_warmup, cfg.max_duration)
 
     # algorithm: sam
     config.check_ranges(cfg, sam_rho="(0, inf)", sam_interval="[1, inf)")
@@ -249,9 +249,9 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     return env, parallel
 
 
-def lr_at(fraction: float, cfg: Config) -> float:
+def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
     """Learning rate after `fraction` of training: linear warmup, then cosine decay."""
-    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration)
+    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration, batches_per_epoch)
     if fraction < warmup:
         return cfg.lr * fraction / warmup
     decayed = (fraction - warmup) / max(1.0 - warmup, 1e-9)
@@ -733,7 +733,9 @@ def main() -> None:
             inputs = inputs.contiguous(memory_format=torch.channels_last)
             # end algorithm: channels_last
 
-            lr = lr_at(progress.fraction(cfg.max_duration), cfg)
+            lr = lr_at(
+                progress.fraction(cfg.max_duration), cfg, progress.batches_per_epoch
+            )
             for group in optimizer.param_groups:
                 group["lr"] = lr
             # Gradient accumulation: each microbatch's summed loss is divided by the
