@@ -53,7 +53,11 @@ class Config:
     # ImageFolder sizes (CIFAR and the digits keep their 32 and 8 pixels). Training at a
     # smaller crop than evaluation matches the apparent object size of the two (Touvron
     # et al. 2019, "FixRes"): Composer's ResNet recipes train at 176, evaluate at 224.
-    image_size: int = 176  # training: random-resized crops of this size
+    image_size: int = 176  # training crops (inception), whole images (pad)
+    # inception: ImageNet's random-resized crops and flips, evaluated resized and
+    # centre-cropped; pad: CIFAR's (Composer's CIFAR recipe), the whole image at
+    # image_size padded by 4, cropped back and flipped, evaluated whole
+    train_crop: Literal["inception", "pad"] = "inception"
     eval_image_size: int = 224  # evaluation: centre crop; 0: image_size
     eval_resize: int = 232  # short side resized first; 0: crop / 0.875
     num_workers: int = 8  # processes decoding images from disk (in-memory data: none)
@@ -423,6 +427,7 @@ def main() -> None:
             batch_size=cfg.global_batch_size,
             seed=cfg.seed,
             image_size=cfg.image_size,
+            crop=cfg.train_crop,
             rank=env.rank,
             world_size=env.world_size,
             augment=augmentations(cfg),
