@@ -429,8 +429,11 @@ def progressive_resize(
 # algorithm: randaugment
 # ---------------------------------------------------------------- image operations
 # AugMix's operations (Hendrycks et al. 2020), which Composer's RandAugment and AugMix
-# both draw from, on uint8 tensors (C, H, W). "safe" leaves out the four colour
-# operations, which overlap the corruptions of the ImageNet-C benchmark.
+# both draw from, on uint8 tensors (C, H, W), in Composer's three sets
+# (composer/algorithms/utils/augmentation_primitives.py, augmentation_sets): "safe"
+# leaves out the four colour operations, which overlap the corruptions of the
+# ImageNet-C benchmark; "all" draws their factors as Composer does by default,
+# "original" as AugMix's code did (see random_operation).
 SAFE_OPERATIONS = (
     "autocontrast equalize posterize rotate solarize shear_x shear_y translate_x "
     "translate_y"
@@ -438,6 +441,8 @@ SAFE_OPERATIONS = (
 AUGMENTATION_SETS = {
     "safe": SAFE_OPERATIONS,
     "all": SAFE_OPERATIONS + ["color", "contrast", "brightness", "sharpness"],
+    "original": SAFE_OPERATIONS
+    + [f"{name}_original" for name in ("color", "contrast", "brightness", "sharpness")],
 }
 
 
@@ -572,7 +577,8 @@ def random_operation(
     image: torch.Tensor, name: str, severity: float, rng: np.random.Generator
 ) -> torch.Tensor:
     """Operation `name` at a strength drawn uniformly from 0.1..severity out of 10, in
-    a random direction for the geometric ones (AugMix's augmentations.py)."""
+    a random direction for the geometric ones (AugMix's augmentations.py); the colour
+    ones as Composer's sets draw them."""
     level = rng.uniform(0.1, severity) / 10  # a fraction of each operation's maximum
     sign = 1 if rng.random() < 0.5 else -1
     if name == "autocontrast":
@@ -595,7 +601,12 @@ def random_operation(
         )  # up to a third
     enhance = {"color": color, "contrast": contrast, "brightness": brightness}
     enhance["sharpness"] = sharpness
-    return enhance[name](image, level * 1.8 + 0.1)  # factor 0.1..1.9
+    if name.endswith("_original"):  # AugMix's factor, 0.1..1.9 ("original")
+        return enhance[name.removesuffix("_original")](image, level * 1.8 + 0.1)
+    # Composer's default ("all", _symmetric_sample): as likely to weaken, by a factor
+    # in 1 - 0.09 severity..1, as to strengthen, in 1..severity (1: unchanged).
+    low, high = (1.0, severity) if sign > 0 else (1 - 0.09 * severity, 1.0)
+    return enhance[name](image, rng.uniform(low, high))
 
 
 def randaugment(

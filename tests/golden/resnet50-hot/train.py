@@ -124,7 +124,7 @@ class Config:
     # algorithm: randaugment
     randaugment_depth: int = 1  # random operations per training image
     randaugment_severity: int = 10  # their strongest, 0..10
-    randaugment_augmentation_set: Literal["all", "safe"] = "all"
+    randaugment_augmentation_set: Literal["all", "safe", "original"] = "all"
     # end algorithm: randaugment
 
     # algorithm: stochastic_depth
