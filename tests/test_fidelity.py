@@ -43,3 +43,45 @@ def test_every_speed_up_figure_names_its_source(path: Path) -> None:
         if FIGURE.search(p) and not SOURCE.search(p)
     ]
     assert not unsourced, unsourced
+
+
+# ---------------------------------------------------------------- the fidelity table
+
+TABLE = REPO / "docs" / "fidelity.md"
+VERDICT = re.compile(
+    r"(Same|Option \(default|Deliberate difference: |Difference: |Not a Composer)"
+)
+
+
+def table_rows() -> dict[str, str]:
+    """docs/fidelity.md's rows: algorithm -> its "Differences from Composer" cell."""
+    rows = {}
+    for line in TABLE.read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
+        if len(cells) == 4 and (TEMPLATES / "algorithms" / cells[0]).is_dir():
+            rows[cells[0]] = cells[3]
+    return rows
+
+
+def card_differences(name: str) -> str:
+    """A card's "Differences from Composer" bullet, its lines joined."""
+    card = (TEMPLATES / "algorithms" / name / "card.md").read_text()
+    found = re.search(
+        r"^- \*\*Differences from Composer\.\*\* (.*?)(?=^- |\Z)", card, re.M | re.S
+    )
+    assert found, f"{name}'s card has no Differences from Composer bullet"
+    return " ".join(found.group(1).split())
+
+
+def test_every_algorithm_has_a_row_with_a_verdict() -> None:
+    rows = table_rows()
+    algorithms = {path.name for path in (TEMPLATES / "algorithms").iterdir()}
+    assert set(rows) == algorithms
+    assert not [name for name, cell in rows.items() if not VERDICT.match(cell)]
+
+
+@pytest.mark.parametrize(
+    "name", sorted(p.name for p in (TEMPLATES / "algorithms").iterdir())
+)
+def test_each_cards_differences_equal_the_table(name: str) -> None:
+    assert card_differences(name) == table_rows()[name]
