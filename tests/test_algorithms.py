@@ -234,13 +234,13 @@ def test_gradient_clipping_changes_training(
 def test_lr_schedule_warms_up_then_decays(baseline) -> None:
     train = baseline["train"]
     cfg = train.Config(lr=1.0, lr_warmup=train.Time.parse("0.1dur"), min_lr_ratio=0.1)
-    assert train.lr_at(0.0, cfg) == 0.0
-    assert train.lr_at(0.05, cfg) == pytest.approx(0.5)
-    assert train.lr_at(0.1, cfg) == pytest.approx(1.0)
-    assert train.lr_at(0.55, cfg) == pytest.approx(
+    assert train.lr_at(0.0, cfg, 1) == 0.0
+    assert train.lr_at(0.05, cfg, 1) == pytest.approx(0.5)
+    assert train.lr_at(0.1, cfg, 1) == pytest.approx(1.0)
+    assert train.lr_at(0.55, cfg, 1) == pytest.approx(
         0.55
     )  # cosine midpoint between 1.0 and 0.1
-    assert train.lr_at(1.0, cfg) == pytest.approx(0.1)
+    assert train.lr_at(1.0, cfg, 1) == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("recipe", ["gpt2-baseline", "gpt2-speedup"])

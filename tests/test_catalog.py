@@ -310,7 +310,7 @@ def test_user_strings_are_escaped_not_pasted(tmp_path: Path) -> None:
         ),
         (
             "augmix",
-            'choices = ["all", "safe"]',
+            'choices = ["all", "safe", "original"]',
             'choices = ["all", 2]',
             "must be of type str",
         ),

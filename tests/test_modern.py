@@ -333,9 +333,9 @@ def test_muon_momentum_warms_up_from_085(modern) -> None:
     train = modern["train"]
     cfg = train.Config()  # 600ba, warmup 0.1dur: 60 steps
     at = train.muon_momentum_at
-    assert at(0.0, cfg) == pytest.approx(0.85)
-    assert at(0.05, cfg) == pytest.approx(0.90)
-    assert at(0.1, cfg) == at(0.7, cfg) == pytest.approx(0.95)
+    assert at(0.0, cfg, 1) == pytest.approx(0.85)
+    assert at(0.05, cfg, 1) == pytest.approx(0.90)
+    assert at(0.1, cfg, 1) == at(0.7, cfg, 1) == pytest.approx(0.95)
 
 
 def test_muon_under_fsdp_on_two_ranks_equals_one_process_with_two_collectives_per_matrix(

@@ -31,7 +31,7 @@ from model import load_model, load_tokenizer, transformer_blocks
 from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, preempt
 from runtime import profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum, training_flops
-from runtime.time import Progress, Time, as_fraction
+from runtime.time import Progress, Time, as_fraction, check_fraction
 
 
 @dataclass
@@ -135,7 +135,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
             f"size {env.world_size}; pick a multiple of {env.world_size}"
         )
     with config.failing(ValueError, prefix="lr_warmup: "):
-        as_fraction(cfg.lr_warmup, cfg.max_duration)
+        check_fraction(cfg.lr_warmup, cfg.max_duration)
 
     # FSDP and DDP need a process group, on one process too (a group of one rank).
     timeout = timedelta(seconds=cfg.dist_timeout)
@@ -146,9 +146,9 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     return env, parallel
 
 
-def lr_at(fraction: float, cfg: Config) -> float:
+def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
     """Learning rate after `fraction` of training: linear warmup, linear decay to 0."""
-    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration)
+    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration, batches_per_epoch)
     if fraction < warmup:
         return cfg.lr * fraction / warmup
     return cfg.lr * max(0.0, 1.0 - fraction) / max(1.0 - warmup, 1e-9)
@@ -419,7 +419,9 @@ def main() -> None:
 
             # event: BATCH_START
 
-            lr = lr_at(progress.fraction(cfg.max_duration), cfg)
+            lr = lr_at(
+                progress.fraction(cfg.max_duration), cfg, progress.batches_per_epoch
+            )
             for group in optimizer.param_groups:
                 group["lr"] = lr
             # Gradient accumulation: each microbatch's summed loss is divided by the

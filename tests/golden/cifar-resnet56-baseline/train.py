@@ -37,7 +37,7 @@ from model import (
 from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, preempt
 from runtime import profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum, training_flops
-from runtime.time import Progress, Time, as_fraction
+from runtime.time import Progress, Time, as_fraction, check_fraction
 
 
 @dataclass
@@ -48,7 +48,11 @@ class Config:
     # ImageFolder sizes (CIFAR and the digits keep their 32 and 8 pixels). Training at a
     # smaller crop than evaluation matches the apparent object size of the two (Touvron
     # et al. 2019, "FixRes"): Composer's ResNet recipes train at 176, evaluate at 224.
-    image_size: int = 224  # training: random-resized crops of this size
+    image_size: int = 32  # training crops (inception), whole images (pad)
+    # inception: ImageNet's random-resized crops and flips, evaluated resized and
+    # centre-cropped; pad: CIFAR's (Composer's CIFAR recipe), the whole image at
+    # image_size padded by 4, cropped back and flipped, evaluated whole
+    train_crop: Literal["inception", "pad"] = "pad"
     eval_image_size: int = 0  # evaluation: centre crop; 0: image_size
     eval_resize: int = 0  # short side resized first; 0: crop / 0.875
     num_workers: int = 8  # processes decoding images from disk (in-memory data: none)
@@ -167,7 +171,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
                 f"{cfg.bn_group_size}; BatchNorm groups must not be split: change one"
             )
     with config.failing(ValueError, prefix="lr_warmup: "):
-        as_fraction(cfg.lr_warmup, cfg.max_duration)
+        check_fraction(cfg.lr_warmup, cfg.max_duration)
 
     # FSDP and DDP need a process group, on one process too (a group of one rank).
     timeout = timedelta(seconds=cfg.dist_timeout)
@@ -179,9 +183,9 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     return env, parallel
 
 
-def lr_at(fraction: float, cfg: Config) -> float:
+def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
     """Learning rate after `fraction` of training: linear warmup, then cosine decay."""
-    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration)
+    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration, batches_per_epoch)
     if fraction < warmup:
         return cfg.lr * fraction / warmup
     decayed = (fraction - warmup) / max(1.0 - warmup, 1e-9)
@@ -294,6 +298,7 @@ def main() -> None:
             batch_size=cfg.global_batch_size,
             seed=cfg.seed,
             image_size=cfg.image_size,
+            crop=cfg.train_crop,
             rank=env.rank,
             world_size=env.world_size,
             augment=augmentations(cfg),
@@ -441,7 +446,9 @@ def main() -> None:
 
             # event: BATCH_START
 
-            lr = lr_at(progress.fraction(cfg.max_duration), cfg)
+            lr = lr_at(
+                progress.fraction(cfg.max_duration), cfg, progress.batches_per_epoch
+            )
             for group in optimizer.param_groups:
                 group["lr"] = lr
             # Gradient accumulation: each microbatch's summed loss is divided by the

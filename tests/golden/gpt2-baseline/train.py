@@ -27,7 +27,7 @@ from model import GPT, PRESETS, GPTConfig, Preset, from_hf_gpt2
 from runtime import checkpoint, config, dist, early_stop, fsdp, hf, microbatch, preempt
 from runtime import profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum
-from runtime.time import Progress, Time, as_fraction
+from runtime.time import Progress, Time, as_fraction, check_fraction
 
 
 @dataclass
@@ -129,7 +129,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
             f"size {env.world_size}; pick a multiple of {env.world_size}"
         )
     with config.failing(ValueError, prefix="lr_warmup: "):
-        as_fraction(cfg.lr_warmup, cfg.max_duration)
+        check_fraction(cfg.lr_warmup, cfg.max_duration)
 
     # algorithm: gradient_clipping
     config.check_ranges(cfg, gradient_clipping_max_norm="(0, inf)")
@@ -144,9 +144,9 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     return env, parallel
 
 
-def lr_at(fraction: float, cfg: Config) -> float:
+def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
     """Learning rate after `fraction` of training: linear warmup, then cosine decay."""
-    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration)
+    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration, batches_per_epoch)
     if fraction < warmup:
         return cfg.lr * fraction / warmup
     decayed = (fraction - warmup) / max(1.0 - warmup, 1e-9)
@@ -364,7 +364,9 @@ def main() -> None:
             # event: BATCH_START
 
             inputs, targets = batch[:, :-1], batch[:, 1:]
-            lr = lr_at(progress.fraction(cfg.max_duration), cfg)
+            lr = lr_at(
+                progress.fraction(cfg.max_duration), cfg, progress.batches_per_epoch
+            )
             for group in optimizer.param_groups:
                 group["lr"] = lr
             # Gradient accumulation: each microbatch's summed token loss is divided by

@@ -28,7 +28,7 @@ from model import GPT, PRESETS, GPTConfig, Preset
 from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, preempt
 from runtime import profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum
-from runtime.time import Progress, Time, as_fraction
+from runtime.time import Progress, Time, as_fraction, check_fraction
 
 # algorithm: muon
 from runtime import muon
@@ -140,12 +140,12 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
             f"size {env.world_size}; pick a multiple of {env.world_size}"
         )
     with config.failing(ValueError, prefix="lr_warmup: "):
-        as_fraction(cfg.lr_warmup, cfg.max_duration)
+        check_fraction(cfg.lr_warmup, cfg.max_duration)
 
     # algorithm: muon
     config.check_ranges(cfg, muon_momentum="[0, 1)", muon_ns_steps="[1, inf)")
     with config.failing(ValueError, prefix="muon_momentum_warmup: "):
-        as_fraction(cfg.muon_momentum_warmup, cfg.max_duration)
+        check_fraction(cfg.muon_momentum_warmup, cfg.max_duration)
     if cfg.lr <= 0:
         # Muon's learning rate is lr's schedule rescaled to peak at muon_lr.
         config.fail(
@@ -166,9 +166,9 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     return env, parallel
 
 
-def lr_at(fraction: float, cfg: Config) -> float:
+def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
     """Learning rate after `fraction` of training: linear warmup, then cosine decay."""
-    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration)
+    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration, batches_per_epoch)
     if fraction < warmup:
         return cfg.lr * fraction / warmup
     decayed = (fraction - warmup) / max(1.0 - warmup, 1e-9)
@@ -210,9 +210,9 @@ def muon_split(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.T
     return hidden, [p for p in model.parameters() if id(p) not in taken]
 
 
-def muon_momentum_at(fraction: float, cfg: Config) -> float:
+def muon_momentum_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
     """Muon's momentum after `fraction` of training: 0.85 rising to muon_momentum."""
-    warmup = as_fraction(cfg.muon_momentum_warmup, cfg.max_duration)
+    warmup = as_fraction(cfg.muon_momentum_warmup, cfg.max_duration, batches_per_epoch)
     done = min(1.0, fraction / warmup) if warmup > 0 else 1.0
     return 0.85 + (cfg.muon_momentum - 0.85) * done
 
@@ -432,7 +432,9 @@ def main() -> None:
             # event: BATCH_START
 
             inputs, targets = batch[:, :-1], batch[:, 1:]
-            lr = lr_at(progress.fraction(cfg.max_duration), cfg)
+            lr = lr_at(
+                progress.fraction(cfg.max_duration), cfg, progress.batches_per_epoch
+            )
             for group in optimizer.param_groups:
                 group["lr"] = lr
             # Gradient accumulation: each microbatch's summed token loss is divided by
@@ -453,7 +455,7 @@ def main() -> None:
             for group in muon_optimizer.param_groups:
                 group["lr"] = lr * cfg.muon_lr / cfg.lr
                 group["momentum"] = muon_momentum_at(
-                    progress.fraction(cfg.max_duration), cfg
+                    progress.fraction(cfg.max_duration), cfg, progress.batches_per_epoch
                 )
             # end algorithm: muon
 

@@ -27,7 +27,7 @@ from model import GPT, PRESETS, GPTConfig, Preset
 from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, preempt
 from runtime import profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum
-from runtime.time import Progress, Time, as_fraction
+from runtime.time import Progress, Time, as_fraction, check_fraction
 
 
 @dataclass
@@ -131,7 +131,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
             f"size {env.world_size}; pick a multiple of {env.world_size}"
         )
     with config.failing(ValueError, prefix="lr_warmup: "):
-        as_fraction(cfg.lr_warmup, cfg.max_duration)
+        check_fraction(cfg.lr_warmup, cfg.max_duration)
 
     # algorithm: gradient_clipping
     config.check_ranges(cfg, gradient_clipping_max_norm="(0, inf)")
@@ -140,7 +140,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     # algorithm: seq_length_warmup
     config.check_ranges(cfg, seq_length_warmup_min_len="[1, inf)")
     with config.failing(ValueError, prefix="seq_length_warmup_duration: "):
-        as_fraction(cfg.seq_length_warmup_duration, cfg.max_duration)
+        check_fraction(cfg.seq_length_warmup_duration, cfg.max_duration)
     if cfg.seq_length_warmup_min_len > cfg.seq_len:
         min_len = cfg.seq_length_warmup_min_len
         config.fail(
@@ -157,9 +157,9 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     return env, parallel
 
 
-def lr_at(fraction: float, cfg: Config) -> float:
+def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
     """Learning rate after `fraction` of training: linear warmup, then cosine decay."""
-    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration)
+    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration, batches_per_epoch)
     if fraction < warmup:
         return cfg.lr * fraction / warmup
     decayed = (fraction - warmup) / max(1.0 - warmup, 1e-9)
@@ -383,7 +383,9 @@ def main() -> None:
             # and short steps are cheaper (Li et al. 2022). Truncate the batch to a
             # length that grows linearly to seq_len over seq_length_warmup_duration.
             warmup_done = progress.fraction(cfg.max_duration) / as_fraction(
-                cfg.seq_length_warmup_duration, cfg.max_duration
+                cfg.seq_length_warmup_duration,
+                cfg.max_duration,
+                progress.batches_per_epoch,
             )
             seq_len = seq_length_warmup_len(
                 warmup_done, cfg.seq_length_warmup_min_len, cfg.seq_len
@@ -392,7 +394,9 @@ def main() -> None:
             # end algorithm: seq_length_warmup
 
             inputs, targets = batch[:, :-1], batch[:, 1:]
-            lr = lr_at(progress.fraction(cfg.max_duration), cfg)
+            lr = lr_at(
+                progress.fraction(cfg.max_duration), cfg, progress.batches_per_epoch
+            )
             for group in optimizer.param_groups:
                 group["lr"] = lr
             # Gradient accumulation: each microbatch's summed token loss is divided by
