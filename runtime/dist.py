@@ -219,6 +219,38 @@ def any_rank(flag: bool, group: torch_dist.ProcessGroup | None = None) -> bool:
     return bool(value.item())
 
 
+def lost_peer(error: BaseException) -> str | None:
+    """Why this rank stops, in one line, when `error` is a collective that failed because
+    another rank died or hangs (gloo's errors, nccl's and the store's DistError); else None.
+    """
+    seen = error
+    while seen is not None:
+        text = str(seen)
+        if isinstance(seen, torch_dist.DistError) or "/gloo/" in text:
+            detail = text.split("] ", 1)[-1].splitlines()[0].split(". ")[0][:200]
+            return (
+                f"rank {rank()} stopped: a collective failed because another rank died "
+                f"or hangs ({detail}); nothing was saved after the newest complete "
+                "checkpoint, where the restarted job (torchrun --max-restarts) or a rerun "
+                "resumes"
+            )
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def exit_if_peer_lost(error: BaseException) -> None:
+    """One `error:` line from this rank and exit status 1, if `error` is a lost peer.
+
+    Every surviving rank says it (rank 0 may be the one that died). The ranks agree on
+    every save (a collective), so a rank whose peer died never writes a checkpoint
+    alone: it leaves, and torchrun restarts the group from the newest complete one.
+    """
+    why = lost_peer(error)
+    if why is not None:
+        print(f"error: {why}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+
+
 def print0(*args: object, **kwargs: object) -> None:
     """print() on rank 0 only."""
     if not is_distributed() or torch_dist.get_rank() == 0:
