@@ -725,6 +725,10 @@ if __name__ == "__main__":
     try:
         main()
     except checkpoint.StorageError as error:  # a full disk, a refusing store: one line
+        dist.exit_if_peer_lost(error)  # (unless a peer rank died during the save)
         config.fail(str(error), status=1)
+    except RuntimeError as error:  # another rank died or hangs: one line, exit status 1
+        dist.exit_if_peer_lost(error)
+        raise
     finally:
         dist.shutdown()  # leave the process group, also after an error
