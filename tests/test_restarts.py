@@ -7,7 +7,8 @@ asserts that:
   the new group never formed in 4 of 6 tries (a restarted rank read its dead peer's gloo
   address from torchrun's store, which outlives a restart);
 - it resumed from the newest complete checkpoint before the kill, and the losses of the
-  whole run equal an uninterrupted run's bitwise (same world size);
+  whole run equal an uninterrupted run's bitwise (same world size; on 3 ranks the logged
+  loss to one float32 ulp at 2 steps, as after any resume: see `same_losses`);
 - no checkpoint appeared that the killed rank could not have written (a survivor saving
   alone), and every surviving rank said in one `error:` line why it stopped.
 
@@ -57,6 +58,21 @@ def saved_steps(workdir: Path, run: str) -> list[int]:
     return sorted(int(p.name.removeprefix("step-")) for p in folder.glob("step-*"))
 
 
+def same_losses(got: list[tuple], want: list[tuple], nproc: int) -> bool:
+    """Bitwise on 2 ranks. On 3, the logged loss (the ranks' float32 losses summed by gloo,
+    divided by the tokens) of any resumed run, a plain stop-and-resume included, differs
+    from an uninterrupted run's by one float32 ulp of that sum at 2 of 16 steps (measured:
+    steps 11 and 14, 3.740497589 vs 3.740497907), the neighbouring steps' losses equal
+    bitwise: the summation order of gloo's 3-rank all-reduce, not the training state."""
+    if nproc < 3:
+        return got == want
+    steps_equal = [g[0] for g in got] == [w[0] for w in want]
+    return steps_equal and all(
+        g[2] == w[2] and abs(g[1] - w[1]) <= 2**-22 * abs(w[1])
+        for g, w in zip(got, want)
+    )
+
+
 _references: dict[tuple[str, int], list[tuple]] = {}
 
 
@@ -96,7 +112,7 @@ def kill_and_restart(
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     assert f"resumed from runs/{run}/checkpoints/step-{resumes_from} at step" in output
-    assert losses(workdir, run) == expected  # bitwise, evaluations included
+    assert same_losses(losses(workdir, run), expected, nproc)
     # Only the schedule's checkpoints: none saved by a survivor after the kill.
     assert saved_steps(workdir, run) == list(range(4, STEPS + 1, 4))
     # Every survivor names why it stopped, in one line each, no traceback.
