@@ -11,14 +11,17 @@ WHERE is where rank RANK kills itself (-9), in the first round of workers only
     save:N   inside the save of checkpoint step-N, once this rank's shards are written and
              before the COMPLETE marker: mid-save
 
-Nothing else changes: global hooks count optimizer steps and see forwards; `dcp.save` is
-wrapped for `save`.
+In the later rounds the victim starts 6 s late, as a rank on a busy node does: the other
+ranks then reach the store first (before runtime.dist's round store, they read the dead
+process's address there, and the restarted group never formed). Nothing else changes:
+global hooks count optimizer steps and see forwards; `dcp.save` is wrapped for `save`.
 """
 
 import os
 import runpy
 import signal
 import sys
+import time
 
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -60,6 +63,9 @@ def save_then_die(*args, **kwargs):
     return result
 
 
+RESTARTED = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+if RESTARTED and int(os.environ.get("RANK", "0")) == RANK:
+    time.sleep(6)
 if ARMED:
     register_optimizer_step_post_hook(count_step)
     if WHERE == "save":
