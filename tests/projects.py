@@ -89,6 +89,28 @@ def torchrun_command(project: Path, nproc: int, *args: str) -> list[str]:
     ]
 
 
+def torchrun(
+    workdir: Path, nproc: int, *args: object, restarts: int = 0, timeout: int = 300
+) -> subprocess.CompletedProcess[str]:
+    """`torchrun --standalone --nproc_per_node=N --max-restarts=R ARGS` in `workdir`."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            f"--max-restarts={restarts}",
+            *map(str, args),
+        ],
+        cwd=workdir,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def train_workers(workdir: Path, run_name: str) -> list[int]:
     """Pids of the processes training `run_name` in `workdir` (torchrun's workers, not torchrun)."""
     found = []
