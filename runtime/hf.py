@@ -60,9 +60,15 @@ def _gpt2_config(transformers: Any, source: str) -> Any:
     return config
 
 
-def gpt2_vocab_size(source: str) -> int:
-    """The vocabulary size of a GPT-2 checkpoint (its config only; 50257 for GPT-2's)."""
-    return int(_gpt2_config(_transformers(), source).vocab_size)
+def gpt2_vocab_size(source: str, missing_ok: bool = False) -> int:
+    """The vocabulary size of a GPT-2 checkpoint (its config only; 50257 for GPT-2's);
+    `missing_ok`: 0 where there is no GPT-2 model to read."""
+    try:
+        return int(_gpt2_config(_transformers(), source).vocab_size)
+    except HFError:
+        if missing_ok:
+            return 0
+        raise
 
 
 def read_gpt2(source: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
