@@ -237,10 +237,15 @@ def main() -> None:
     env, parallel = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
+    checkpoints = cfg.save_folder or run_dir / "checkpoints"
+    resumes = checkpoint.will_resume(
+        checkpoints, load_path=cfg.load_path, autoresume=cfg.autoresume
+    )
     vocab_size = cfg.vocab_size
     if cfg.init_from and not vocab_size:  # as nanoGPT: the checkpoint's vocabulary
         with config.failing(ValueError, prefix=f"init_from={cfg.init_from}: "):
-            vocab_size = hf.gpt2_vocab_size(cfg.init_from)
+            # A resume needs no init_from: gone, the data's vocabulary stands.
+            vocab_size = hf.gpt2_vocab_size(cfg.init_from, missing_ok=resumes)
     with config.failing(OSError, ValueError):  # a missing path, too little data
         tokens = load_tokens(cfg.data, vocab_size, cfg.seq_len)
         # CUDA: batches in page-locked memory, so their copy to the GPU is asynchronous.
@@ -263,11 +268,7 @@ def main() -> None:
     model = GPT(model_config)
     # init_from: GPT-2's weights, read and checked (sizes, vocabulary, positions) before
     # anything is written; a run that resumes takes its weights from its checkpoint.
-    checkpoints = cfg.save_folder or run_dir / "checkpoints"
     init_note = f"init_from={cfg.init_from}: not read, the run resumes instead"
-    resumes = checkpoint.will_resume(
-        checkpoints, load_path=cfg.load_path, autoresume=cfg.autoresume
-    )
     if cfg.init_from and not resumes:
         with config.failing(ValueError, prefix=f"init_from={cfg.init_from}: "):
             init_weights = from_hf_gpt2(*hf.read_gpt2(cfg.init_from), model_config)
