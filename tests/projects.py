@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
-PROJECT_MODULES = ("train", "model", "data")
+PROJECT_MODULES = ("train", "model", "data", "sample")
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -32,7 +32,11 @@ def project_modules(project: Path) -> Iterator[dict[str, ModuleType]]:
     }
     sys.path.insert(0, str(project))
     try:
-        yield {name: importlib.import_module(name) for name in PROJECT_MODULES}
+        yield {
+            name: importlib.import_module(name)
+            for name in PROJECT_MODULES
+            if (project / f"{name}.py").is_file()  # sample.py: language models only
+        }
     finally:
         sys.path.remove(str(project))
         for name in PROJECT_MODULES:

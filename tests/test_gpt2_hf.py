@@ -284,9 +284,10 @@ def test_refusals_are_one_line_and_write_nothing(
             [f"--init_from={other}"],
             "add a preset of those sizes to PRESETS",
         ),
+        # vocab_size=0 would take the checkpoint's 300 (test_sample.py); a given one must match.
         "vocab": (
             "gpt2-baseline",
-            [f"--init_from={wide_vocab}"],
+            [f"--init_from={wide_vocab}", "--vocab_size=256"],
             "the checkpoint has 300 tokens, the model 256",
         ),
         "missing": (

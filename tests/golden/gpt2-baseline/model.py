@@ -42,6 +42,49 @@ PRESETS: dict[Preset, dict[str, int]] = {
 }
 
 
+def sample_token(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """(batch, vocab) logits -> (batch, 1) next tokens: the most likely at temperature
+    0, else drawn from softmax(logits / temperature) over the top_k (0: all)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+class LayerCache:
+    """One attention layer's keys and values of the tokens seen so far, for sampling
+    (GPT.generate): each new token is then one forward of that token alone."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """How many tokens are cached: the position of the next one."""
+        return 0 if self.k is None else self.k.shape[2]
+
+    def extend(
+        self, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this forward's (batch, head, seq, head_dim) keys and values; return all."""
+        if self.k is not None:
+            # Several tokens attend causally only from an empty cache (a prompt).
+            assert k.shape[2] == 1, "after the prompt, one token per forward"
+            k, v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
+        self.k, self.v = k, v
+        return k, v
+
+
 def layer_norm(width: int) -> nn.LayerNorm:
     """The model's LayerNorm layers: each block's ln_1 and ln_2, and ln_f."""
     return nn.LayerNorm(width)
@@ -56,16 +99,23 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Causal self-attention."""
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """Causal self-attention.
+
+        `cache` (sampling): the earlier tokens' keys and values, extended in place.
+        """
         batch, seq, width = x.shape
         # (batch, seq, 3*width) -> three (batch, head, seq, head_dim) tensors
         q, k, v = (
             t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2)
             for t in self.qkv(x).split(width, dim=2)
         )
+        if cache is not None:
+            k, v = cache.extend(k, v)  # the cached tokens' keys and values come first
         dropout = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        # Causal; one new token after a cache attends to every key (no mask).
+        causal = q.shape[2] > 1
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout)
         y = y.transpose(1, 2).reshape(batch, seq, width)
         return F.dropout(self.proj(y), dropout, self.training)
 
@@ -93,8 +143,8 @@ class Block(nn.Module):
         self.ln_2 = layer_norm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -125,16 +175,55 @@ class GPT(nn.Module):
             if name.endswith("proj.weight"):
                 param.normal_(0.0, 0.02 / math.sqrt(2 * self.config.n_layer))
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (batch, seq) -> next-token logits (batch, seq, vocab)."""
+    def forward(
+        self, idx: torch.Tensor, cache: list[LayerCache] | None = None
+    ) -> torch.Tensor:
+        """Token ids (batch, seq) -> next-token logits (batch, seq, vocab).
+
+        `cache` (sampling, see generate): one LayerCache per block holding the keys and
+        values of the tokens before idx; idx then holds only the new tokens.
+        """
         seq = idx.shape[1]
-        assert seq <= self.config.max_seq_len, f"sequence of {seq} > max_seq_len"
-        position = torch.arange(seq, device=idx.device)
+        caches = cache or [None] * len(self.blocks)
+        start = cache[0].length if cache else 0  # the position of idx's first token
+        assert start + seq <= self.config.max_seq_len, f"{start + seq} > max_seq_len"
+        position = torch.arange(start, start + seq, device=idx.device)
         x = self.wte(idx) + self.wpe(position)
-        for block in self.blocks:
-            x = block(x)
+        for block, layer_cache in zip(self.blocks, caches):
+            x = block(x, layer_cache)
         logits = self.lm_head(self.ln_f(x))
         return logits
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Continue idx (batch, seq) by max_new_tokens sampled tokens (nanoGPT's generate).
+
+        With a key/value cache: the prompt is one forward, then each new token one forward
+        of that token alone. When the context is full, its newest half is read again into
+        a fresh cache (one forward per max_seq_len / 2 tokens).
+        """
+        context = self.config.max_seq_len
+        cache = None
+        for _ in range(max_new_tokens):
+            if cache is None or cache[0].length == context:
+                # A fresh cache: the prompt, or the newest half of a full context.
+                keep = context if idx.shape[1] < context else context // 2
+                cache = [LayerCache() for _ in self.blocks]
+                logits = self(idx[:, -keep:], cache)
+            else:
+                logits = self(idx[:, -1:], cache)
+            next_token = sample_token(
+                logits[:, -1].float(), temperature, top_k, generator
+            )
+            idx = torch.cat((idx, next_token), dim=1)
+        return idx
 
     def num_params(self) -> int:
         """Parameter count, the tied embedding counted once."""

@@ -22,6 +22,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+import sample
 from data import Batches, load_tokens, val_batches
 from model import GPT, PRESETS, GPTConfig, Preset, from_hf_gpt2
 from runtime import checkpoint, config, dist, early_stop, fsdp, hf, microbatch, preempt
@@ -63,6 +64,7 @@ class Config:
     # evaluation, logging, checkpoints
     eval_interval: Time = Time.parse("100ba")  # validation loss every ...
     eval_batches: int = 8  # validation batches per evaluation
+    sample_tokens: int = 64  # at the end, a sample of this many tokens (0: none)
     log_interval: Time = Time.parse("1ba")  # a metrics.jsonl line every ...
     trackers: str = ""  # also log to: tensorboard,mlflow,wandb
     # early stopping: when early_stop_metric (e.g. val_loss; "": never)
@@ -118,6 +120,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     )
     if problem:
         config.fail(problem)
+    config.check_ranges(cfg, sample_tokens="[0, inf)")
     for name in ("seq_len", "global_batch_size", "eval_batches"):
         if getattr(cfg, name) < 1:
             config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
@@ -234,8 +237,17 @@ def main() -> None:
     env, parallel = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
+    checkpoints = cfg.save_folder or run_dir / "checkpoints"
+    resumes = checkpoint.will_resume(
+        checkpoints, load_path=cfg.load_path, autoresume=cfg.autoresume
+    )
+    vocab_size = cfg.vocab_size
+    if cfg.init_from and not vocab_size:  # as nanoGPT: the checkpoint's vocabulary
+        with config.failing(ValueError, prefix=f"init_from={cfg.init_from}: "):
+            # A resume needs no init_from: gone, the data's vocabulary stands.
+            vocab_size = hf.gpt2_vocab_size(cfg.init_from, missing_ok=resumes)
     with config.failing(OSError, ValueError):  # a missing path, too little data
-        tokens = load_tokens(cfg.data, cfg.vocab_size, cfg.seq_len)
+        tokens = load_tokens(cfg.data, vocab_size, cfg.seq_len)
         # CUDA: batches in page-locked memory, so their copy to the GPU is asynchronous.
         train_batches = Batches(
             tokens.train,
@@ -256,11 +268,7 @@ def main() -> None:
     model = GPT(model_config)
     # init_from: GPT-2's weights, read and checked (sizes, vocabulary, positions) before
     # anything is written; a run that resumes takes its weights from its checkpoint.
-    checkpoints = cfg.save_folder or run_dir / "checkpoints"
     init_note = f"init_from={cfg.init_from}: not read, the run resumes instead"
-    resumes = checkpoint.will_resume(
-        checkpoints, load_path=cfg.load_path, autoresume=cfg.autoresume
-    )
     if cfg.init_from and not resumes:
         with config.failing(ValueError, prefix=f"init_from={cfg.init_from}: "):
             init_weights = from_hf_gpt2(*hf.read_gpt2(cfg.init_from), model_config)
@@ -431,6 +439,9 @@ def main() -> None:
         outcome = (
             f"stopped by {preemption.stopped_by} after step {progress.batch}, saved"
         )
+    if cfg.sample_tokens and env.world_size == 1 and not stopping:
+        # What the model learned: a few tokens after a newline (sample.py writes more).
+        monitor.info(sample.preview(fsdp.unwrap(model), cfg))
     monitor.info(f"{outcome}; outputs in {run_dir}")
     monitor.close()
     preemption.close()  # the previous signal handlers again

@@ -76,14 +76,16 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
 
 
 def alibi_bias(
-    n_head: int, seq_len: int, device: torch.device | None = None
+    n_head: int, seq_len: int, device: torch.device | None = None, start: int = 0
 ) -> torch.Tensor:
-    """(n_head, seq_len, seq_len) attention bias: -slope * (i - j) for keys j <= i.
+    """(n_head, seq_len, start + seq_len) attention bias: -slope * (i - j) for keys j <= i.
 
-    Keys after the query get -inf, so the bias is also the causal mask.
+    Queries are at positions start .. start + seq_len - 1 (start > 0: after cached keys
+    while sampling). Keys after the query get -inf, so the bias is also the causal mask.
     """
-    position = torch.arange(seq_len, device=device)
-    distance = (position[:, None] - position[None, :]).float()  # i - j
+    query = torch.arange(start, start + seq_len, device=device)
+    key = torch.arange(start + seq_len, device=device)
+    distance = (query[:, None] - key[None, :]).float()  # i - j
     bias = -alibi_slopes(n_head).to(device)[:, None, None] * distance
     return bias.masked_fill(distance < 0, float("-inf"))
 
@@ -124,6 +126,49 @@ def alibi_flex_attention(
 # end algorithm: alibi
 
 
+def sample_token(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """(batch, vocab) logits -> (batch, 1) next tokens: the most likely at temperature
+    0, else drawn from softmax(logits / temperature) over the top_k (0: all)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+class LayerCache:
+    """One attention layer's keys and values of the tokens seen so far, for sampling
+    (GPT.generate): each new token is then one forward of that token alone."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """How many tokens are cached: the position of the next one."""
+        return 0 if self.k is None else self.k.shape[2]
+
+    def extend(
+        self, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this forward's (batch, head, seq, head_dim) keys and values; return all."""
+        if self.k is not None:
+            # Several tokens attend causally only from an empty cache (a prompt).
+            assert k.shape[2] == 1, "after the prompt, one token per forward"
+            k, v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
+        self.k, self.v = k, v
+        return k, v
+
+
 def layer_norm(width: int) -> nn.LayerNorm:
     """The model's LayerNorm layers: each block's ln_1 and ln_2, and ln_f."""
     return nn.LayerNorm(width)
@@ -138,14 +183,21 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, x: torch.Tensor, attn_bias: object) -> torch.Tensor:
-        """Causal self-attention, `attn_bias` (from GPT.forward) added to its scores."""
+    def forward(
+        self, x: torch.Tensor, attn_bias: object, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        """Causal self-attention, `attn_bias` (from GPT.forward) added to its scores.
+
+        `cache` (sampling): the earlier tokens' keys and values, extended in place.
+        """
         batch, seq, width = x.shape
         # (batch, seq, 3*width) -> three (batch, head, seq, head_dim) tensors
         q, k, v = (
             t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2)
             for t in self.qkv(x).split(width, dim=2)
         )
+        if cache is not None:
+            k, v = cache.extend(k, v)  # the cached tokens' keys and values come first
         dropout = self.dropout if self.training else 0.0
 
         # algorithm: alibi
@@ -186,8 +238,10 @@ class Block(nn.Module):
         self.ln_2 = layer_norm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, attn_bias: object) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), attn_bias)
+    def forward(
+        self, x: torch.Tensor, attn_bias: object, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attn_bias, cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -217,10 +271,18 @@ class GPT(nn.Module):
             if name.endswith("proj.weight"):
                 param.normal_(0.0, 0.02 / math.sqrt(2 * self.config.n_layer))
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (batch, seq) -> next-token logits (batch, seq, vocab)."""
+    def forward(
+        self, idx: torch.Tensor, cache: list[LayerCache] | None = None
+    ) -> torch.Tensor:
+        """Token ids (batch, seq) -> next-token logits (batch, seq, vocab).
+
+        `cache` (sampling, see generate): one LayerCache per block holding the keys and
+        values of the tokens before idx; idx then holds only the new tokens.
+        """
         seq = idx.shape[1]
-        assert seq <= self.config.max_seq_len, f"sequence of {seq} > max_seq_len"
+        caches = cache or [None] * len(self.blocks)
+        start = cache[0].length if cache else 0  # the position of idx's first token
+        assert start + seq <= self.config.max_seq_len, f"{start + seq} > max_seq_len"
 
         # algorithm: alibi
         x = self.wte(idx)
@@ -228,18 +290,52 @@ class GPT(nn.Module):
 
         # attn_bias: added to every layer's attention scores.
         # algorithm: alibi
-        if alibi_uses_flex(idx.device, self.config.dropout if self.training else 0.0):
+        dropout = self.config.dropout if self.training else 0.0
+        if start == 0 and alibi_uses_flex(idx.device, dropout):
             # CUDA: FlexAttention adds the penalty in its kernel; it takes a block mask.
             attn_bias = causal_block_mask(seq, idx.device)
         else:
-            # One dense bias for all layers, for this length (no position embeddings).
-            attn_bias = alibi_bias(self.config.n_head, seq, device=idx.device)
+            # One dense bias for all layers: these queries against every key (the cached too).
+            attn_bias = alibi_bias(
+                self.config.n_head, seq, device=idx.device, start=start
+            )
         # end algorithm: alibi
 
-        for block in self.blocks:
-            x = block(x, attn_bias)
+        for block, layer_cache in zip(self.blocks, caches):
+            x = block(x, attn_bias, layer_cache)
         logits = self.lm_head(self.ln_f(x))
         return logits
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Continue idx (batch, seq) by max_new_tokens sampled tokens (nanoGPT's generate).
+
+        With a key/value cache: the prompt is one forward, then each new token one forward
+        of that token alone. When the context is full, its newest half is read again into
+        a fresh cache (one forward per max_seq_len / 2 tokens).
+        """
+        context = self.config.max_seq_len
+        cache = None
+        for _ in range(max_new_tokens):
+            if cache is None or cache[0].length == context:
+                # A fresh cache: the prompt, or the newest half of a full context.
+                keep = context if idx.shape[1] < context else context // 2
+                cache = [LayerCache() for _ in self.blocks]
+                logits = self(idx[:, -keep:], cache)
+            else:
+                logits = self(idx[:, -1:], cache)
+            next_token = sample_token(
+                logits[:, -1].float(), temperature, top_k, generator
+            )
+            idx = torch.cat((idx, next_token), dim=1)
+        return idx
 
     def num_params(self) -> int:
         """Parameter count, the tied embedding counted once."""

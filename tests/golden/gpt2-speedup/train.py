@@ -22,6 +22,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+import sample
 from data import Batches, load_tokens, val_batches
 from model import GPT, PRESETS, GPTConfig, Preset
 from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, preempt
@@ -65,6 +66,7 @@ class Config:
     # evaluation, logging, checkpoints
     eval_interval: Time = Time.parse("100ba")  # validation loss every ...
     eval_batches: int = 8  # validation batches per evaluation
+    sample_tokens: int = 64  # at the end, a sample of this many tokens (0: none)
     log_interval: Time = Time.parse("1ba")  # a metrics.jsonl line every ...
     trackers: str = ""  # also log to: tensorboard,mlflow,wandb
     # early stopping: when early_stop_metric (e.g. val_loss; "": never)
@@ -120,6 +122,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     )
     if problem:
         config.fail(problem)
+    config.check_ranges(cfg, sample_tokens="[0, inf)")
     for name in ("seq_len", "global_batch_size", "eval_batches"):
         if getattr(cfg, name) < 1:
             config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
@@ -467,6 +470,9 @@ def main() -> None:
         outcome = (
             f"stopped by {preemption.stopped_by} after step {progress.batch}, saved"
         )
+    if cfg.sample_tokens and env.world_size == 1 and not stopping:
+        # What the model learned: a few tokens after a newline (sample.py writes more).
+        monitor.info(sample.preview(fsdp.unwrap(model), cfg))
     monitor.info(f"{outcome}; outputs in {run_dir}")
     monitor.close()
     preemption.close()  # the previous signal handlers again
