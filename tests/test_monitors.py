@@ -29,7 +29,6 @@ RUN = [
     "--eval_batches=1",
     "--save_interval=2ba",
     "--save_num_checkpoints_to_keep=0",
-    "--sample_tokens=0",
     "--max_duration=4ba",
 ]
 

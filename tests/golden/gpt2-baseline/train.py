@@ -64,7 +64,6 @@ class Config:
     # evaluation, logging, checkpoints
     eval_interval: Time = Time.parse("100ba")  # validation loss every ...
     eval_batches: int = 8  # validation batches per evaluation
-    sample_tokens: int = 64  # at the end, a sample of this many tokens (0: none)
     log_interval: Time = Time.parse("1ba")  # a metrics.jsonl line every ...
     trackers: str = ""  # also log to: tensorboard,mlflow,wandb
     # early stopping: when early_stop_metric (e.g. val_loss; "": never)
@@ -120,12 +119,10 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     )
     if problem:
         config.fail(problem)
-    config.check_ranges(cfg, sample_tokens="[0, inf)")
     for name in ("seq_len", "global_batch_size", "eval_batches"):
         if getattr(cfg, name) < 1:
             config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
-    if cfg.vocab_size < 0:
-        config.fail(f"vocab_size={cfg.vocab_size}; use 0 (from the data) or a size")
+    config.check_ranges(cfg, vocab_size="[0, inf)")  # 0: from the data
     if cfg.global_batch_size % env.world_size:
         config.fail(
             f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
@@ -237,17 +234,10 @@ def main() -> None:
     env, parallel = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
-    checkpoints = cfg.save_folder or run_dir / "checkpoints"
-    resumes = checkpoint.will_resume(
-        checkpoints, load_path=cfg.load_path, autoresume=cfg.autoresume
-    )
-    vocab_size = cfg.vocab_size
-    if cfg.init_from and not vocab_size:  # as nanoGPT: the checkpoint's vocabulary
-        with config.failing(ValueError, prefix=f"init_from={cfg.init_from}: "):
-            # A resume needs no init_from: gone, the data's vocabulary stands.
-            vocab_size = hf.gpt2_vocab_size(cfg.init_from, missing_ok=resumes)
+    if cfg.init_from and not cfg.vocab_size:  # as nanoGPT: the checkpoint's vocabulary
+        cfg.vocab_size = hf.gpt2_vocab_size(cfg.init_from, missing_ok=True)
     with config.failing(OSError, ValueError):  # a missing path, too little data
-        tokens = load_tokens(cfg.data, vocab_size, cfg.seq_len)
+        tokens = load_tokens(cfg.data, cfg.vocab_size, cfg.seq_len)
         # CUDA: batches in page-locked memory, so their copy to the GPU is asynchronous.
         train_batches = Batches(
             tokens.train,
@@ -268,12 +258,14 @@ def main() -> None:
     model = GPT(model_config)
     # init_from: GPT-2's weights, read and checked (sizes, vocabulary, positions) before
     # anything is written; a run that resumes takes its weights from its checkpoint.
-    init_note = f"init_from={cfg.init_from}: not read, the run resumes instead"
+    checkpoints = cfg.save_folder or run_dir / "checkpoints"
+    resumes = checkpoint.will_resume(
+        checkpoints, load_path=cfg.load_path, autoresume=cfg.autoresume
+    )
     if cfg.init_from and not resumes:
         with config.failing(ValueError, prefix=f"init_from={cfg.init_from}: "):
             init_weights = from_hf_gpt2(*hf.read_gpt2(cfg.init_from), model_config)
         model.load_state_dict(init_weights)  # every weight; lm_head re-tied to wte
-        init_note = f"init_from={cfg.init_from}: Hugging Face GPT-2 weights"
     model = model.to(env.device)
     num_params = model.num_params()
 
@@ -337,11 +329,10 @@ def main() -> None:
         env.device, env.world_size, cfg.precision, flops_per_token=flops_per_token
     )
     monitor.open_trackers(cfg.trackers, config.to_toml(cfg))  # rank 0 writes them
-    monitor.info(f"data: {tokens.source}")
-    monitor.info(tokens.sizes())
+    monitor.info(f"data: {tokens.source}; {tokens.sizes()}")
     monitor.info(f"model: {cfg.model}, {num_params:,} parameters")
-    if cfg.init_from:
-        monitor.info(init_note)
+    if cfg.init_from:  # Hugging Face GPT-2 weights, read unless the run resumes
+        monitor.info(f"init_from={cfg.init_from}: {'not read' if resumes else 'read'}")
     monitor.info(f"parallelism: {parallel.parallelism}, {env.world_size} process(es)")
     for line in resumed.describe() if resumed else []:
         monitor.info(line)
@@ -439,8 +430,7 @@ def main() -> None:
         outcome = (
             f"stopped by {preemption.stopped_by} after step {progress.batch}, saved"
         )
-    if cfg.sample_tokens and env.world_size == 1 and not stopping:
-        # What the model learned: a few tokens after a newline (sample.py writes more).
+    if env.world_size == 1 and not stopping:  # what it learned (sample.py: more)
         monitor.info(sample.preview(fsdp.unwrap(model), cfg))
     monitor.info(f"{outcome}; outputs in {run_dir}")
     monitor.close()

@@ -156,16 +156,20 @@ def complete(
     return decode(out[0].tolist())
 
 
+# Tokens in train.py's closing sample.
+PREVIEW_TOKENS = 64
+
+
 def preview(model: GPT, trained: object) -> str:
     """train.py's closing lines: what the model writes after a newline (`trained`: its
-    Config: data, sample_tokens, seed)."""
+    Config: data, seed)."""
     try:
         codec = load_codec(trained.data, "")
     except ValueError as error:
         return f"no sample: {error}"
     device = next(model.parameters()).device
     generator = torch.Generator(device).manual_seed(trained.seed)
-    args = (trained.sample_tokens, Config.temperature, Config.top_k, generator)
+    args = (PREVIEW_TOKENS, Config.temperature, Config.top_k, generator)
     text = complete(model, codec, "\n", *args)
     return f"a sample (python sample.py --help for more):{text}"
 

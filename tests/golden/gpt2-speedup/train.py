@@ -66,7 +66,6 @@ class Config:
     # evaluation, logging, checkpoints
     eval_interval: Time = Time.parse("100ba")  # validation loss every ...
     eval_batches: int = 8  # validation batches per evaluation
-    sample_tokens: int = 64  # at the end, a sample of this many tokens (0: none)
     log_interval: Time = Time.parse("1ba")  # a metrics.jsonl line every ...
     trackers: str = ""  # also log to: tensorboard,mlflow,wandb
     # early stopping: when early_stop_metric (e.g. val_loss; "": never)
@@ -122,12 +121,10 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     )
     if problem:
         config.fail(problem)
-    config.check_ranges(cfg, sample_tokens="[0, inf)")
     for name in ("seq_len", "global_batch_size", "eval_batches"):
         if getattr(cfg, name) < 1:
             config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
-    if cfg.vocab_size < 0:
-        config.fail(f"vocab_size={cfg.vocab_size}; use 0 (from the data) or a size")
+    config.check_ranges(cfg, vocab_size="[0, inf)")  # 0: from the data
     if cfg.global_batch_size % env.world_size:
         config.fail(
             f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
@@ -351,8 +348,7 @@ def main() -> None:
         env.device, env.world_size, cfg.precision, flops_per_token=flops_per_token
     )
     monitor.open_trackers(cfg.trackers, config.to_toml(cfg))  # rank 0 writes them
-    monitor.info(f"data: {tokens.source}")
-    monitor.info(tokens.sizes())
+    monitor.info(f"data: {tokens.source}; {tokens.sizes()}")
     monitor.info(f"model: {cfg.model}, {num_params:,} parameters")
     monitor.info(f"parallelism: {parallel.parallelism}, {env.world_size} process(es)")
     for line in resumed.describe() if resumed else []:
@@ -470,8 +466,7 @@ def main() -> None:
         outcome = (
             f"stopped by {preemption.stopped_by} after step {progress.batch}, saved"
         )
-    if cfg.sample_tokens and env.world_size == 1 and not stopping:
-        # What the model learned: a few tokens after a newline (sample.py writes more).
+    if env.world_size == 1 and not stopping:  # what it learned (sample.py: more)
         monitor.info(sample.preview(fsdp.unwrap(model), cfg))
     monitor.info(f"{outcome}; outputs in {run_dir}")
     monitor.close()
