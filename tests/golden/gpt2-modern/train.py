@@ -146,7 +146,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
         as_fraction(cfg.lr_warmup, cfg.max_duration)
 
     # algorithm: muon
-    config.check_ranges(cfg, muon_momentum="[0, 1)", muon_ns_steps="[1, inf)")
+    config.check_ranges(cfg, muon_momentum="[0, 1)")
     with config.failing(ValueError, prefix="muon_momentum_warmup: "):
         as_fraction(cfg.muon_momentum_warmup, cfg.max_duration)
     if cfg.lr <= 0:
@@ -154,6 +154,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
         config.fail(
             f"lr={cfg.lr} must be above 0: muon's rate is lr's schedule, rescaled"
         )
+    config.check_ranges(cfg, muon_ns_steps="[1, inf)")
     # end algorithm: muon
 
     # algorithm: gradient_clipping
