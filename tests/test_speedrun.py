@@ -50,7 +50,6 @@ def test_polar_express_is_the_records_iteration_and_closer_to_orthogonal(
     entries, generated: dict[str, Path]
 ) -> None:
     train = entries["train"]
-    assert not hasattr(train, "newton_schulz")  # only the chosen one is written
     torch.manual_seed(0)
     for shape in [(24, 40), (40, 16)]:
         g = torch.randn(shape)
@@ -116,7 +115,16 @@ def test_recipe_options_reach_the_optimizer(entries) -> None:
     train = entries["train"]
     cfg = train.Config()
     assert cfg.muon_cautious_weight_decay is True
-    assert not hasattr(cfg, "muon_ns_steps")  # Polar Express has a fixed schedule
+    assert cfg.muon_orthogonalizer == "polar_express"
+    update = torch.randn(16, 24)
+    torch.testing.assert_close(
+        train.muon_orthogonalize(update, cfg), train.polar_express(update)
+    )
+    cfg.muon_orthogonalizer = "newton_schulz"
+    torch.testing.assert_close(
+        train.muon_orthogonalize(update, cfg),
+        train.newton_schulz(update, cfg.muon_ns_steps),
+    )
 
 
 # ---------------------------------------------------------------- bigram hash embedding
