@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import sample
 from data import Batches, load_tokens, val_batches
-from model import GPT, PRESETS, GPTConfig, Preset, from_hf_gpt2
+from model import GPT, GPTConfig, depth_dial, model_sizes, from_hf_gpt2
 from runtime import checkpoint, config, dist, early_stop, fsdp, hf, microbatch, preempt
 from runtime import profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum
@@ -39,11 +39,11 @@ class Config:
     vocab_size: int = 0  # 0: from the data (bytes 256; .bin: meta.pkl, else GPT-2's)
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     # model (no dropout, as in modern pretraining: with it, ranks agree in distribution)
-    model: Preset = "tiny"  # size preset, see PRESETS in model.py
+    model: str = "tiny"  # a size preset (PRESETS in model.py) or dN: N layers
+    depth: int = 0  # >0: model dN, batch and lr rescaled (model.py, depth_dial)
     seq_len: int = 128  # tokens per training sequence
     dropout: float = 0.0
-    # Hugging Face GPT-2 weights to start from: a GPT2LMHeadModel save_pretrained
-    # folder or hub id (needs transformers); "": random init; a resume ignores it.
+    # GPT-2 weights to start from (a GPT2LMHeadModel folder or hub id; a resume ignores it)
     init_from: str = ""
     # optimization; Time strings: 10ep, 2000ba (steps), 4096sp, 1e6tok, 0.25dur
     max_duration: Time = Time.parse("600ba")  # training length
@@ -122,7 +122,9 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     for name in ("seq_len", "global_batch_size", "eval_batches"):
         if getattr(cfg, name) < 1:
             config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
-    config.check_ranges(cfg, vocab_size="[0, inf)")  # 0: from the data
+    config.check_ranges(cfg, vocab_size="[0, inf)", depth="[0, inf)")  # 0: data, preset
+    with config.failing(ValueError):  # --depth=N: model dN, batch and lr rescaled
+        cfg.model, cfg.global_batch_size, cfg.lr = depth_dial(cfg)  # (model.py)
     if cfg.global_batch_size % env.world_size:
         config.fail(
             f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
@@ -253,15 +255,13 @@ def main() -> None:
         vocab_size=tokens.vocab_size,
         max_seq_len=cfg.seq_len,
         dropout=cfg.dropout,
-        **PRESETS[cfg.model],
+        **model_sizes(cfg.model),
     )
     model = GPT(model_config)
     # init_from: GPT-2's weights, read and checked (sizes, vocabulary, positions) before
     # anything is written; a run that resumes takes its weights from its checkpoint.
     checkpoints = cfg.save_folder or run_dir / "checkpoints"
-    resumes = checkpoint.will_resume(
-        checkpoints, load_path=cfg.load_path, autoresume=cfg.autoresume
-    )
+    resumes = checkpoint.will_resume(checkpoints, cfg.load_path, cfg.autoresume)
     if cfg.init_from and not resumes:
         with config.failing(ValueError, prefix=f"init_from={cfg.init_from}: "):
             init_weights = from_hf_gpt2(*hf.read_gpt2(cfg.init_from), model_config)

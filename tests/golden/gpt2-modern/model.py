@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -41,6 +41,67 @@ PRESETS: dict[Preset, dict[str, int]] = {
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
 }
+
+# The depth dial (train.py --depth=N): a dN model is sized by its layer count alone, by
+# nanochat's rule (karpathy/nanochat scripts/base_train.py, --aspect-ratio 64): width =
+# 64 * depth; heads of 64 channels, GPT-2's (nanochat's --head-dim is 128), so d12 is GPT-2.
+ASPECT_RATIO = 64  # width per layer
+HEAD_DIM = 64  # channels per attention head
+# The best batch grows as the token horizon^0.383, at a fixed tokens:parameters ratio as
+# the parameters^0.383 (nanochat's fit, scripts/base_train.py, "D^0.383").
+BATCH_EXPONENT = 0.383
+
+
+def depth_sizes(depth: int) -> dict[str, int]:
+    """A dN model's layers, heads and width: ASPECT_RATIO * depth wide, HEAD_DIM per head."""
+    width = ASPECT_RATIO * depth
+    return dict(n_layer=depth, n_head=width // HEAD_DIM, n_embd=width)
+
+
+def model_sizes(model: str) -> dict[str, int]:
+    """Layers, heads and width of a preset name or of "dN" (depth_sizes); else ValueError."""
+    if model in PRESETS:
+        return PRESETS[model]
+    if model.startswith("d") and model[1:].isdigit() and int(model[1:]) > 0:
+        return depth_sizes(int(model[1:]))
+    raise ValueError(
+        f"unknown model {model!r}; use one of {', '.join(PRESETS)} or dN (N layers)"
+    )
+
+
+def depth_dial(cfg: Any) -> tuple[str, int, float]:
+    """train.py's (model, global_batch_size, lr) after --depth (cfg: its Config):
+    unchanged where depth is 0 or `model` is already d<depth> (a rerun of its
+    config.toml), else "d<depth>" and the batch and lr depth_scaled from those given for
+    `model`. ValueError on a bad value."""
+    model, depth, batch_size, lr = cfg.model, cfg.depth, cfg.global_batch_size, cfg.lr
+    reference = model_sizes(model)
+    if depth < 0:
+        raise ValueError(f"depth={depth}; use 0 (the model preset) or a layer count")
+    if depth == 0 or model == f"d{depth}":
+        return model, batch_size, lr
+    return (f"d{depth}", *depth_scaled(depth, reference, batch_size, lr))
+
+
+def depth_scaled(
+    depth: int, reference: dict[str, int], batch_size: int, lr: float
+) -> tuple[int, float]:
+    """(global batch size, peak AdamW lr) for a dN model, from those tuned for `reference`.
+
+    nanochat's rules (scripts/base_train.py and gpt.py setup_optimizer), measured from the
+    reference instead of its d12: the batch grows as the parameters^BATCH_EXPONENT (the
+    blocks' matrices, 12 * layers * width^2; nanochat adds the head), rounded to a power
+    of two; the lr grows as sqrt(batch / reference batch) (its batch_lr_scale) and falls as
+    1 / sqrt(width / reference width) (its dmodel_lr_scale for AdamW).
+    """
+    sizes = depth_sizes(depth)
+    params = 12 * depth * sizes["n_embd"] ** 2
+    params_ref = 12 * reference["n_layer"] * reference["n_embd"] ** 2
+    ideal = batch_size * (params / params_ref) ** BATCH_EXPONENT
+    scaled_batch = 2 ** max(0, round(math.log2(ideal)))
+    lr_scale = math.sqrt(scaled_batch / batch_size)
+    lr_scale /= math.sqrt(sizes["n_embd"] / reference["n_embd"])
+    return scaled_batch, lr * lr_scale
 
 
 # algorithm: rotary

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import sample
 from data import Batches, load_tokens, val_batches
-from model import GPT, PRESETS, GPTConfig, Preset
+from model import GPT, GPTConfig, depth_dial, model_sizes
 from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, preempt
 from runtime import profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum
@@ -45,7 +45,8 @@ class Config:
     vocab_size: int = 0  # 0: from the data (bytes 256; .bin: meta.pkl, else GPT-2's)
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     # model (no dropout, as in modern pretraining: with it, ranks agree in distribution)
-    model: Preset = "tiny"  # size preset, see PRESETS in model.py
+    model: str = "tiny"  # a size preset (PRESETS in model.py) or dN: N layers
+    depth: int = 0  # >0: model dN, batch and lr rescaled (model.py, depth_dial)
     seq_len: int = 128  # tokens per training sequence
     dropout: float = 0.0
     # optimization; Time strings: 10ep, 2000ba (steps), 4096sp, 1e6tok, 0.25dur
@@ -66,6 +67,10 @@ class Config:
     muon_momentum_warmup: Time = Time.parse("0.1dur")  # from 0.85
     muon_weight_decay: float = 0.0
     muon_ns_steps: int = 5  # Newton-Schulz iterations
+    # polar_express: per-step coefficients, nearer to orthogonal (modded-nanogpt record 38)
+    muon_orthogonalizer: Literal["newton_schulz", "polar_express"] = "newton_schulz"
+    # decay only the entries whose update has the weight's sign (record 43)
+    muon_cautious_weight_decay: bool = False
     # end algorithm: muon
 
     # algorithm: gradient_clipping
@@ -133,7 +138,9 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     for name in ("seq_len", "global_batch_size", "eval_batches"):
         if getattr(cfg, name) < 1:
             config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
-    config.check_ranges(cfg, vocab_size="[0, inf)")  # 0: from the data
+    config.check_ranges(cfg, vocab_size="[0, inf)", depth="[0, inf)")  # 0: data, preset
+    with config.failing(ValueError):  # --depth=N: model dN, batch and lr rescaled
+        cfg.model, cfg.global_batch_size, cfg.lr = depth_dial(cfg)  # (model.py)
     if cfg.global_batch_size % env.world_size:
         config.fail(
             f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
@@ -197,6 +204,42 @@ def newton_schulz(update: torch.Tensor, steps: int = 5) -> torch.Tensor:
         gram = x @ x.T
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.T if tall else x
+
+
+# Polar Express's (a, b, c) per step, from modded-nanogpt's train_gpt.py.
+POLAR_EXPRESS = [
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+]
+
+
+def polar_express(update: torch.Tensor) -> torch.Tensor:
+    """About U V^T for update = U S V^T, by Polar Express (Amsel et al. 2025).
+
+    Like the Newton-Schulz quintic, X <- a X + (b A + c A^2) X with A = X X^T, but each of 5
+    steps has its own (a, b, c), chosen so the worst singular value is as close to 1 as
+    a quintic can bring it (modded-nanogpt record 38 and train_gpt.py: num_iters=5,
+    safety_factor=2e-2, cushion=2). X starts at spectral norm < 1: Frobenius / 1.02.
+    """
+    x = update.bfloat16() if update.is_cuda else update.float()
+    tall = x.shape[0] > x.shape[1]
+    if tall:  # iterate on the wide side: A is the smaller Gram matrix
+        x = x.T
+    x = x / (x.norm() * (1 + 2e-2) + 1e-6)
+    for a, b, c in POLAR_EXPRESS:
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def muon_orthogonalize(update: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Muon's orthogonalisation of one update: the one muon_orthogonalizer names."""
+    if cfg.muon_orthogonalizer == "polar_express":
+        return polar_express(update)
+    return newton_schulz(update, cfg.muon_ns_steps)
 
 
 def muon_split(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -317,7 +360,7 @@ def main() -> None:
         vocab_size=tokens.vocab_size,
         max_seq_len=cfg.seq_len,
         dropout=cfg.dropout,
-        **PRESETS[cfg.model],
+        **model_sizes(cfg.model),
     )
     model = GPT(model_config)
     model = model.to(env.device)
@@ -337,16 +380,17 @@ def main() -> None:
 
     # algorithm: muon
     # Muon (Jordan et al. 2024) for the blocks' weight matrices: Nesterov momentum,
-    # orthogonalised by newton_schulz, so every direction of a matrix moves at the
+    # orthogonalised (muon_orthogonalize), so every direction of a matrix moves at the
     # same rate. Under FSDP2, runtime.muon orthogonalises each matrix once, on one
     # rank, instead of on every rank. AdamW keeps embeddings, head, biases, gains.
     hidden, rest = muon_split(model)
     muon_optimizer = muon.Muon(
         hidden,
-        lambda update: newton_schulz(update, cfg.muon_ns_steps),
+        lambda update: muon_orthogonalize(update, cfg),
         lr=cfg.muon_lr,
         weight_decay=cfg.muon_weight_decay,
         momentum=cfg.muon_momentum,
+        cautious=cfg.muon_cautious_weight_decay,
     )
     adamw = torch.optim.AdamW(
         [

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import sample
 from data import Batches, load_tokens, val_batches
-from model import GPT, PRESETS, GPTConfig, Preset
+from model import GPT, GPTConfig, depth_dial, model_sizes
 from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, preempt
 from runtime import profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum
@@ -39,7 +39,8 @@ class Config:
     vocab_size: int = 0  # 0: from the data (bytes 256; .bin: meta.pkl, else GPT-2's)
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     # model (no dropout, as in modern pretraining: with it, ranks agree in distribution)
-    model: Preset = "tiny"  # size preset, see PRESETS in model.py
+    model: str = "tiny"  # a size preset (PRESETS in model.py) or dN: N layers
+    depth: int = 0  # >0: model dN, batch and lr rescaled (model.py, depth_dial)
     seq_len: int = 128  # tokens per training sequence
     dropout: float = 0.0
     # optimization; Time strings: 10ep, 2000ba (steps), 4096sp, 1e6tok, 0.25dur
@@ -124,7 +125,9 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     for name in ("seq_len", "global_batch_size", "eval_batches"):
         if getattr(cfg, name) < 1:
             config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
-    config.check_ranges(cfg, vocab_size="[0, inf)")  # 0: from the data
+    config.check_ranges(cfg, vocab_size="[0, inf)", depth="[0, inf)")  # 0: data, preset
+    with config.failing(ValueError):  # --depth=N: model dN, batch and lr rescaled
+        cfg.model, cfg.global_batch_size, cfg.lr = depth_dial(cfg)  # (model.py)
     if cfg.global_batch_size % env.world_size:
         config.fail(
             f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
@@ -280,7 +283,7 @@ def main() -> None:
         vocab_size=tokens.vocab_size,
         max_seq_len=cfg.seq_len,
         dropout=cfg.dropout,
-        **PRESETS[cfg.model],
+        **model_sizes(cfg.model),
     )
     model = GPT(model_config)
     model = model.to(env.device)
