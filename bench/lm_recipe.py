@@ -1,5 +1,7 @@
 """The speedrun on a CPU: time to a target validation loss for gpt2-baseline, gpt2-speedup,
-gpt2-modern, and each modern algorithm alone on top of the baseline (an ablation).
+gpt2-modern, each modern algorithm alone on top of the baseline (an ablation), and ALiBi
+alone with and without Composer's train_sequence_length_scaling (`+alibi`: 0.25, quarter
+rows; `+alibi-full`: 1.0, full-length rows).
 
 Every arm trains the same tiny model size on the same data (the embedded standard-library
 source as bytes, split by file; its hash is printed) for the same number of steps, with an
@@ -44,20 +46,27 @@ ALONE = (
     "muon",
     "value_embeddings",
 )
+# ALiBi with Composer's default train_sequence_length_scaling (0.25: quarter rows) and
+# without it (full-length rows), each alone on top of gpt2-baseline.
+ALIBI = ("alibi", "alibi-full")
+# An arm that is one algorithm with other hyperparameters: (algorithm, its table's lines).
+VARIANTS = {"alibi-full": ("alibi", "\ntrain_sequence_length_scaling = 1.0")}
 
 
 def generate(arm: str, root: Path) -> Path:
-    """A shipped recipe, or gpt2-baseline plus one algorithm (`+<name>`)."""
+    """A shipped recipe, or gpt2-baseline plus one algorithm (`+<name>`, or a variant)."""
     if arm in SHIPPED:
         recipe = str(RECIPES / f"{arm}.toml")
     else:
-        modern = (RECIPES / "gpt2-modern.toml").read_text()
-        table = modern.split(f"[algorithms.{arm.removeprefix('+')}]", 1)
-        params = table[1].split("\n[", 1)[0] if len(table) == 2 else "\n"
+        name, params = VARIANTS.get(arm.removeprefix("+"), (arm.removeprefix("+"), ""))
+        if not params:
+            modern = (RECIPES / "gpt2-modern.toml").read_text()
+            table = modern.split(f"[algorithms.{name}]", 1)
+            params = table[1].split("\n[", 1)[0] if len(table) == 2 else "\n"
         path = root / f"{arm.removeprefix('+')}.toml"
         path.write_text(
             (RECIPES / "gpt2-baseline.toml").read_text()
-            + f"\n[algorithms.{arm.removeprefix('+')}]{params}\n"
+            + f"\n[algorithms.{name}]{params}\n"
         )
         recipe = str(path)
     dest = root / arm.replace("+", "plus-")
@@ -150,7 +159,9 @@ def main() -> None:
         help="fraction of the baseline's budget",
     )
     parser.add_argument(
-        "--arms", nargs="+", default=[*SHIPPED, *(f"+{name}" for name in ALONE)]
+        "--arms",
+        nargs="+",
+        default=[*SHIPPED, *(f"+{name}" for name in (*ALONE, *ALIBI))],
     )
     parser.add_argument(
         "--plot", type=Path, default=Path(__file__).resolve().parent / "lm_recipe.png"
