@@ -1,7 +1,9 @@
 """The speedrun on a CPU: time to a target validation loss for gpt2-baseline, gpt2-speedup,
 gpt2-modern, gpt2-speedrun, each modern algorithm alone on top of the baseline (an
-ablation), and each speedrun entry alone on top of gpt2-modern (`modern+<name>`, compared
-with gpt2-modern, seed by seed, at gpt2-modern's loss at `--target-at` of its budget).
+ablation), ALiBi alone with and without Composer's train_sequence_length_scaling (`+alibi`:
+0.25, quarter rows; `+alibi-full`: 1.0, full-length rows), and each speedrun entry alone on
+top of gpt2-modern (`modern+<name>`, compared with gpt2-modern, seed by seed, at
+gpt2-modern's loss at `--target-at` of its budget).
 
 Every arm trains the same tiny model size on the same data (the embedded standard-library
 source as bytes, split by file; its hash is printed) for the same number of steps, with an
@@ -66,9 +68,16 @@ ON_MODERN: dict[str, tuple[str, list[str]]] = {
 }
 
 
+# ALiBi with Composer's default train_sequence_length_scaling (0.25: quarter rows) and
+# without it (full-length rows), each alone on top of gpt2-baseline.
+ALIBI = ("alibi", "alibi-full")
+# An arm that is one algorithm with other hyperparameters: (algorithm, its table's lines).
+VARIANTS = {"alibi-full": ("alibi", "\ntrain_sequence_length_scaling = 1.0")}
+
+
 def generate(arm: str, root: Path) -> Path:
-    """A shipped recipe, gpt2-baseline plus one algorithm (`+<name>`), or gpt2-modern plus
-    one speedrun entry (`modern+<name>`, ON_MODERN)."""
+    """A shipped recipe, gpt2-baseline plus one algorithm (`+<name>`, or a variant), or
+    gpt2-modern plus one speedrun entry (`modern+<name>`, ON_MODERN)."""
     extra: list[str] = []
     if arm in SHIPPED:
         recipe = str(RECIPES / f"{arm}.toml")
@@ -78,13 +87,15 @@ def generate(arm: str, root: Path) -> Path:
         path.write_text((RECIPES / "gpt2-modern.toml").read_text() + "\n" + table)
         recipe = str(path)
     else:
-        modern = (RECIPES / "gpt2-modern.toml").read_text()
-        table = modern.split(f"[algorithms.{arm.removeprefix('+')}]", 1)
-        params = table[1].split("\n[", 1)[0] if len(table) == 2 else "\n"
+        name, params = VARIANTS.get(arm.removeprefix("+"), (arm.removeprefix("+"), ""))
+        if not params:
+            modern = (RECIPES / "gpt2-modern.toml").read_text()
+            table = modern.split(f"[algorithms.{name}]", 1)
+            params = table[1].split("\n[", 1)[0] if len(table) == 2 else "\n"
         path = root / f"{arm.removeprefix('+')}.toml"
         path.write_text(
             (RECIPES / "gpt2-baseline.toml").read_text()
-            + f"\n[algorithms.{arm.removeprefix('+')}]{params}\n"
+            + f"\n[algorithms.{name}]{params}\n"
         )
         recipe = str(path)
     dest = root / arm.replace("+", "plus-")
@@ -182,7 +193,7 @@ def main() -> None:
         nargs="+",
         default=[
             *SHIPPED,
-            *(f"+{name}" for name in ALONE),
+            *(f"+{name}" for name in (*ALONE, *ALIBI)),
             *(f"modern+{name}" for name in ON_MODERN),
         ],
     )

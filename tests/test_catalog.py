@@ -38,11 +38,13 @@ def resolved(
 
 def test_shipped_recipes_resolve_with_defaults_filled() -> None:
     speedup = resolve(load_recipe("gpt2-speedup", TEMPLATE), TEMPLATE, "my-gpt")
+    # Catalog order: ALiBi's split follows sequence-length warmup's cut.
     assert list(speedup["algorithms"]) == [
-        "alibi",
         "gradient_clipping",
         "seq_length_warmup",
+        "alibi",
     ]
+    assert speedup["algorithms"]["alibi"] == {"train_sequence_length_scaling": 0.25}
     assert speedup["algorithms"]["seq_length_warmup"] == {
         "duration": "0.3dur",
         "min_len": 8,

@@ -85,3 +85,23 @@ def test_every_algorithm_has_a_row_with_a_verdict() -> None:
 )
 def test_each_cards_differences_equal_the_table(name: str) -> None:
     assert card_differences(name) == table_rows()[name]
+
+
+COMPOSER_RECIPES = [
+    path
+    for path in sorted(TEMPLATES.glob("recipes/*.toml"))
+    if 'model_family = "resnet"' in path.read_text() or path.stem == "bert-sst2"
+]
+
+
+@pytest.mark.parametrize("path", COMPOSER_RECIPES, ids=lambda p: p.stem)
+def test_recipes_cite_the_composer_yaml_they_follow_and_list_differences(
+    path: Path,
+) -> None:
+    """ResNet and BERT recipes name Composer's yaml, and what differs from it: for the
+    ResNets its initialisation and its DecoupledSGDW on every parameter at least."""
+    header = paragraphs(path)[0]
+    assert re.search(r"composer/yamls/\S+\.yaml", header), header
+    assert re.search(r"differen", header, re.IGNORECASE), header
+    if 'model_family = "resnet"' in path.read_text():
+        assert "fan_in" in header and "DecoupledSGDW" in header, header

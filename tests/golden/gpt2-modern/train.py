@@ -481,7 +481,7 @@ def main() -> None:
             # the number of target tokens in the global batch (all ranks), so gradients
             # are the global-batch mean whatever the microbatch size and world size.
             # DDP and FSDP average gradients over ranks: hence the factor world_size.
-            num_tokens = cfg.global_batch_size * targets.shape[1]
+            num_tokens = env.world_size * targets.numel()  # ranks' shares are equal
             loss_scale = env.world_size / num_tokens
             loss_sum = forward_backward(
                 model, inputs, targets, cfg.device_microbatch_size, loss_scale, cfg

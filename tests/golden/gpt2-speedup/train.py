@@ -5,7 +5,7 @@
     python train.py --config run.toml   # keys as in Config below; flags override it
     python train.py --help              # every key, its default and meaning
 
-Algorithms: alibi, gradient_clipping, seq_length_warmup.
+Algorithms: gradient_clipping, seq_length_warmup, alibi.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
 hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end algorithm:
 NAME`. `scaffold upgrade` merges newer template versions in and keeps your edits.
@@ -63,6 +63,11 @@ class Config:
     seq_length_warmup_duration: Time = Time.parse("0.3dur")
     seq_length_warmup_min_len: int = 8  # length at step 0
     # end algorithm: seq_length_warmup
+
+    # algorithm: alibi
+    # Fraction of the length trained on (rows split into 1/it as many shorter rows).
+    alibi_train_sequence_length_scaling: float = 0.25
+    # end algorithm: alibi
 
     # evaluation, logging, checkpoints
     eval_interval: Time = Time.parse("100ba")  # validation loss every ...
@@ -151,6 +156,17 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
         )
     # end algorithm: seq_length_warmup
 
+    # algorithm: alibi
+    config.check_ranges(cfg, alibi_train_sequence_length_scaling="(0, 1]")
+    alibi_pieces = round(1 / cfg.alibi_train_sequence_length_scaling)
+    if abs(alibi_pieces * cfg.alibi_train_sequence_length_scaling - 1) > 1e-6:
+        scaling = cfg.alibi_train_sequence_length_scaling
+        config.fail(
+            f"alibi_train_sequence_length_scaling={scaling} must be 1/k for a whole k "
+            "(0.5, 0.25, 0.125, ...)"
+        )
+    # end algorithm: alibi
+
     # FSDP and DDP need a process group, on one process too (a group of one rank).
     timeout = timedelta(seconds=cfg.dist_timeout)
     dist.init_process_group(env, timeout, required=parallel.parallelism != "none")
@@ -184,6 +200,23 @@ def seq_length_warmup_len(warmup_done: float, min_len: int, max_len: int) -> int
 
 
 # end algorithm: seq_length_warmup
+
+
+# algorithm: alibi
+def alibi_split_rows(batch: torch.Tensor, pieces: int) -> torch.Tensor:
+    """Rows of n + 1 tokens as `pieces` times as many rows of n // pieces + 1 tokens.
+
+    Consecutive pieces share their boundary token (the last input of one is the first of
+    the next), so every target is kept once; tokens past pieces * (n // pieces) are dropped.
+    """
+    length = (batch.shape[1] - 1) // pieces
+    if pieces == 1 or length == 0:
+        return batch
+    kept = batch[:, : pieces * length + 1]
+    return kept.unfold(1, length + 1, length).reshape(-1, length + 1)
+
+
+# end algorithm: alibi
 
 
 @torch.no_grad()
@@ -393,6 +426,16 @@ def main() -> None:
             batch = batch[:, : seq_len + 1]
             # end algorithm: seq_length_warmup
 
+            # algorithm: alibi
+            # ALiBi extrapolates to longer sequences than it trained on (Press et al. 2022), so
+            # train on short rows and evaluate at full length: split each row into
+            # 1/alibi_train_sequence_length_scaling shorter rows (Composer's reshape). The same
+            # tokens and targets per step; each row's context is its own piece.
+            batch = alibi_split_rows(
+                batch, round(1 / cfg.alibi_train_sequence_length_scaling)
+            )
+            # end algorithm: alibi
+
             inputs, targets = batch[:, :-1], batch[:, 1:]
             fraction = progress.fraction(cfg.max_duration)
             lr = lr_at(fraction, cfg, progress.batches_per_epoch)
@@ -402,7 +445,7 @@ def main() -> None:
             # the number of target tokens in the global batch (all ranks), so gradients
             # are the global-batch mean whatever the microbatch size and world size.
             # DDP and FSDP average gradients over ranks: hence the factor world_size.
-            num_tokens = cfg.global_batch_size * targets.shape[1]
+            num_tokens = env.world_size * targets.numel()  # ranks' shares are equal
             loss_scale = env.world_size / num_tokens
             loss_sum = forward_backward(
                 model, inputs, targets, cfg.device_microbatch_size, loss_scale, cfg
@@ -447,7 +490,7 @@ def main() -> None:
                 # end algorithm: gradient_clipping
 
                 # algorithm: seq_length_warmup
-                metrics["seq_len"] = inputs.shape[1]
+                metrics["seq_len"] = seq_len  # the warmup's length this step
                 # end algorithm: seq_length_warmup
 
                 monitor.log(progress, **metrics)
