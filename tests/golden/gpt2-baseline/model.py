@@ -43,7 +43,8 @@ PRESETS: dict[Preset, dict[str, int]] = {
 
 # The depth dial (train.py --depth=N): a dN model is sized by its layer count alone, by
 # nanochat's rule (karpathy/nanochat scripts/base_train.py, --aspect-ratio 64): width =
-# 64 * depth; heads of 64 channels, GPT-2's (nanochat's --head-dim is 128), so d12 is GPT-2.
+# 64 * depth; heads of 64 channels, GPT-2's (nanochat's --head-dim is 128), so d12 is
+# GPT-2.
 ASPECT_RATIO = 64  # width per layer
 HEAD_DIM = 64  # channels per attention head
 # The best batch grows as the token horizon^0.383, at a fixed tokens:parameters ratio as
@@ -52,13 +53,13 @@ BATCH_EXPONENT = 0.383
 
 
 def depth_sizes(depth: int) -> dict[str, int]:
-    """A dN model's layers, heads and width: ASPECT_RATIO * depth wide, HEAD_DIM per head."""
+    """A dN model's sizes: ASPECT_RATIO * depth wide, HEAD_DIM channels per head."""
     width = ASPECT_RATIO * depth
     return dict(n_layer=depth, n_head=width // HEAD_DIM, n_embd=width)
 
 
 def model_sizes(model: str) -> dict[str, int]:
-    """Layers, heads and width of a preset name or of "dN" (depth_sizes); else ValueError."""
+    """Layers, heads and width of a preset or of "dN" (depth_sizes); else ValueError."""
     if model in PRESETS:
         return PRESETS[model]
     if model.startswith("d") and model[1:].isdigit() and int(model[1:]) > 0:
@@ -85,13 +86,13 @@ def depth_dial(cfg: Any) -> tuple[str, int, float]:
 def depth_scaled(
     depth: int, reference: dict[str, int], batch_size: int, lr: float
 ) -> tuple[int, float]:
-    """(global batch size, peak AdamW lr) for a dN model, from those tuned for `reference`.
+    """(global batch size, peak AdamW lr) of a dN model, from those for `reference`.
 
-    nanochat's rules (scripts/base_train.py and gpt.py setup_optimizer), measured from the
-    reference instead of its d12: the batch grows as the parameters^BATCH_EXPONENT (the
-    blocks' matrices, 12 * layers * width^2; nanochat adds the head), rounded to a power
-    of two; the lr grows as sqrt(batch / reference batch) (its batch_lr_scale) and falls as
-    1 / sqrt(width / reference width) (its dmodel_lr_scale for AdamW).
+    nanochat's rules (scripts/base_train.py and gpt.py setup_optimizer), measured from
+    the reference instead of its d12: the batch grows as the parameters^BATCH_EXPONENT
+    (the blocks' matrices, 12 * layers * width^2; nanochat adds the head), rounded to a
+    power of two; the lr grows as sqrt(batch / reference batch) (its batch_lr_scale) and
+    falls as 1 / sqrt(width / reference width) (its dmodel_lr_scale for AdamW).
     """
     sizes = depth_sizes(depth)
     params = 12 * depth * sizes["n_embd"] ** 2
@@ -137,7 +138,7 @@ class LayerCache:
     def extend(
         self, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append this forward's (batch, head, seq, head_dim) keys and values; return all."""
+        """Cache this forward's keys and values; return all keys and values so far."""
         if self.k is not None:
             # Several tokens attend causally only from an empty cache (a prompt).
             assert k.shape[2] == 1, "after the prompt, one token per forward"
@@ -264,11 +265,11 @@ class GPT(nn.Module):
         top_k: int = 0,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """Continue idx (batch, seq) by max_new_tokens sampled tokens (nanoGPT's generate).
+        """Continue idx (batch, seq) with max_new_tokens sampled tokens (nanoGPT's).
 
-        With a key/value cache: the prompt is one forward, then each new token one forward
-        of that token alone. When the context is full, its newest half is read again into
-        a fresh cache (one forward per max_seq_len / 2 tokens).
+        With a key/value cache: the prompt is one forward, then each new token one
+        forward of that token alone. When the context is full, its newest half is read
+        again into a fresh cache (one forward per max_seq_len / 2 tokens).
         """
         context = self.config.max_seq_len
         cache = None

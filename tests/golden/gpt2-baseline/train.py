@@ -43,7 +43,7 @@ class Config:
     depth: int = 0  # >0: model dN, batch and lr rescaled (model.py, depth_dial)
     seq_len: int = 128  # tokens per training sequence
     dropout: float = 0.0
-    # GPT-2 weights to start from (a GPT2LMHeadModel folder or hub id; a resume ignores it)
+    # GPT-2 weights to start from: GPT2LMHeadModel folder or hub id (not on resume)
     init_from: str = ""
     # optimization; Time strings: 10ep, 2000ba (steps), 4096sp, 1e6tok, 0.25dur
     max_duration: Time = Time.parse("600ba")  # training length

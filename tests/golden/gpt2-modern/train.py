@@ -67,7 +67,7 @@ class Config:
     muon_momentum_warmup: Time = Time.parse("0.1dur")  # from 0.85
     muon_weight_decay: float = 0.0
     muon_ns_steps: int = 5  # Newton-Schulz iterations
-    # polar_express: per-step coefficients, nearer to orthogonal (modded-nanogpt record 38)
+    # polar_express: per-step coefficients, nearer orthogonal (modded-nanogpt record 38)
     muon_orthogonalizer: Literal["newton_schulz", "polar_express"] = "newton_schulz"
     # decay only the entries whose update has the weight's sign (record 43)
     muon_cautious_weight_decay: bool = False
@@ -219,9 +219,9 @@ POLAR_EXPRESS = [
 def polar_express(update: torch.Tensor) -> torch.Tensor:
     """About U V^T for update = U S V^T, by Polar Express (Amsel et al. 2025).
 
-    Like the Newton-Schulz quintic, X <- a X + (b A + c A^2) X with A = X X^T, but each of 5
-    steps has its own (a, b, c), chosen so the worst singular value is as close to 1 as
-    a quintic can bring it (modded-nanogpt record 38 and train_gpt.py: num_iters=5,
+    Like the Newton-Schulz quintic, X <- a X + (b A + c A^2) X with A = X X^T, but each
+    of 5 steps has its own (a, b, c), chosen so the worst singular value is as close to
+    1 as a quintic can bring it (modded-nanogpt record 38 and train_gpt.py: num_iters=5,
     safety_factor=2e-2, cushion=2). X starts at spectral norm < 1: Frobenius / 1.02.
     """
     x = update.bfloat16() if update.is_cuda else update.float()

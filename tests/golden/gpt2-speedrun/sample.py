@@ -2,12 +2,12 @@
 
     python sample.py --run=runs/NAME --prompt="def " --max_new_tokens=200
     python sample.py --checkpoint=runs/NAME/checkpoints/step-400    # one checkpoint
-    python sample.py --checkpoint=model.safetensors --run=runs/NAME  # `scaffold export`'s file
+    python sample.py --checkpoint=model.safetensors --run=runs/NAME  # scaffold export
 
 The weights: the run's newest complete checkpoint (saved on any number of ranks and
 assembled here without a process group; the entry the run exports, e.g. EMA's averaged
-weights, unless --entry names another), a checkpoint folder, or a safetensors file written
-by `scaffold export`. The run's
+weights, unless --entry names another), a checkpoint folder, or a safetensors file
+written by `scaffold export`. The run's
 config.toml gives the model preset and the data, and the data the tokenizer: bytes for
 text (the default data), meta.pkl's characters for nanoGPT's .bin; GPT-2 token ids need
 --tokenizer (a Hugging Face tokenizer folder).

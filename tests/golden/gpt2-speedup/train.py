@@ -207,7 +207,8 @@ def alibi_split_rows(batch: torch.Tensor, pieces: int) -> torch.Tensor:
     """Rows of n + 1 tokens as `pieces` times as many rows of n // pieces + 1 tokens.
 
     Consecutive pieces share their boundary token (the last input of one is the first of
-    the next), so every target is kept once; tokens past pieces * (n // pieces) are dropped.
+    the next), so every target is kept once; tokens past pieces * (n // pieces) are
+    dropped.
     """
     length = (batch.shape[1] - 1) // pieces
     if pieces == 1 or length == 0:
@@ -427,10 +428,11 @@ def main() -> None:
             # end algorithm: seq_length_warmup
 
             # algorithm: alibi
-            # ALiBi extrapolates to longer sequences than it trained on (Press et al. 2022), so
-            # train on short rows and evaluate at full length: split each row into
-            # 1/alibi_train_sequence_length_scaling shorter rows (Composer's reshape). The same
-            # tokens and targets per step; each row's context is its own piece.
+            # ALiBi extrapolates to longer sequences than it trained on (Press et al.
+            # 2022), so train on short rows and evaluate at full length: split each row
+            # into 1/alibi_train_sequence_length_scaling shorter rows (Composer's
+            # reshape). The same tokens and targets per step; each row's context is its
+            # own piece.
             batch = alibi_split_rows(
                 batch, round(1 / cfg.alibi_train_sequence_length_scaling)
             )
