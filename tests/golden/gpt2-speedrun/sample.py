@@ -161,16 +161,22 @@ PREVIEW_TOKENS = 64
 
 
 def preview(model: GPT, trained: object) -> str:
-    """train.py's closing lines: what the model writes after a newline (`trained`: its
-    Config: data, seed)."""
+    """train.py's closing lines: what the model writes after a newline, or after the
+    vocabulary's first token where it has no newline (`trained`: its Config: data, seed).
+    """
     try:
         codec = load_codec(trained.data, "")
     except ValueError as error:
         return f"no sample: {error}"
+    encode, decode = codec
+    try:
+        prompt = decode(encode("\n"))
+    except KeyError:  # a meta.pkl vocabulary without a newline
+        prompt = decode([0])
     device = next(model.parameters()).device
     generator = torch.Generator(device).manual_seed(trained.seed)
     args = (PREVIEW_TOKENS, Config.temperature, Config.top_k, generator)
-    text = complete(model, codec, "\n", *args)
+    text = complete(model, codec, prompt, *args)
     return f"a sample (python sample.py --help for more):{text}"
 
 
