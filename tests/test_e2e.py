@@ -149,7 +149,7 @@ def test_algorithm_blocks_are_fenced_and_placed(generated: dict[str, Path]) -> N
         (["--model=gpt5"], "gpt2-medium"),
         (["--global_batch_size=0"], "global_batch_size=0 must be at least 1"),
         (["--max_duration=0.5dur"], "max_duration"),
-        (["--lr_warmup=5ep"], "lr_warmup"),
+        (["--lr_warmup=64sp"], "lr_warmup"),  # samples against batches
         (["--data=/no/such/corpus"], "no such file or folder"),
         (["--seq_length_warmup_min_len=999"], "seq_length_warmup_min_len=999"),
         (["--config", "/no/such.toml"], "/no/such.toml"),
