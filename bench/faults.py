@@ -40,6 +40,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import bench_env, generate  # noqa: E402
 
+# The tests' helper: torchrun's workers are its children in /proc.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from projects import children  # noqa: E402
+
 FAULTS = ("kill-worker", "kill-launcher", "sigterm", "sigusr1")
 SMALL = [
     "--device=cpu",
@@ -84,22 +88,8 @@ def metrics(workdir: Path, run: str) -> list[dict]:
     return rows
 
 
-def workers(launcher: int) -> list[int]:
-    """torchrun's worker processes (its children)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == launcher:
-                found.append(int(entry.name))
-    return sorted(found)
-
-
 def strike(fault: str, launcher: subprocess.Popen) -> None:
-    pids = workers(launcher.pid)
+    pids = sorted(children(launcher.pid))  # the newest pid: the last rank started
     if fault == "kill-worker":
         os.kill(pids[-1], signal.SIGKILL)
     elif fault == "kill-launcher":
