@@ -316,6 +316,19 @@ def test_user_strings_are_escaped_not_pasted(tmp_path: Path) -> None:
             'choices = ["all", 2]',
             "must be of type str",
         ),
+        # `earlier` (the value older projects trained with, kept by `scaffold upgrade`)
+        (
+            "alibi",
+            'earlier = { until = "0.3.0", value = 1.0 }',
+            'earlier = { since = "0.3.0", value = 1.0 }',
+            "has earlier = {'since': '0.3.0', 'value': 1.0}",
+        ),
+        (
+            "randaugment",
+            'earlier = { until = "0.3.0", value = "original" }',
+            'earlier = { until = "0.3.0", value = "first" }',
+            "has earlier value 'first'",
+        ),
     ],
 )
 def test_malformed_declarations_are_catalog_errors(

@@ -204,7 +204,9 @@ def test_a_0_2_0_project_with_a_hand_edit_upgrades_and_resumes_its_checkpoint(
     assert result.changes.conflicted == []
     assert HAND_EDIT[1] in train_py.read_text()
     fresh = tmp_path / "fresh" / "my-gpt"
-    new_project("gpt2-speedup", fresh, [])
+    # The upgrade records the full-length rows 0.2.0 trained (ALiBi's `earlier`), where a
+    # fresh project takes Composer's 0.25.
+    new_project("gpt2-speedup", fresh, ["alibi.train_sequence_length_scaling=1.0"])
     assert train_py.read_text() == (fresh / "train.py").read_text().replace(*HAND_EDIT)
     env = {**checkout_env(), "OMP_NUM_THREADS": "1"}
     resumed = subprocess.run(
@@ -216,7 +218,6 @@ def test_a_0_2_0_project_with_a_hand_edit_upgrades_and_resumes_its_checkpoint(
             f"--max_duration={STEPS}ba",
             "--eval_interval=6ba",
             "--save_interval=6ba",
-            *SINCE["gpt2-speedup"],  # 0.2.0 trained full rows
         ],
         cwd=work,
         env=env,
