@@ -24,6 +24,7 @@ import os
 import re
 import sys
 import textwrap
+import time
 import tokenize
 import tomllib
 import types
@@ -41,6 +42,8 @@ CONFIG_OPTION = "config"
 _TRUE_WORDS = frozenset({"true", "1", "yes", "on"})
 _FALSE_WORDS = frozenset({"false", "0", "no", "off"})
 _HELP_HINT = "run with --help to list keys"
+# How long ranks other than 0 hold a bad-configuration exit for rank 0 to print it (fail).
+VERDICT_WAIT_S = 20.0
 
 
 class ConfigError(ValueError):
@@ -422,10 +425,15 @@ def fail(message: str, status: int = 2) -> typing.NoReturn:
     """Reject a configuration: one `error: ...` line on stderr, exit status 2 (as argparse does;
     `status` for other failures, such as storage).
 
-    Under torchrun every rank reaches the same verdict; only rank 0 prints it.
+    Under torchrun every rank reaches the same verdict; only rank 0 prints it. torchrun
+    stops every rank as soon as one exits, so for a bad configuration (status 2) the other
+    ranks wait up to VERDICT_WAIT_S first: rank 0 prints its line and exits, and torchrun
+    stops them then.
     """
     if os.environ.get("RANK", "0") == "0":
         print("error: " + " ".join(message.splitlines()), file=sys.stderr)
+    elif status == 2:
+        time.sleep(VERDICT_WAIT_S)
     raise SystemExit(status)
 
 

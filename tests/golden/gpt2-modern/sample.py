@@ -162,8 +162,8 @@ PREVIEW_TOKENS = 64
 
 def preview(model: GPT, trained: object) -> str:
     """train.py's closing lines: what the model writes after a newline, or after the
-    vocabulary's first token where it has no newline (`trained`: its Config: data, seed).
-    """
+    vocabulary's first token where it has no newline (`trained`: its Config: data,
+    seed)."""
     try:
         codec = load_codec(trained.data, "")
     except ValueError as error:
