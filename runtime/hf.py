@@ -203,3 +203,28 @@ def _import_model(path: Path) -> Any:
         sys.path.remove(str(path.parent))
         sys.modules.pop(spec.name, None)
     return module
+
+
+def save_pretrained(model: torch.nn.Module, tokenizer: Any, folder: Path) -> None:
+    """Write a trained transformers model and its tokenizer as `save_pretrained` does:
+    a folder `from_pretrained` (and servers that read the hub's format) load.
+
+    Call it on every rank: under FSDP2 each rank holds a shard, so the full weights are
+    gathered (a collective) to rank 0's CPU, which writes; a DDP model is unwrapped.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
+    from torch.nn.parallel import DistributedDataParallel
+
+    module = model.module if isinstance(model, DistributedDataParallel) else model
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(module, options=options)  # every rank takes part
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    if main:
+        module.save_pretrained(folder, state_dict=weights)
+        tokenizer.save_pretrained(folder)
+    if dist.is_initialized():
+        dist.barrier()

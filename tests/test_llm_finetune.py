@@ -1,0 +1,214 @@
+"""The llm_finetune task with the hf_causal model pack: a tiny Llama built from LlamaConfig and a
+BPE tokenizer trained here with `tokenizers` (real transformers code, nothing downloaded);
+chat SFT learns and exports a folder that transformers loads and that answers as the run did;
+answer-only targets; packed rows compute exactly what unpacked rows do; bad input.
+HF_HUB_OFFLINE=1 in every subprocess."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from projects import project_modules, read_metrics, run_train  # noqa: E402
+
+SFT = "llm-sft"
+SMALL = [
+    "--seq_len=128",
+    "--global_batch_size=8",
+    "--device_microbatch_size=4",
+    "--eval_batches=1",
+    "--samples=2",
+    "--sample_tokens=12",
+]
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is a list?"},
+    {"role": "assistant", "content": "A mutable sequence."},
+    {"role": "user", "content": "And a tuple?"},
+    {"role": "assistant", "content": "An immutable one."},
+]
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def samples(log: str) -> list[str]:
+    return re.findall(r"sample: .* -> (.*)", log)
+
+
+def test_sft_learns_and_exports_what_transformers_loads(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
+    """The recipe CI trains end to end: the answer loss falls, samples are logged, and
+    hf/ loads with AutoModelForCausalLM and answers the last sample's question as the run
+    did (greedy, the same tokens)."""
+    project = generated[SFT]
+    args = (*SMALL, "--max_duration=12ba", "--eval_interval=6ba", "--run_name=sft")
+    result = run_train(project, tmp_path, *args)
+    assert result.returncode == 0, result.stderr
+    evals = [r["val_loss"] for r in read_metrics(tmp_path, "sft") if "val_loss" in r]
+    assert len(evals) == 2 and evals[1] < evals[0] - 0.1, evals
+    log = (tmp_path / "runs" / "sft" / "log.txt").read_text()
+    answers = samples(log)
+    assert len(answers) == 4, log
+    folder = tmp_path / "runs" / "sft" / "hf"
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.chat_template and model.config.model_type == "llama"
+    question = re.findall(r"sample: '(.*)' ->", log)[-1]
+    with project_modules(project) as modules:
+        answer = modules["model"].respond(
+            model, tokenizer, [{"role": "user", "content": question}], 12
+        )
+    assert repr(answer) == answers[-1]
+
+
+def test_only_assistant_tokens_are_targets(generated: dict[str, Path]) -> None:
+    with project_modules(generated[SFT]) as modules:
+        data, model = modules["data"], modules["model"]
+        tokenizer = model.load_tokenizer("tiny", data.topic_documents()[0])
+        doc = data.chat_document(CONVERSATION, tokenizer, "test")
+    targets = tokenizer.decode(doc.ids[doc.targets])
+    assert targets == "A mutable sequence.<|end|>\nAn immutable one.<|end|>\n"
+    assert tokenizer.decode(doc.ids) == tokenizer.apply_chat_template(
+        CONVERSATION, tokenize=False
+    )
+
+
+def tiny_pair(modules: dict, pairs: list) -> tuple:
+    """`tiny`'s tokenizer trained on `pairs` and its model (seed 0), for evaluation."""
+    words = [message["content"] for pair in pairs for message in pair]
+    tokenizer = modules["model"].load_tokenizer("tiny", words)
+    torch.manual_seed(0)
+    return tokenizer, modules["model"].load_model("tiny", tokenizer, 256).eval()
+
+
+def test_packed_rows_compute_what_unpacked_rows_do(generated: dict[str, Path]) -> None:
+    """The summed loss over every target, and its count, are the same with several
+    conversations per row (positions restarting) as with one padded row each: no token
+    attends across a document boundary."""
+    with project_modules(generated[SFT]) as modules:
+        data, model_py = modules["data"], modules["model"]
+        pairs = data.topic_pairs()[0][:24]
+        tokenizer = model_py.load_tokenizer(
+            "tiny", [m["content"] for p in pairs for m in p]
+        )
+        torch.manual_seed(0)
+        model = model_py.load_model("tiny", tokenizer, 256).eval()
+        docs = data.tokenize(pairs, tokenizer, "chat")
+        losses = {}
+        for packing in (True, False):
+            rows = data.pack(docs, 256, tokenizer.pad_token_id, packing)
+            batch = rows.take(slice(None))
+            labels = batch.pop("labels")
+            with torch.no_grad():
+                logits = model(**batch, use_cache=False).logits
+            loss = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), labels.flatten(), reduction="sum"
+            )
+            losses[packing] = (len(rows), int((labels != data.IGNORE).sum()), loss)
+    assert losses[True][0] < losses[False][0] / 3  # several conversations per row
+    assert losses[True][1] == losses[False][1]
+    torch.testing.assert_close(losses[True][2], losses[False][2], rtol=1e-5, atol=0)
+
+
+def test_cross_document_attention_would_change_the_loss(
+    generated: dict[str, Path],
+) -> None:
+    """The test above can fail: the same packed rows with positions that do not restart
+    (one causal sequence per row) give another loss."""
+    with project_modules(generated[SFT]) as modules:
+        data, model_py = modules["data"], modules["model"]
+        pairs = data.topic_pairs()[0][:8]
+        tokenizer = model_py.load_tokenizer(
+            "tiny", [m["content"] for p in pairs for m in p]
+        )
+        torch.manual_seed(0)
+        model = model_py.load_model("tiny", tokenizer, 256).eval()
+        rows = data.pack(data.tokenize(pairs, tokenizer, "chat"), 256, 0, True)
+        batch = rows.take(slice(None))
+        labels = batch.pop("labels")
+        with torch.no_grad():
+            packed = model(**batch, use_cache=False).logits
+            batch["position_ids"] = torch.arange(256).expand_as(labels)
+            causal = model(**batch, use_cache=False).logits
+    keep = labels != data.IGNORE
+    assert (packed[keep] - causal[keep]).abs().max() > 1e-3
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_prompt_response_lines_and_bad_lines(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
+    project = generated[SFT]
+    good = [{"prompt": f"q{i}?", "response": f"answer {i}."} for i in range(40)]
+    bad = [*good[:3], {"messages": [{"role": "user", "content": "hello?"}]}]
+    path = write_jsonl(tmp_path / "bad.jsonl", bad)
+    result = run_train(project, tmp_path, *SMALL, f"--data={path}", "--run_name=bad")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: {path} line 4: the conversation has no assistant turn, so nothing to "
+        'learn; add a {"role": "assistant", "content": ...} message or drop the line'
+    ]
+    assert not (tmp_path / "runs" / "bad").exists()
+    path = write_jsonl(tmp_path / "notjson.jsonl", good[:2])
+    path.write_text(path.read_text() + "{oops\n")
+    result = run_train(project, tmp_path, *SMALL, f"--data={path}", "--run_name=bad")
+    assert result.returncode == 2 and "line 3: not JSON" in result.stderr
+    assert not (tmp_path / "runs" / "bad").exists()
+
+
+def test_a_tokenizer_without_a_chat_template(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
+    """One line saying how to give it one; --chat_template=FILE does, and trains."""
+    project = generated[SFT]
+    folder = tmp_path / "plain"
+    with project_modules(project) as modules:
+        data, model_py = modules["data"], modules["model"]
+        tokenizer = model_py.load_tokenizer("tiny", data.topic_documents()[0])
+        template = tokenizer.chat_template
+        tokenizer.chat_template = None
+        model_py.load_model("tiny", tokenizer, 128).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    args = (*SMALL, f"--model={folder}", "--max_duration=1ba", "--eval_interval=1ba")
+    result = run_train(project, tmp_path, *args, "--run_name=plain")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: --model={folder}: its tokenizer has no chat template; pass one with "
+        "--chat_template=FILE (a Jinja template, e.g. the chat_template of an instruct "
+        "model of its family), or train on plain text with --data_format=text"
+    ]
+    assert not (tmp_path / "runs" / "plain").exists()
+    (tmp_path / "chat.jinja").write_text(template)
+    result = run_train(project, tmp_path, *args, "--chat_template=chat.jinja")
+    assert result.returncode == 0, result.stderr
+    assert "from pretrained" not in result.stderr
+
+
+@pytest.mark.slow
+def test_continued_pretraining_recipe(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
+    """Plain text, every token a target: the loss falls; hf/ loads."""
+    project = generated["llm-continued-pretraining"]
+    args = (*SMALL, "--max_duration=16ba", "--eval_interval=8ba", "--run_name=cpt")
+    result = run_train(project, tmp_path, *args)
+    assert result.returncode == 0, result.stderr
+    evals = [r["val_loss"] for r in read_metrics(tmp_path, "cpt") if "val_loss" in r]
+    assert evals[1] < evals[0] - 0.3, evals
+    assert "sample:" not in (tmp_path / "runs" / "cpt" / "log.txt").read_text()
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "cpt" / "hf")
