@@ -212,3 +212,129 @@ def test_continued_pretraining_recipe(
     assert evals[1] < evals[0] - 0.3, evals
     assert "sample:" not in (tmp_path / "runs" / "cpt" / "log.txt").read_text()
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "cpt" / "hf")
+
+
+LORA = "llm-lora"
+LORA_SMALL = [*SMALL[:4], "--samples=1", "--sample_tokens=8", "--max_duration=2ba"]
+
+
+def last_sample(workdir: Path, run_name: str) -> tuple[str, str]:
+    log = (workdir / "runs" / run_name / "log.txt").read_text()
+    return re.findall(r"sample: '(.*)' -> (.*)", log)[-1]
+
+
+def test_lora_checkpoints_adapters_and_exports_merged_or_adapter(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
+    """Only the adapters are trained and checkpointed; hf/ holds the merged model
+    (AutoModelForCausalLM) or the adapter (PeftModel on the base), and either answers as
+    the run did. A target that matches no module is one line."""
+    peft = pytest.importorskip("peft")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    project = generated[LORA]
+    result = run_train(project, tmp_path, *LORA_SMALL, "--lora_targets=nope")
+    assert result.returncode == 2
+    assert result.stderr.startswith(
+        "error: --lora_targets=nope matches no module of the model; its linear layers "
+        "are named down_proj,gate_proj,k_proj,lm_head,o_proj,q_proj,up_proj,v_proj"
+    ), result.stderr
+    for export in ("merged", "adapter"):
+        args = (*LORA_SMALL, "--eval_interval=2ba", f"--lora_export={export}")
+        result = run_train(project, tmp_path, *args, f"--run_name={export}")
+        assert result.returncode == 0, result.stderr
+    # The checkpoint's model entry: the adapters' weights, nothing of the frozen model.
+    step = tmp_path / "runs" / "merged" / "checkpoints" / "step-2"
+    keys = FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    weights = [k for k in keys if k.startswith("model.")]
+    assert weights and all(".lora_A." in k or ".lora_B." in k for k in weights), weights
+    question, answer = last_sample(tmp_path, "merged")
+    messages = [{"role": "user", "content": question}]
+    folder = tmp_path / "runs" / "merged" / "hf"
+    merged = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    with project_modules(project) as modules:
+        assert repr(modules["model"].respond(merged, tokenizer, messages, 8)) == answer
+        # The adapter on its base: `tiny` is built from the seed, as the run built it.
+        data, model_py = modules["data"], modules["model"]
+        folder = tmp_path / "runs" / "adapter" / "hf"
+        assert (folder / "adapter_config.json").is_file()
+        texts = data.load_texts("", "", "chat", 42)
+        tokenizer = model_py.load_tokenizer("tiny", texts.words())
+        torch.manual_seed(42)
+        base = model_py.load_model("tiny", tokenizer, 128)
+        adapted = peft.PeftModel.from_pretrained(base, folder)
+        question, answer = last_sample(tmp_path, "adapter")
+        messages = [{"role": "user", "content": question}]
+        assert repr(model_py.respond(adapted, tokenizer, messages, 8)) == answer
+
+
+def test_a_model_too_large_for_the_sharding(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
+    """A 70B-parameter Llama's config (no weights): one line naming the memory per rank,
+    before any weight is read or anything written."""
+    project = generated[SFT]
+    folder = tmp_path / "huge"
+    config = transformers.LlamaConfig(
+        hidden_size=8192,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        intermediate_size=28672,
+        vocab_size=128256,
+    )
+    config.save_pretrained(folder)
+    with project_modules(project) as modules:
+        tokenizer = modules["model"].load_tokenizer("tiny", ["some text"] * 4)
+    tokenizer.save_pretrained(folder)
+    result = run_train(
+        project, tmp_path, *SMALL, f"--model={folder}", "--run_name=huge"
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: --model={folder} needs about 1,051.3 GiB per rank for its fp32 weights, "
+        "gradients and AdamW state over 1 rank(s), but a cpu here has "
+    ), lines
+    assert lines[0].endswith("or train LoRA adapters (scaffold set lora=true)")
+    assert not (tmp_path / "runs" / "huge").exists()
+
+
+def test_trainable_only_checkpoints_leave_frozen_weights_out(tmp_path: Path) -> None:
+    """Checkpointer(trainable_only=True): the frozen weight and its tied alias are not
+    saved and a resume leaves them as built; the trainable ones come back."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from runtime import checkpoint
+    from runtime.time import Progress
+
+    def build() -> tuple:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 8)
+        )
+        model[2].weight = model[0].weight  # tied, as an LM head
+        model[0].weight.requires_grad_(False)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return model, torch.optim.AdamW(trainable, lr=0.1)
+
+    model, optimizer = build()
+    model(torch.arange(8)).sum().backward()
+    optimizer.step()
+    progress = Progress(batches_per_epoch=4)
+    progress.advance(samples=1, tokens=1)
+    saver = checkpoint.Checkpointer(tmp_path, trainable_only=True)
+    path = saver.save(dict(model=model, optimizer=optimizer, progress=progress))
+    saver.close()
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    weights = sorted(k for k in keys if k.startswith("model."))
+    assert weights == ["model.1.bias", "model.1.weight", "model.2.bias"], weights
+    fresh, fresh_optimizer = build()
+    embedding = fresh[0].weight.detach().clone()
+    state = dict(model=fresh, optimizer=fresh_optimizer, progress=Progress(4))
+    assert checkpoint.Checkpointer(tmp_path, trainable_only=True).resume(state)
+    torch.testing.assert_close(fresh[1].weight, model[1].weight, rtol=0, atol=0)
+    assert (
+        torch.equal(fresh[0].weight, embedding) and fresh[2].weight is fresh[0].weight
+    )

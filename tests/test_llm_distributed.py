@@ -1,0 +1,97 @@
+"""llm_finetune with LoRA under torchrun: FSDP2 on 2 CPU ranks (the frozen model sharded per
+decoder layer, activation checkpointing on, the adapters trained) logs one process's losses,
+exports the same merged model, and its adapter-only step-2 checkpoint resumes on one process
+(elastic) to the same end. One torchrun launch. Tolerances as in test_distributed.py
+(reduction order)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+import torch  # noqa: E402
+
+from projects import checkout_env, read_metrics, run_train  # noqa: E402
+
+SMALL = [
+    "--seq_len=64",
+    "--global_batch_size=8",
+    "--device_microbatch_size=2",
+    "--eval_batches=1",
+    "--samples=1",
+    "--sample_tokens=6",
+    "--max_duration=4ba",
+    "--eval_interval=2ba",
+    "--save_interval=2ba",
+    "--dist_timeout=60",
+    "--save_num_checkpoints_to_keep=0",
+]
+
+
+def compared(workdir: Path, run_name: str) -> list[tuple]:
+    return [
+        (r["step"], r["loss"], r.get("val_loss"))
+        for r in read_metrics(workdir, run_name)
+    ]
+
+
+def test_lora_on_fsdp2_matches_one_process_and_resumes_on_one(
+    generated: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    project = generated["llm-lora"]
+    one = run_train(project, tmp_path, *SMALL, "--run_name=one")
+    assert one.returncode == 0, one.stderr
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(project / "train.py"),
+        "--device=cpu",
+        *SMALL,
+        "--parallelism=fsdp",
+        "--activation_checkpointing=true",
+        "--run_name=two",
+    ]
+    two = subprocess.run(
+        command,
+        cwd=tmp_path,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert two.returncode == 0, two.stdout + two.stderr
+    assert "4 FSDP units" in two.stdout and two.stdout.count("done: step 4") == 1
+    reference = compared(tmp_path, "one")
+    assert [r[0] for r in reference] == [1, 2, 3, 4]
+    for ours, theirs in zip(compared(tmp_path, "two"), reference, strict=True):
+        assert ours == pytest.approx(theirs, rel=1e-5)
+    # The merged export gathered the shards: the same weights as one process's.
+    merged = {
+        name: transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "runs" / name / "hf"
+        ).state_dict()
+        for name in ("one", "two")
+    }
+    for key, value in merged["one"].items():
+        torch.testing.assert_close(merged["two"][key], value, rtol=0, atol=1e-5)
+
+    # Elastic: the 2-rank run's step-2 checkpoint (adapters only) resumes on one process.
+    elastic = tmp_path / "runs" / "elastic" / "checkpoints"
+    step = tmp_path / "runs" / "two" / "checkpoints" / "step-2"
+    shutil.copytree(step, elastic / "step-2")
+    resumed = run_train(project, tmp_path, *SMALL, "--run_name=elastic")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout
+    ends = [r for r in compared(tmp_path, "elastic") if r[0] == 4]
+    assert ends and ends[0] == pytest.approx(reference[-1], rel=1e-5)
