@@ -1,8 +1,8 @@
 """Training data: plain text or conversations, tokenized by the model's own tokenizer,
 packed into rows, and a resumable batch order.
 
-`--data_format=text` (continued pretraining) reads a text file or a folder of text files,
-one document per file; every token is a target. `--data_format=chat` (instruction
+`--data_format=text` (continued pretraining) reads a text file or a folder of text
+files, one document per file; every token is a target. `--data_format=chat` (instruction
 tuning) reads JSON Lines, one conversation per line: `{"messages": [{"role": "user",
 "content": ...}, {"role": "assistant", "content": ...}, ...]}` or `{"prompt": ...,
 "response": ...}`, rendered with the tokenizer's chat template; only the assistant's
@@ -140,8 +140,8 @@ def conversation(row: object, where: str) -> list[dict]:
         )
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(
-            f"{where}: the conversation has no assistant turn, so nothing to learn; add a "
-            + '{"role": "assistant", "content": ...} message or drop the line'
+            f"{where}: the conversation has no assistant turn, so nothing to learn; "
+            + 'add a {"role": "assistant", "content": ...} message or drop the line'
         )
     return messages
 
@@ -151,10 +151,8 @@ def topic_documents() -> tuple[list[str], str]:
     from pydoc_data import topics
 
     texts = [topics.topics[key] for key in sorted(topics.topics)]
-    return (
-        texts,
-        f"pydoc_data.topics (Python {sys.version.split()[0]}): {len(texts)} topics, sha256 {digest(texts)}",
-    )
+    python = f"pydoc_data.topics (Python {sys.version.split()[0]})"
+    return texts, f"{python}: {len(texts)} topics, sha256 {digest(texts)}"
 
 
 def topic_pairs() -> tuple[list[list[dict]], str]:
@@ -175,8 +173,11 @@ def topic_pairs() -> tuple[list[list[dict]], str]:
                     {"role": "assistant", "content": answer},
                 ]
             )
-    source = f"pydoc_data.topics (Python {sys.version.split()[0]}): {len(pairs)} question/answer pairs, sha256 {digest(pairs)}"
-    return pairs, source
+    python = f"pydoc_data.topics (Python {sys.version.split()[0]})"
+    return (
+        pairs,
+        f"{python}: {len(pairs)} question/answer pairs, sha256 {digest(pairs)}",
+    )
 
 
 def digest(items: list) -> str:
@@ -200,7 +201,8 @@ def tokenize(items: list, tokenizer, data_format: str) -> list[Document]:
 
 
 def text_document(text: str, tokenizer) -> Document:
-    """Start token (if the tokenizer has one), the text's tokens, end token: all targets."""
+    """Start token (if the tokenizer has one), the text's tokens, end token: all are
+    targets."""
     ids = tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
     if tokenizer.bos_token_id is not None:
         ids = [tokenizer.bos_token_id] + ids
@@ -224,8 +226,8 @@ def chat_document(messages: list[dict], tokenizer, where: str) -> Document:
             upto = render(tokenizer, messages[: i + 1])
             if not (upto.startswith(before) and text.startswith(upto)):
                 raise ValueError(
-                    f"{where}: the chat template does not render the turns as prefixes of "
-                    "the whole conversation, so the answers cannot be found; use a "
+                    f"{where}: the chat template does not render the turns as prefixes "
+                    "of the whole conversation, so the answers cannot be found; use a "
                     "template that appends turn by turn (--chat_template=FILE)"
                 )
             spans.append((len(before), len(upto)))
@@ -325,7 +327,7 @@ class Batches:
     def get(
         self, epoch: int, index: int, rank: int = 0, world_size: int = 1
     ) -> dict[str, torch.Tensor]:
-        """This rank's share of batch `index` of `epoch`: (batch/world, seq_len) each."""
+        """This rank's share of batch `index` of `epoch`: (batch/world, seq_len)."""
         share = self.batch_size // world_size
         batch = self.rows.take(
             self.ids(epoch, index)[rank * share : (rank + 1) * share]

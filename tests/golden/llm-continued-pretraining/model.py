@@ -98,7 +98,7 @@ def load_tokenizer(name: str, texts: list[str]) -> transformers.PreTrainedTokeni
 
 
 def load_model(name: str, tokenizer, max_seq_len: int) -> nn.Module:
-    """A causal LM: `tiny` built from LlamaConfig (seeded by the caller), else loaded."""
+    """A causal LM: `tiny` from LlamaConfig (seeded by the caller), else loaded."""
     if name == "tiny":
         config = transformers.LlamaConfig(
             vocab_size=len(tokenizer),
@@ -116,8 +116,8 @@ def load_model(name: str, tokenizer, max_seq_len: int) -> nn.Module:
 
 
 def load_pretrained(name: str, tokenizer, max_seq_len: int) -> nn.Module:
-    """A hub id's or a saved folder's model in fp32 (autocast computes in bf16 on a GPU),
-    checked against its tokenizer and its length."""
+    """A hub id's or a saved folder's model in fp32 (autocast computes in bf16 on a
+    GPU), checked against its tokenizer and its length."""
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             name, dtype=torch.float32
@@ -138,6 +138,21 @@ def load_pretrained(name: str, tokenizer, max_seq_len: int) -> nn.Module:
             f"use --seq_len={positions} or less"
         )
     return model
+
+
+def training_bytes(name: str, frozen: bool = False) -> int:
+    """Bytes the fp32 weights of `name` take in training with their gradients and
+    AdamW's two moments: 16 per parameter (`frozen`, the weights alone: 4). Counted
+    from its config on the meta device, so nothing is loaded; 0 for `tiny`."""
+    if name == "tiny":
+        return 0
+    try:
+        config = transformers.AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as error:
+        raise ModelError(not_found(name, "config", error)) from None
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters()) * (4 if frozen else 16)
 
 
 def not_found(name: str, what: str, error: Exception) -> str:

@@ -1,4 +1,4 @@
-"""Train my-gpt: fine-tune a Hugging Face causal language model (recipe `llm-continued-pretraining`).
+"""Train my-gpt: fine-tune a causal LM (recipe `llm-continued-pretraining`).
 
     python train.py                     # CPU or one GPU: tiny Llama, embedded data
     python train.py --model=Qwen/Qwen2.5-0.5B --data=chats.jsonl --data_format=chat
@@ -14,6 +14,7 @@ NAME`. `scaffold upgrade` merges newer template versions in and keeps your edits
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from data import IGNORE, Batches, load_texts, pack, tokenize, val_batches
-from model import load_model, load_tokenizer, respond, transformer_blocks
+from model import (
+    load_model,
+    load_tokenizer,
+    respond,
+    training_bytes,
+    transformer_blocks,
+)
 from runtime import checkpoint, config, dist, early_stop, fsdp, hf, microbatch, preempt
 from runtime import profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum, training_flops
@@ -87,10 +94,8 @@ class Config:
     hybrid_shard_size: int = 0  # HYBRID_SHARD group size; 0: processes per node
     # auto: amp_bf16 (autocast, fp32 weights) on CUDA, fp32 on the CPU
     precision: Literal["auto", "fp32", "amp_bf16", "bf16"] = "auto"
-    activation_checkpointing: bool = (
-        False  # recompute decoder layer activations in backward
-    )
-    # torch.compile each decoder layer in place (keys unchanged); auto: on CUDA, off on the CPU
+    activation_checkpointing: bool = False  # recompute layer activations in backward
+    # torch.compile each layer in place (keys unchanged); auto: on CUDA, off on the CPU
     compile: bool | Literal["auto"] = "auto"
     cpu_offload: bool = False  # FSDP parameters and optimizer step on the CPU (CUDA)
     dist_timeout: int = 600  # seconds a collective waits before the job fails
@@ -160,6 +165,29 @@ def split_rows(
         {name: tensor[i : i + size] for name, tensor in inputs.items()}
         for i in range(0, len(inputs["input_ids"]), size)
     ]
+
+
+def fits(
+    needed: int, cfg: Config, env: dist.DistEnv, parallel: fsdp.ParallelConfig
+) -> str | None:
+    """None, or why `needed` bytes of training state (activations come on top) do not
+    fit this device's memory once FSDP shards them over the ranks."""
+    ranks = env.world_size if parallel.parallelism == "fsdp" else 1
+    ranks = 1 if cfg.sharding_strategy == "NO_SHARD" else ranks
+    if env.device.type == "cuda" and not cfg.cpu_offload:
+        memory = torch.cuda.get_device_properties(env.device).total_memory
+    else:  # the CPU's memory
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed / ranks <= memory:
+        return None
+    return (
+        f"--model={cfg.model} needs about {needed / ranks / 2**30:,.1f} GiB per rank "
+        f"for its fp32 weights, gradients and AdamW state over {ranks} rank(s), but a "
+        f"{env.device.type} here has "
+        f"{memory / 2**30:,.1f} GiB; shard it over more ranks (torchrun "
+        "--nproc_per_node=N, FSDP) or offload to the CPU (--cpu_offload)"
+        ", or train LoRA adapters (scaffold set lora=true)"
+    )
 
 
 def log_samples(model, tokenizer, prompts: list, cfg: Config, monitor: Monitor) -> None:
@@ -268,11 +296,15 @@ def main() -> None:
             tokenizer.chat_template = Path(cfg.chat_template).read_text()
         if cfg.data_format == "chat" and not tokenizer.chat_template:
             raise ValueError(
-                f"--model={cfg.model}: its tokenizer has no chat template; pass one with "
-                "--chat_template=FILE (a Jinja template, e.g. the chat_template of an "
-                "instruct model of its family), or train on plain text with "
+                f"--model={cfg.model}: its tokenizer has no chat template; pass one "
+                "with --chat_template=FILE (a Jinja template, e.g. the chat_template "
+                "of an instruct model of its family), or train on plain text with "
                 "--data_format=text"
             )
+        # Before loading: the weights, gradients and AdamW state must fit on a device.
+        problem = fits(training_bytes(cfg.model), cfg, env, parallel)
+        if problem:
+            raise ValueError(problem)
         model = load_model(cfg.model, tokenizer, cfg.seq_len)
         pad_id = tokenizer.pad_token_id
         pad_id = tokenizer.eos_token_id if pad_id is None else pad_id
@@ -372,7 +404,7 @@ def main() -> None:
     monitor.open_trackers(cfg.trackers, config.to_toml(cfg))  # rank 0 writes them
     monitor.info(f"data: {texts.source}")
     monitor.info(
-        f"rows of {cfg.seq_len} tokens ({'packed' if cfg.packing else 'one document each'}): "
+        f"rows of {cfg.seq_len} tokens ({'packed' if cfg.packing else 'padded'}): "
         f"{len(train_rows):,} train, {len(val_rows):,} validation"
     )
     monitor.info(

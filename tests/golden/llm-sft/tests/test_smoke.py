@@ -1,4 +1,4 @@
-"""Smoke tests: CPU steps of the tiny Llama on the embedded data; a resumed run equals a whole one."""
+"""Smoke tests: CPU steps of the tiny Llama; a resumed run equals a whole one."""
 
 from __future__ import annotations
 
