@@ -22,6 +22,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 from data import IGNORE, Batches, load_texts, pack, tokenize, val_batches
 from model import (
@@ -192,10 +193,17 @@ def fits(
 
 def log_samples(model, tokenizer, prompts: list, cfg: Config, monitor: Monitor) -> None:
     """The model's answers to held-out questions, in the log (every rank generates:
-    under FSDP each forward gathers the weights)."""
+    under FSDP each layer's forward gathers its weights)."""
+    # generate() may call inner modules rather than the root's forward (peft does), so
+    # under FSDP the root's own weights (embeddings, head) are gathered here by hand.
+    gathered = isinstance(model, FSDPModule)
+    if gathered:
+        model.unshard()
     for messages in prompts:
         answer = respond(fsdp.unwrap(model), tokenizer, messages, cfg.sample_tokens)
         monitor.info(f"sample: {messages[-1]['content']!r} -> {answer!r}")
+    if gathered:
+        model.reshard()
 
 
 @torch.no_grad()
