@@ -1,8 +1,9 @@
-"""llm_finetune with LoRA under torchrun: FSDP2 on 2 CPU ranks (the frozen model sharded per
-decoder layer, activation checkpointing on, the adapters trained) logs one process's losses,
-exports the same merged model, and its adapter-only step-2 checkpoint resumes on one process
-(elastic) to the same end. One torchrun launch. Tolerances as in test_distributed.py
-(reduction order)."""
+"""llm_finetune under torchrun: FSDP2 on 2 CPU ranks (the model sharded per decoder layer,
+activation checkpointing on) logs one process's losses, exports the same weights (gathered
+from the shards; with LoRA, merged), and its step-2 checkpoint resumes on one process
+(elastic 2 -> 1) to the same end. llm-sft trains every weight (every run); llm-lora
+(--slow) only the adapters, checkpointed without the frozen model. One torchrun launch per
+recipe. Tolerances as in test_distributed.py (reduction order)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from pathlib import Path
 import pytest
 
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("peft")
 
 import torch  # noqa: E402
 
@@ -42,11 +42,19 @@ def compared(workdir: Path, run_name: str) -> list[tuple]:
     ]
 
 
-def test_lora_on_fsdp2_matches_one_process_and_resumes_on_one(
-    generated: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    "recipe", ["llm-sft", pytest.param("llm-lora", marks=pytest.mark.slow)]
+)
+def test_fsdp2_matches_one_process_and_resumes_on_one(
+    recipe: str,
+    generated: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    if recipe == "llm-lora":
+        pytest.importorskip("peft")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    project = generated["llm-lora"]
+    project = generated[recipe]
     one = run_train(project, tmp_path, *SMALL, "--run_name=one")
     assert one.returncode == 0, one.stderr
     command = [
@@ -76,7 +84,7 @@ def test_lora_on_fsdp2_matches_one_process_and_resumes_on_one(
     assert [r[0] for r in reference] == [1, 2, 3, 4]
     for ours, theirs in zip(compared(tmp_path, "two"), reference, strict=True):
         assert ours == pytest.approx(theirs, rel=1e-5)
-    # The merged export gathered the shards: the same weights as one process's.
+    # The export gathered the shards: the same weights as one process's.
     merged = {
         name: transformers.AutoModelForCausalLM.from_pretrained(
             tmp_path / "runs" / name / "hf"
@@ -86,7 +94,7 @@ def test_lora_on_fsdp2_matches_one_process_and_resumes_on_one(
     for key, value in merged["one"].items():
         torch.testing.assert_close(merged["two"][key], value, rtol=0, atol=1e-5)
 
-    # Elastic: the 2-rank run's step-2 checkpoint (adapters only) resumes on one process.
+    # Elastic: the 2-rank run's step-2 checkpoint resumes on one process.
     elastic = tmp_path / "runs" / "elastic" / "checkpoints"
     step = tmp_path / "runs" / "two" / "checkpoints" / "step-2"
     shutil.copytree(step, elastic / "step-2")

@@ -45,14 +45,36 @@ def samples(log: str) -> list[str]:
     return re.findall(r"sample: .* -> (.*)", log)
 
 
+def save_without_template(project: Path, folder: Path) -> str:
+    """`tiny` (random, seeded) saved with save_pretrained, its tokenizer without a chat
+    template, as many base models come; returns the template it had."""
+    with project_modules(project) as modules:
+        data, model_py = modules["data"], modules["model"]
+        tokenizer = model_py.load_tokenizer("tiny", data.topic_documents()[0])
+        template = tokenizer.chat_template
+        tokenizer.chat_template = None
+        torch.manual_seed(0)
+        model_py.load_model("tiny", tokenizer, 128).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return template
+
+
 def test_sft_learns_and_exports_what_transformers_loads(
-    generated: dict[str, Path], tmp_path: Path
+    generated: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
 ) -> None:
-    """The recipe CI trains end to end: the answer loss falls, samples are logged, and
-    hf/ loads with AutoModelForCausalLM and answers the last sample's question as the run
-    did (greedy, the same tokens)."""
+    """The recipe CI trains end to end, from a save_pretrained folder whose tokenizer has
+    no chat template (--chat_template=FILE gives it one): the answer loss falls, samples
+    are logged, hf/ loads with AutoModelForCausalLM (the template kept), and README's
+    `python sample.py --run=runs/NAME` answers the last sample's question as the run did
+    (greedy, the same tokens)."""
     project = generated[SFT]
-    args = (*SMALL, "--max_duration=12ba", "--eval_interval=6ba", "--run_name=sft")
+    template = save_without_template(project, tmp_path / "base")
+    (tmp_path / "chat.jinja").write_text(template)
+    args = (*SMALL, "--model=base", "--chat_template=chat.jinja")
+    args = (*args, "--max_duration=12ba", "--eval_interval=6ba", "--run_name=sft")
     result = run_train(project, tmp_path, *args)
     assert result.returncode == 0, result.stderr
     evals = [r["val_loss"] for r in read_metrics(tmp_path, "sft") if "val_loss" in r]
@@ -63,13 +85,17 @@ def test_sft_learns_and_exports_what_transformers_loads(
     folder = tmp_path / "runs" / "sft" / "hf"
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    assert tokenizer.chat_template and model.config.model_type == "llama"
+    assert tokenizer.chat_template == template and model.config.model_type == "llama"
     question = re.findall(r"sample: '(.*)' ->", log)[-1]
+    run = tmp_path / "runs" / "sft"
+    args = [f"--run={run}", f"--prompt={question}", "--temperature=0"]
+    monkeypatch.setattr("sys.argv", ["sample.py", *args, "--max_new_tokens=12"])
     with project_modules(project) as modules:
-        answer = modules["model"].respond(
-            model, tokenizer, [{"role": "user", "content": question}], 12
-        )
-    assert repr(answer) == answers[-1]
+        modules["sample"].main()
+    first, printed = capsys.readouterr().out.split("\n", 1)
+    assert first == f"sampling from {run / 'hf'} (chat prompt)"
+    assert printed.endswith("\n" + "-" * 15 + "\n"), printed
+    assert repr(printed[: -len("-" * 15) - 2]) == answers[-1]
 
 
 def test_only_assistant_tokens_are_targets(generated: dict[str, Path]) -> None:
@@ -166,26 +192,23 @@ def test_prompt_response_lines_and_bad_lines(
     assert not (tmp_path / "runs" / "bad").exists()
     path = write_jsonl(tmp_path / "notjson.jsonl", good[:2])
     path.write_text(path.read_text() + "{oops\n")
-    result = run_train(project, tmp_path, *SMALL, f"--data={path}", "--run_name=bad")
-    assert result.returncode == 2 and "line 3: not JSON" in result.stderr
-    assert not (tmp_path / "runs" / "bad").exists()
+    with project_modules(project) as modules:
+        with pytest.raises(
+            ValueError, match=f"^{re.escape(str(path))} line 3: not JSON"
+        ):
+            modules["data"].read_conversations(path)
 
 
 def test_a_tokenizer_without_a_chat_template(
     generated: dict[str, Path], tmp_path: Path
 ) -> None:
-    """One line saying how to give it one; --chat_template=FILE does, and trains."""
+    """One line saying how to give it one (the test above trains with it), nothing
+    written."""
     project = generated[SFT]
     folder = tmp_path / "plain"
-    with project_modules(project) as modules:
-        data, model_py = modules["data"], modules["model"]
-        tokenizer = model_py.load_tokenizer("tiny", data.topic_documents()[0])
-        template = tokenizer.chat_template
-        tokenizer.chat_template = None
-        model_py.load_model("tiny", tokenizer, 128).save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-    args = (*SMALL, f"--model={folder}", "--max_duration=1ba", "--eval_interval=1ba")
-    result = run_train(project, tmp_path, *args, "--run_name=plain")
+    save_without_template(project, folder)
+    args = (*SMALL, f"--model={folder}", "--max_duration=1ba", "--run_name=plain")
+    result = run_train(project, tmp_path, *args)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"error: --model={folder}: its tokenizer has no chat template; pass one with "
@@ -193,10 +216,6 @@ def test_a_tokenizer_without_a_chat_template(
         "model of its family), or train on plain text with --data_format=text"
     ]
     assert not (tmp_path / "runs" / "plain").exists()
-    (tmp_path / "chat.jinja").write_text(template)
-    result = run_train(project, tmp_path, *args, "--chat_template=chat.jinja")
-    assert result.returncode == 0, result.stderr
-    assert "from pretrained" not in result.stderr
 
 
 @pytest.mark.slow
@@ -223,22 +242,51 @@ def last_sample(workdir: Path, run_name: str) -> tuple[str, str]:
     return re.findall(r"sample: '(.*)' -> (.*)", log)[-1]
 
 
+NOPE = (
+    "--lora_targets=nope matches no module of the model; its linear layers are named "
+    "down_proj,gate_proj,k_proj,lm_head,o_proj,q_proj,up_proj,v_proj (or use all-linear)"
+)
+
+
+def test_lora_targets_that_match_no_module(generated: dict[str, Path]) -> None:
+    """The error names the model's linear layers (train.py's one line: the slow test)."""
+    pytest.importorskip("peft")
+    with project_modules(generated[LORA]) as modules:
+        model_py = modules["model"]
+        tokenizer = model_py.load_tokenizer("tiny", ["a few words"] * 4)
+        model = model_py.load_model("tiny", tokenizer, 64)
+        with pytest.raises(ValueError) as error:
+            model_py.add_lora(model, 8, 16.0, 0.0, "nope")
+    assert str(error.value) == NOPE
+
+
+def sample_main(
+    modules: dict, monkeypatch: pytest.MonkeyPatch, capsys, *args: str
+) -> str:
+    """`python sample.py ARGS` in this process: its greedy answer, as the log writes it."""
+    monkeypatch.setattr("sys.argv", ["sample.py", "--temperature=0", *args])
+    modules["sample"].main()
+    return repr(capsys.readouterr().out.split("\n", 1)[1][: -len("-" * 15) - 2])
+
+
+@pytest.mark.slow
 def test_lora_checkpoints_adapters_and_exports_merged_or_adapter(
-    generated: dict[str, Path], tmp_path: Path
+    generated: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
 ) -> None:
     """Only the adapters are trained and checkpointed; hf/ holds the merged model
     (AutoModelForCausalLM) or the adapter (PeftModel on the base), and either answers as
-    the run did. A target that matches no module is one line."""
+    the run did, also through sample.py (an adapter on --base)."""
     peft = pytest.importorskip("peft")
     from torch.distributed.checkpoint import FileSystemReader
 
     project = generated[LORA]
     result = run_train(project, tmp_path, *LORA_SMALL, "--lora_targets=nope")
     assert result.returncode == 2
-    assert result.stderr.startswith(
-        "error: --lora_targets=nope matches no module of the model; its linear layers "
-        "are named down_proj,gate_proj,k_proj,lm_head,o_proj,q_proj,up_proj,v_proj"
-    ), result.stderr
+    assert result.stderr.strip().splitlines() == [f"error: {NOPE}"]
+    assert not (tmp_path / "runs").exists()
     for export in ("merged", "adapter"):
         args = (*LORA_SMALL, "--eval_interval=2ba", f"--lora_export={export}")
         result = run_train(project, tmp_path, *args, f"--run_name={export}")
@@ -263,10 +311,28 @@ def test_lora_checkpoints_adapters_and_exports_merged_or_adapter(
         tokenizer = model_py.load_tokenizer("tiny", texts.words())
         torch.manual_seed(42)
         base = model_py.load_model("tiny", tokenizer, 128)
+        base.save_pretrained(tmp_path / "base")  # for sample.py below
         adapted = peft.PeftModel.from_pretrained(base, folder)
         question, answer = last_sample(tmp_path, "adapter")
         messages = [{"role": "user", "content": question}]
         assert repr(model_py.respond(adapted, tokenizer, messages, 8)) == answer
+        # sample.py: the merged folder as is; the adapter only on a base it can load.
+        run = tmp_path / "runs" / "adapter"
+        args = (f"--run={run}", f"--prompt={question}", "--max_new_tokens=8")
+        with pytest.raises(SystemExit) as exit:
+            sample_main(modules, monkeypatch, capsys, *args)
+        assert exit.value.code == 2
+        assert (
+            "is a LoRA adapter whose base model has no name" in capsys.readouterr().err
+        )
+        base_arg = f"--base={tmp_path / 'base'}"
+        assert sample_main(modules, monkeypatch, capsys, *args, base_arg) == answer
+        question, answer = last_sample(tmp_path, "merged")
+        args = (f"--run={run.parent / 'merged'}", f"--prompt={question}")
+        assert (
+            sample_main(modules, monkeypatch, capsys, *args, "--max_new_tokens=8")
+            == answer
+        )
 
 
 def test_a_model_too_large_for_the_sharding(
