@@ -223,11 +223,16 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-@torch.no_grad()
 def respond(
-    model: nn.Module, tokenizer, messages: list[dict], max_new_tokens: int
+    model: nn.Module,
+    tokenizer,
+    messages: list[dict],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
 ) -> str:
-    """The model's greedy answer to a conversation (rendered with the chat template).
+    """The model's answer to a conversation (rendered with the chat template): greedy,
+    or drawn at `temperature` (see `complete`).
 
     Under FSDP every rank runs this with the same prompt and the same gathered weights,
     so every rank stops at the same token and runs the same forwards (each all-gathers).
@@ -235,14 +240,37 @@ def respond(
     text = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
     )
-    prompt = tokenizer(text, add_special_tokens=False, return_tensors="pt")
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    return complete(model, tokenizer, ids, max_new_tokens, temperature, top_k).strip()
+
+
+@torch.no_grad()
+def complete(
+    model: nn.Module,
+    tokenizer,
+    ids: list[int],
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+) -> str:
+    """The text the model writes after the token `ids` (transformers' `generate`, with
+    its key/value cache), up to its end token or `max_new_tokens`: the most likely token
+    each time at temperature 0, else drawn from the `top_k` most likely (0: all) with
+    logits / temperature. The model's own generation_config (top_p, ...) is overridden.
+    """
+    if temperature > 0:
+        rule = dict(
+            do_sample=True, temperature=temperature, top_k=top_k or None, top_p=1.0
+        )
+    else:
+        rule = dict(do_sample=False, temperature=None, top_k=None, top_p=None)
     device = next(model.parameters()).device
+    prompt = torch.tensor([ids], device=device)
     output = model.generate(
-        prompt.input_ids.to(device),
-        attention_mask=prompt.attention_mask.to(device),
-        do_sample=False,
+        prompt,
+        attention_mask=torch.ones_like(prompt),
         max_new_tokens=max_new_tokens,
         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+        **rule,
     )
-    answer = output[0, prompt.input_ids.shape[1] :]
-    return tokenizer.decode(answer, skip_special_tokens=True).strip()
+    return tokenizer.decode(output[0, len(ids) :], skip_special_tokens=True)
