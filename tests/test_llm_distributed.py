@@ -3,7 +3,8 @@ activation checkpointing on) logs one process's losses, exports the same weights
 from the shards; with LoRA, merged), and its step-2 checkpoint resumes on one process
 (elastic 2 -> 1) to the same end. llm-sft trains every weight (every run); llm-lora
 (--slow) only the adapters, checkpointed without the frozen model. One torchrun launch per
-recipe. Tolerances as in test_distributed.py (reduction order)."""
+recipe; under --slow also DDP resuming a one-process checkpoint on 2 ranks (elastic
+1 -> 2). Tolerances as in test_distributed.py (reduction order)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,21 @@ def compared(workdir: Path, run_name: str) -> list[tuple]:
     ]
 
 
+def torchrun(project: Path, workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    """train.py on 2 CPU ranks (torchrun --standalone) with SMALL and `args`."""
+    script = str(project / "train.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node=2", script, "--device=cpu", *SMALL, *args]
+    return subprocess.run(
+        command,
+        cwd=workdir,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
 @pytest.mark.parametrize(
     "recipe", ["llm-sft", pytest.param("llm-lora", marks=pytest.mark.slow)]
 )
@@ -57,27 +73,8 @@ def test_fsdp2_matches_one_process_and_resumes_on_one(
     project = generated[recipe]
     one = run_train(project, tmp_path, *SMALL, "--run_name=one")
     assert one.returncode == 0, one.stderr
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(project / "train.py"),
-        "--device=cpu",
-        *SMALL,
-        "--parallelism=fsdp",
-        "--activation_checkpointing=true",
-        "--run_name=two",
-    ]
-    two = subprocess.run(
-        command,
-        cwd=tmp_path,
-        env=checkout_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    args = ("--parallelism=fsdp", "--activation_checkpointing=true", "--run_name=two")
+    two = torchrun(project, tmp_path, *args)
     assert two.returncode == 0, two.stdout + two.stderr
     assert "4 FSDP units" in two.stdout and two.stdout.count("done: step 4") == 1
     reference = compared(tmp_path, "one")
@@ -103,3 +100,24 @@ def test_fsdp2_matches_one_process_and_resumes_on_one(
     assert "resumed from" in resumed.stdout
     ends = [r for r in compared(tmp_path, "elastic") if r[0] == 4]
     assert ends and ends[0] == pytest.approx(reference[-1], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_ddp_resumes_a_one_process_checkpoint_on_two(
+    generated: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Elastic 1 -> 2 with DDP: llm-sft's one-process step-2 checkpoint (full weights)
+    resumes on 2 ranks and logs the one-process run's steps 3 and 4."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    project = generated["llm-sft"]
+    one = run_train(project, tmp_path, *SMALL, "--run_name=one")
+    assert one.returncode == 0, one.stderr
+    step = tmp_path / "runs" / "one" / "checkpoints" / "step-2"
+    shutil.copytree(step, tmp_path / "runs" / "ddp" / "checkpoints" / "step-2")
+    ddp = torchrun(project, tmp_path, "--parallelism=ddp", "--run_name=ddp")
+    assert ddp.returncode == 0, ddp.stdout + ddp.stderr
+    assert "resumed from" in ddp.stdout
+    reference = compared(tmp_path, "one")[2:]
+    assert [r[0] for r in reference] == [3, 4]
+    for ours, theirs in zip(compared(tmp_path, "ddp"), reference, strict=True):
+        assert ours == pytest.approx(theirs, rel=1e-5)
