@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from projects import checkout_env, read_metrics, run_train  # noqa: E402
+from projects import read_metrics, run_train, torchrun  # noqa: E402
 
 SMALL = [
     "--seq_len=64",
@@ -43,19 +42,10 @@ def compared(workdir: Path, run_name: str) -> list[tuple]:
     ]
 
 
-def torchrun(project: Path, workdir: Path, *args: str) -> subprocess.CompletedProcess:
+def launch(project: Path, workdir: Path, *args: str) -> subprocess.CompletedProcess:
     """train.py on 2 CPU ranks (torchrun --standalone) with SMALL and `args`."""
-    script = str(project / "train.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc_per_node=2", script, "--device=cpu", *SMALL, *args]
-    return subprocess.run(
-        command,
-        cwd=workdir,
-        env=checkout_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    script = project / "train.py"
+    return torchrun(workdir, 2, script, "--device=cpu", *SMALL, *args, timeout=600)
 
 
 @pytest.mark.parametrize(
@@ -74,7 +64,7 @@ def test_fsdp2_matches_one_process_and_resumes_on_one(
     one = run_train(project, tmp_path, *SMALL, "--run_name=one")
     assert one.returncode == 0, one.stderr
     args = ("--parallelism=fsdp", "--activation_checkpointing=true", "--run_name=two")
-    two = torchrun(project, tmp_path, *args)
+    two = launch(project, tmp_path, *args)
     assert two.returncode == 0, two.stdout + two.stderr
     assert "4 FSDP units" in two.stdout and two.stdout.count("done: step 4") == 1
     reference = compared(tmp_path, "one")
@@ -114,7 +104,7 @@ def test_ddp_resumes_a_one_process_checkpoint_on_two(
     assert one.returncode == 0, one.stderr
     step = tmp_path / "runs" / "one" / "checkpoints" / "step-2"
     shutil.copytree(step, tmp_path / "runs" / "ddp" / "checkpoints" / "step-2")
-    ddp = torchrun(project, tmp_path, "--parallelism=ddp", "--run_name=ddp")
+    ddp = launch(project, tmp_path, "--parallelism=ddp", "--run_name=ddp")
     assert ddp.returncode == 0, ddp.stdout + ddp.stderr
     assert "resumed from" in ddp.stdout
     reference = compared(tmp_path, "one")[2:]
