@@ -224,3 +224,48 @@ def _import_model(path: Path) -> Any:
         sys.path.remove(str(path.parent))
         sys.modules.pop(spec.name, None)
     return module
+
+
+def save_pretrained(
+    model: torch.nn.Module, tokenizer: Any, folder: Path, merge: bool = False
+) -> None:
+    """Write a trained transformers model and its tokenizer as `save_pretrained` does:
+    a folder `from_pretrained` (and servers that read the hub's format) load. A peft
+    model writes its adapter (`PeftModel.from_pretrained(base, folder)` loads it), or with
+    `merge` the model with the adapters merged into its weights (plain transformers).
+
+    Call it on every rank: under FSDP2 each rank holds a shard, so the full weights are
+    gathered (a collective) to rank 0's CPU, which writes; a DDP model is unwrapped.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
+    from torch.nn.parallel import DistributedDataParallel
+
+    module = model.module if isinstance(model, DistributedDataParallel) else model
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(module, options=options)  # every rank takes part
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if merge:
+            module = _merged(module, weights)
+            weights = module.state_dict()
+        module.save_pretrained(folder, state_dict=weights)
+        tokenizer.save_pretrained(folder)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _merged(peft_model: Any, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A CPU copy of a peft model holding `weights` (its full state dict), its adapters
+    merged into the weights they adapt (peft's merge_and_unload): a plain transformers
+    model. Built anew because a sharded model's own parameters are shards."""
+    import peft
+    import transformers
+
+    config = peft_model.get_base_model().config
+    copy = transformers.AutoModelForCausalLM.from_config(config)
+    copy = peft.get_peft_model(copy, peft_model.peft_config["default"])
+    copy.load_state_dict(weights)
+    return copy.merge_and_unload()

@@ -37,7 +37,12 @@ from runtime.time import Progress
 
 
 def load(
-    path: Path, state: dict[str, Any], *, seed: int = 0, restore_rng: bool = True
+    path: Path,
+    state: dict[str, Any],
+    *,
+    seed: int = 0,
+    restore_rng: bool = True,
+    trainable_only: bool = False,
 ) -> Resumed:
     """Restore a checkpoint saved on any world size into the objects of `state`.
 
@@ -63,7 +68,7 @@ def load(
     metadata = reading.read_metadata(path)
     found = contents.sources(path, state, train_state, metadata)
     through_dcp = {name: state[name] for name, where in found.items() if where == "dcp"}
-    loaded = contents.state_dicts(through_dcp)
+    loaded = contents.state_dicts(through_dcp, trainable_only)
     contents.check_saved(path, metadata, through_dcp, loaded)
     reading.check_files(path, metadata)
     if through_dcp:
@@ -74,7 +79,7 @@ def load(
             "; if its files are damaged, delete it to resume "
             "from the previous complete checkpoint",
         )
-    contents.restore(path, state, found, loaded, train_state)
+    contents.restore(path, state, found, loaded, train_state, trainable_only)
     step = int(train_state["progress"]["batch"])
     rng_file = path / f"rng-rank{dist.rank()}.pt"
     rng_restored = (
@@ -173,6 +178,9 @@ class Checkpointer:
     `state` maps names to modules, optimizers and objects with state dicts (see `contents`).
     `export` names the module entry of `state` whose weights `scaffold export` writes out (an
     entry holding averaged weights, say); every checkpoint records it in train_state.json.
+    `trainable_only`: modules are saved and loaded without their frozen (requires_grad
+    False) parameters, which the model's construction rebuilds (LoRA adapters on a frozen
+    pretrained model: checkpoints hold the adapters).
     """
 
     def __init__(
@@ -182,6 +190,7 @@ class Checkpointer:
         keep: int = 0,
         async_save: bool = False,
         export: str = "model",
+        trainable_only: bool = False,
     ) -> None:
         self.remote = storage.Remote(str(folder)) if storage.is_remote(folder) else None
         self.location = (
@@ -195,6 +204,7 @@ class Checkpointer:
         self.keep = keep
         self.async_save = async_save
         self.export = export
+        self.trainable_only = trainable_only  # modules: requires_grad parameters only
         self.origin: str | None = None  # carried into every checkpoint of this run
         self.last_complete: str | None = None  # where a rerun would resume from
         self._pending: tuple[str, Future] | None = (
@@ -353,9 +363,15 @@ class Checkpointer:
                 for name, value in state.items()
                 if isinstance(value, torch.nn.Module)
             }
-            resumed = load(path, modules, seed=seed, restore_rng=False)
+            resumed = load(
+                path,
+                modules,
+                seed=seed,
+                restore_rng=False,
+                trainable_only=self.trainable_only,
+            )
         else:
-            resumed = load(path, state, seed=seed)
+            resumed = load(path, state, seed=seed, trainable_only=self.trainable_only)
         resumed.weights_only, resumed.notes = weights_only, notes
         return resumed
 
@@ -416,7 +432,7 @@ class Checkpointer:
             return path  # e.g. the final save landing on a save_interval step
         if self.remote is not None and target == self.last_complete:
             return target
-        saved, plain = contents.split(state)
+        saved, plain = contents.split(state, self.trainable_only)
         train_state = {
             "progress": plain.pop("progress"),
             "world_size": dist.world_size(),

@@ -25,8 +25,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -113,14 +115,38 @@ def is_plain(value: Any) -> bool:
     return False
 
 
-def state_dicts(state: dict[str, Any]) -> dict[str, Any]:
+def module_options(trainable_only: bool = False) -> StateDictOptions:
+    """How modules are saved and loaded: every parameter, or (`trainable_only`, e.g. LoRA
+    adapters on a frozen model) only those with requires_grad: a frozen parameter never
+    changes, and is rebuilt where the model is built (from_pretrained), so checkpoints stay
+    small; loading then leaves the frozen ones as they are."""
+    return StateDictOptions(
+        ignore_frozen_params=trainable_only, strict=not trainable_only
+    )
+
+
+def _frozen_names(module: nn.Module) -> set[str]:
+    """Every name of a frozen parameter, tied aliases included (DCP's
+    ignore_frozen_params keeps a tied weight's second name, e.g. a tied lm_head)."""
+    inner = module.module if isinstance(module, DistributedDataParallel) else module
+    named = inner.named_parameters(remove_duplicate=False)
+    return {name for name, param in named if not param.requires_grad}
+
+
+def state_dicts(state: dict[str, Any], trainable_only: bool = False) -> dict[str, Any]:
     """The state dict of every entry, as DCP saves (or loads into) it; TypeError for an entry
     that cannot be saved."""
     result = {}
     for name, value in state.items():
         _check_entry(name, value)
         if isinstance(value, nn.Module):
-            result[name] = get_model_state_dict(value)
+            options = module_options(trainable_only)
+            result[name] = get_model_state_dict(value, options=options)
+            if trainable_only:  # a tied alias of a frozen weight (lm_head) too
+                frozen = _frozen_names(value)
+                result[name] = {
+                    k: v for k, v in result[name].items() if k not in frozen
+                }
         elif _optimizers(value) is not None:
             result[name] = get_optimizer_state_dict(
                 _module_of(state, name), _optimizers(value)
@@ -130,10 +156,12 @@ def state_dicts(state: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def split(
+    state: dict[str, Any], trainable_only: bool = False
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The state dicts to save: (through DCP, into train_state.json); see the module
     docstring. TypeError for an entry that cannot be saved."""
-    saved = state_dicts(state)
+    saved = state_dicts(state, trainable_only)
     plain = {
         name: saved.pop(name)
         for name, value in state.items()
@@ -180,6 +208,7 @@ def restore(
     found: dict[str, str],
     loaded: dict[str, Any],
     train_state: dict[str, Any],
+    trainable_only: bool = False,
 ) -> None:
     """Load into the objects of `state`: DCP's `loaded` (`state_dicts` of the "dcp"
     entries, filled by DCP), the others' state dicts from train_state.json."""
@@ -192,7 +221,8 @@ def restore(
     for name, value in state.items():
         source = found.get(name)
         if source == "dcp" and isinstance(value, nn.Module):
-            set_model_state_dict(value, loaded[name])
+            options = module_options(trainable_only)
+            set_model_state_dict(value, loaded[name], options=options)
         elif source == "dcp" and _optimizers(value) is None:
             value.load_state_dict(loaded[name])
         elif source == "json":

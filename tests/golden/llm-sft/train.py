@@ -1,0 +1,530 @@
+"""Train my-gpt: fine-tune a causal LM (recipe `llm-sft`).
+
+    python train.py                     # CPU or one GPU: tiny Llama, embedded data
+    python train.py --model=Qwen/Qwen2.5-0.5B --data=chats.jsonl --data_format=chat
+    python train.py --config run.toml   # keys as in Config below; flags override it
+    python train.py --help              # every key, its default and meaning
+
+Algorithms: none.
+This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
+hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end algorithm:
+NAME`. `scaffold upgrade` merges newer template versions in and keeps your edits.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+
+from data import IGNORE, Batches, load_texts, pack, tokenize, val_batches
+from model import (
+    load_model,
+    load_tokenizer,
+    respond,
+    training_bytes,
+    transformer_blocks,
+)
+from runtime import checkpoint, config, dist, early_stop, fsdp, hf, microbatch, preempt
+from runtime import profile, runlock, trackers
+from runtime.monitor import Monitor, RunningSum, training_flops
+from runtime.time import Progress, Time, as_fraction, check_fraction
+
+
+@dataclass
+class Config:
+    run_name: str = "my-gpt"  # runs/<run_name>/; rerunning a name resumes it
+    seed: int = 42  # a run is a function of (config, seed)
+    # data: "" Python's documentation (offline); text: a text file or folder of them;
+    # chat: JSON Lines of {"messages": [...]} or {"prompt": ..., "response": ...}
+    data: str = ""
+    val_data: str = ""  # validation file; "": a seeded 10% of --data
+    data_format: Literal["text", "chat"] = "chat"  # text: every token
+    # a Jinja chat template file for a tokenizer without one ("": the tokenizer's own)
+    chat_template: str = ""
+    packing: bool = True  # several documents per row (each attends only to itself)
+    device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
+    # model: tiny (offline: a small random Llama), a hub id, or a save_pretrained folder
+    model: str = "tiny"
+    seq_len: int = 256  # tokens per row; longer documents are cut
+    # optimization; Time strings: 3ep, 2000ba (steps), 4096sp, 1e6tok, 0.25dur
+    max_duration: Time = Time.parse("12ep")  # training length
+    global_batch_size: int = 16  # samples per step, summed over ranks
+    # samples per forward/backward (gradient accumulation over the rank's batch)
+    device_microbatch_size: int | Literal["auto"] = 8
+    lr: float = 0.003  # peak learning rate (AdamW)
+    lr_warmup: Time = Time.parse("0.05dur")  # linear from 0, then cosine
+    min_lr_ratio: float = 0.1  # the cosine decays to min_lr_ratio * lr
+    weight_decay: float = 0.0  # decoupled, weight matrices only
+    beta1: float = 0.9
+    beta2: float = 0.95
+
+    # evaluation, logging, checkpoints
+    eval_interval: Time = Time.parse("4ep")  # validation loss every ...
+    eval_batches: int = 4  # validation batches per evaluation
+    samples: int = 2  # chat: held-out questions answered at each evaluation (logged)
+    sample_tokens: int = 48  # at most this many tokens per answer (greedy)
+    log_interval: Time = Time.parse("1ba")  # a metrics.jsonl line every ...
+    trackers: str = ""  # also log to: tensorboard,mlflow,wandb
+    # early stopping: when early_stop_metric (e.g. val_loss; "": never)
+    # has not improved by more than early_stop_min_delta for early_stop_patience
+    early_stop_metric: str = ""
+    early_stop_patience: Time = Time.parse("0.1dur")
+    early_stop_min_delta: float = 0.0
+    early_stop_mode: Literal["min", "max"] = "min"  # min: lower is better (losses)
+    profile: str = ""  # START:END, e.g. 20ba:25ba: torch.profiler traces of those steps
+    save_interval: Time = Time.parse("4ep")  # and at the end
+    save_num_checkpoints_to_keep: int = 2  # older ones are deleted; 0 keeps all
+    save_folder: str = ""  # "": runs/<run_name>/checkpoints
+    save_async: bool = False  # write checkpoints while training goes on
+    autoresume: bool = True  # continue from the newest checkpoint of this run
+    load_path: str = ""  # start from this checkpoint (or run folder); any world size
+    load_weights_only: bool = False  # load_path's model weights only (fine-tuning)
+    # parallelism: `torchrun --nproc_per_node=N train.py` runs this script on N ranks
+    parallelism: Literal["auto", "none", "ddp", "fsdp"] = "auto"  # auto: fsdp if N > 1
+    sharding_strategy: Literal[
+        "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"
+    ] = "FULL_SHARD"
+    hybrid_shard_size: int = 0  # HYBRID_SHARD group size; 0: processes per node
+    # auto: amp_bf16 (autocast, fp32 weights) on CUDA, fp32 on the CPU
+    precision: Literal["auto", "fp32", "amp_bf16", "bf16"] = "auto"
+    activation_checkpointing: bool = False  # recompute layer activations in backward
+    # torch.compile each layer in place (keys unchanged); auto: on CUDA, off on the CPU
+    compile: bool | Literal["auto"] = "auto"
+    cpu_offload: bool = False  # FSDP parameters and optimizer step on the CPU (CUDA)
+    dist_timeout: int = 600  # seconds a collective waits before the job fails
+
+
+def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
+    """Check the config against this launch, then join the process group (if any);
+    each problem is one `error:` line and exit status 2, before anything is read."""
+    with config.failing(ValueError):
+        env = dist.environment(cfg.device)  # rank, world size, device, from torchrun
+    parallel = fsdp.ParallelConfig(
+        parallelism=fsdp.resolve_parallelism(cfg.parallelism, env.world_size),
+        sharding_strategy=cfg.sharding_strategy,
+        precision=fsdp.resolve_precision(cfg.precision, env.device),
+        activation_checkpointing=cfg.activation_checkpointing,
+        cpu_offload=cfg.cpu_offload,
+        hybrid_shard_size=cfg.hybrid_shard_size,
+        compile=fsdp.resolve_compile(cfg.compile, env.device),
+    )
+    # `auto` settled for this device: the run's config.toml records what ran.
+    cfg.precision, cfg.compile = parallel.precision, parallel.compile
+    problem = fsdp.check(parallel, env)
+    problem = problem or microbatch.check(cfg.device_microbatch_size, auto=False)
+    problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
+    problem = problem or early_stop.check(
+        cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_min_delta
+    )
+    if problem:
+        config.fail(problem)
+    for name in ("seq_len", "global_batch_size", "eval_batches", "sample_tokens"):
+        if getattr(cfg, name) < 1:
+            config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
+    if cfg.samples < 0:
+        config.fail(f"samples={cfg.samples} must be 0 (none) or more")
+    if cfg.global_batch_size % env.world_size:
+        config.fail(
+            f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
+            f"size {env.world_size}; pick a multiple of {env.world_size}"
+        )
+    with config.failing(ValueError, prefix="lr_warmup: "):
+        check_fraction(cfg.lr_warmup, cfg.max_duration)
+
+    # FSDP and DDP need a process group, on one process too (a group of one rank).
+    timeout = timedelta(seconds=cfg.dist_timeout)
+    dist.init_process_group(env, timeout, required=parallel.parallelism != "none")
+    if env.device.type == "cuda":
+        # TF32 tensor cores for fp32 matmuls (10-bit mantissa products, fp32 sums).
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+    return env, parallel
+
+
+def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
+    """Learning rate after `fraction` of training: linear warmup, then cosine decay."""
+    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration, batches_per_epoch)
+    if fraction < warmup:
+        return cfg.lr * fraction / warmup
+    decayed = (fraction - warmup) / max(1.0 - warmup, 1e-9)
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * decayed))
+
+
+def split_rows(
+    inputs: dict[str, torch.Tensor], size: int
+) -> list[dict[str, torch.Tensor]]:
+    """Microbatches of `size` rows of every tensor of the batch."""
+    return [
+        {name: tensor[i : i + size] for name, tensor in inputs.items()}
+        for i in range(0, len(inputs["input_ids"]), size)
+    ]
+
+
+def fits(
+    needed: int, cfg: Config, env: dist.DistEnv, parallel: fsdp.ParallelConfig
+) -> str | None:
+    """None, or why `needed` bytes of training state (activations come on top) do not
+    fit this device's memory once FSDP shards them over the ranks."""
+    ranks = env.world_size if parallel.parallelism == "fsdp" else 1
+    ranks = 1 if cfg.sharding_strategy == "NO_SHARD" else ranks
+    if env.device.type == "cuda" and not cfg.cpu_offload:
+        memory = torch.cuda.get_device_properties(env.device).total_memory
+    else:  # the CPU's memory
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed / ranks <= memory:
+        return None
+    return (
+        f"--model={cfg.model} needs about {needed / ranks / 2**30:,.1f} GiB per rank "
+        f"for its fp32 weights, gradients and AdamW state over {ranks} rank(s), but a "
+        f"{env.device.type} here has "
+        f"{memory / 2**30:,.1f} GiB; shard it over more ranks (torchrun "
+        "--nproc_per_node=N, FSDP) or offload to the CPU (--cpu_offload)"
+        ", or train LoRA adapters (scaffold set lora=true)"
+    )
+
+
+def log_samples(model, tokenizer, prompts: list, cfg: Config, monitor: Monitor) -> None:
+    """The model's answers to held-out questions, in the log (every rank generates:
+    under FSDP each layer's forward gathers its weights)."""
+    # generate() may call inner modules rather than the root's forward (peft does), so
+    # under FSDP the root's own weights (embeddings, head) are gathered here by hand.
+    gathered = isinstance(model, FSDPModule)
+    if gathered:
+        model.unshard()
+    for messages in prompts:
+        answer = respond(fsdp.unwrap(model), tokenizer, messages, cfg.sample_tokens)
+        monitor.info(f"sample: {messages[-1]['content']!r} -> {answer!r}")
+    if gathered:
+        model.reshard()
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    batches: list[dict[str, torch.Tensor]],
+    cfg: Config,
+    env: dist.DistEnv,
+) -> float:
+    """Mean loss per target token (chat: per answer token) over the validation batches.
+
+    Each rank scores its share of every batch; the loss sums are added over ranks.
+    Every rank runs the same number of forwards (under FSDP each one all-gathers the
+    weights): a share short of rows is padded with copies of a row, left out of the sum.
+    """
+    model.eval()
+    loss_sum = torch.zeros((), device=env.device, dtype=torch.float64)
+    for batch in batches:
+        shares = {name: dist.padded_share(rows, env) for name, rows in batch.items()}
+        real = shares["labels"][1]
+        share = {name: rows.to(env.device) for name, (rows, _) in shares.items()}
+        for start in range(
+            0, real and len(share["labels"]), cfg.device_microbatch_size
+        ):
+            micro = {
+                name: rows[start : start + cfg.device_microbatch_size]
+                for name, rows in share.items()
+            }
+            labels = micro.pop("labels")[: max(real - start, 0)]  # padding rows last
+            with torch.autocast(env.device.type, torch.bfloat16, enabled=is_amp(cfg)):
+                logits = model(**micro, use_cache=False).logits[: len(labels)]
+            loss_sum += F.cross_entropy(
+                logits.flatten(0, 1).float(),
+                labels.flatten(),
+                ignore_index=IGNORE,
+                reduction="sum",
+            )
+    model.train()
+    num_targets = sum(int((batch["labels"] != IGNORE).sum()) for batch in batches)
+    return dist.reduce_sum(loss_sum).item() / num_targets
+
+
+def is_amp(cfg: Config) -> bool:
+    """Autocast: bf16 compute on fp32 weights (precision=amp_bf16)."""
+    return cfg.precision == "amp_bf16"
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    targets: torch.Tensor,
+    microbatch_size: int,
+    loss_scale: float,
+    cfg: Config,
+) -> torch.Tensor:
+    """Forward and backward over this rank's batch in microbatches of `microbatch_size`
+    rows, gradients adding up in .grad (reduced over ranks in the last backward)."""
+    loss_sum = torch.zeros((), device=targets.device)
+    microbatches = list(
+        zip(split_rows(inputs, microbatch_size), targets.split(microbatch_size))
+    )
+    for i, (micro_inputs, micro_targets) in enumerate(microbatches):
+        # event: MICROBATCH_START
+
+        # Reduce gradients over ranks once, in the last backward.
+        fsdp.sync_gradients(model, i == len(microbatches) - 1)
+        with torch.autocast(targets.device.type, torch.bfloat16, enabled=is_amp(cfg)):
+            logits = model(**micro_inputs, use_cache=False).logits
+
+        # event: AFTER_FORWARD
+
+        loss = F.cross_entropy(
+            logits.flatten(0, 1).float(),
+            micro_targets.flatten(),
+            ignore_index=IGNORE,  # not a target: a question, the padding
+            reduction="sum",
+        )
+
+        # event: LOSS
+
+        (loss * loss_scale).backward()
+        loss_sum += loss.detach()
+    return loss_sum
+
+
+def main() -> None:
+    # event: INIT
+
+    cfg = config.parse(Config)
+    env, parallel = setup(cfg)  # one process, or one of torchrun's N
+    torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
+    run_dir = Path("runs") / cfg.run_name
+    # A missing path, a bad line, no such model (model.ModelError is a ValueError).
+    with config.failing(OSError, ValueError):
+        texts = load_texts(cfg.data, cfg.val_data, cfg.data_format, cfg.seed)
+        tokenizer = load_tokenizer(cfg.model, texts.words())
+        if cfg.chat_template:
+            tokenizer.chat_template = Path(cfg.chat_template).read_text()
+        if cfg.data_format == "chat" and not tokenizer.chat_template:
+            raise ValueError(
+                f"--model={cfg.model}: its tokenizer has no chat template; pass one "
+                "with --chat_template=FILE (a Jinja template, e.g. the chat_template "
+                "of an instruct model of its family), or train on plain text with "
+                "--data_format=text"
+            )
+        # Before loading: the weights, gradients and AdamW state must fit on a device.
+        problem = fits(training_bytes(cfg.model), cfg, env, parallel)
+        if problem:
+            raise ValueError(problem)
+        model = load_model(cfg.model, tokenizer, cfg.seq_len)
+        pad_id = tokenizer.pad_token_id
+        pad_id = tokenizer.eos_token_id if pad_id is None else pad_id
+        train_rows, val_rows = (
+            pack(
+                tokenize(items, tokenizer, cfg.data_format),
+                cfg.seq_len,
+                pad_id,
+                cfg.packing,
+            )
+            for items in (texts.train, texts.val)
+        )
+        train_batches = Batches(
+            train_rows,
+            cfg.global_batch_size,
+            cfg.seed,
+            pin_memory=env.device.type == "cuda",
+        )
+        val = val_batches(val_rows, cfg.global_batch_size, cfg.eval_batches)
+    # Chat: held-out conversations up to their last answer, answered at each evaluation.
+    prompts = []
+    if cfg.data_format == "chat":
+        prompts = [messages[:-1] for messages in texts.val[: cfg.samples]]
+    model = model.to(env.device)
+    num_params = sum(p.numel() for p in model.parameters())
+
+    # One live start per run (a requeue racing a dying job is refused): an OS lock that
+    # kill -9 releases, taken after all input is read (bad input leaves no run folder).
+    with config.failing(runlock.RunInUse):
+        run_lock = runlock.acquire(run_dir)
+
+    # event: MODEL
+
+    # Training FLOPs per token, for MFU (GPUs only): one row's forward, counted by
+    # torch, x3 for the backward, over its tokens.
+    example = torch.zeros(1, cfg.seq_len, dtype=torch.long, device=env.device)
+    flops_per_token = training_flops(model, {"input_ids": example}) / cfg.seq_len
+    # Shard or replicate for the launch: FSDP2 per decoder layer then the root, DDP, or
+    # nothing. The layers are the model's own `_no_split_modules` (model.py).
+    blocks = transformer_blocks(model)
+    model = fsdp.parallelize(model, blocks, env, parallel)
+
+    # AdamW over the trainable parameters; decoupled weight decay on weight matrices
+    # only (norms' gains and biases have none).
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    no_decay = [p for p in trainable if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for p in trainable if p.dim() >= 2]},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        weight_decay=cfg.weight_decay,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        fused=env.device.type == "cuda" and not cfg.cpu_offload,  # one kernel (CUDA)
+    )
+    # The log, metrics.jsonl, progress bar and trackers (rank 0 writes them).
+    monitor = Monitor(run_dir, cfg.max_duration, cfg.global_batch_size, env.is_main)
+    progress = Progress(batches_per_epoch=train_batches.batches_per_epoch)
+    stopper = early_stop.EarlyStopper(
+        cfg.early_stop_metric,
+        cfg.early_stop_patience,
+        cfg.early_stop_min_delta,
+        cfg.early_stop_mode,
+        log=monitor.info,
+    )
+    # What a checkpoint holds: entries with state_dict() and load_state_dict(). An
+    # algorithm with state of its own (EMA weights) adds one at OPTIMIZER, and may name
+    # the entry `scaffold export` writes out for inference (by default "model").
+    state = dict(model=model, optimizer=optimizer, progress=progress, stopper=stopper)
+    checkpointer = checkpoint.Checkpointer(
+        cfg.save_folder or run_dir / "checkpoints",
+        keep=cfg.save_num_checkpoints_to_keep,
+        async_save=cfg.save_async,
+    )
+
+    # event: OPTIMIZER
+
+    # Resume: load_path, else this run's newest complete checkpoint, restores all of
+    # `state` and the RNG, saved on any number of ranks. The batch order is a function
+    # of progress (the global sample cursor): nothing is replayed.
+    with config.failing(checkpoint.CheckpointError):  # names the file or the keys
+        resumed = checkpointer.resume(
+            state,
+            load_path=cfg.load_path,
+            weights_only=cfg.load_weights_only,
+            autoresume=cfg.autoresume,
+            seed=cfg.seed,
+        )
+    monitor.start(progress)  # metrics.jsonl and the progress bar from where training is
+    monitor.record_run(config.to_toml(cfg), Path(__file__), env.device, env.world_size)
+    monitor.measure(
+        env.device, env.world_size, cfg.precision, flops_per_token=flops_per_token
+    )
+    monitor.open_trackers(cfg.trackers, config.to_toml(cfg))  # rank 0 writes them
+    monitor.info(f"data: {texts.source}")
+    monitor.info(
+        f"rows of {cfg.seq_len} tokens ({'packed' if cfg.packing else 'padded'}): "
+        f"{len(train_rows):,} train, {len(val_rows):,} validation"
+    )
+    monitor.info(
+        f"model: {cfg.model}, {num_params:,} parameters, {len(blocks)} FSDP units"
+    )
+    monitor.info(f"parallelism: {parallel.parallelism}, {env.world_size} process(es)")
+    for line in resumed.describe() if resumed else []:
+        monitor.info(line)
+
+    train_loss = RunningSum(env.device)  # summed on the device, read at logged steps
+    profiler = profile.Profiler(
+        cfg.profile, run_dir, env.rank, env.device, cfg.max_duration, monitor.info
+    )
+    # SIGUSR1 (SLURM's pre-emption notice) or SIGTERM: finish the step, save, stop.
+    preemption = preempt.Preemption()
+
+    # event: FIT_START
+
+    stopping = False
+    while not (progress.reached(cfg.max_duration) or stopping or stopper.stopped):
+        # event: EPOCH_START
+
+        epoch = progress.epoch
+        for index in range(progress.batch_in_epoch, train_batches.batches_per_epoch):
+            # This rank's share of global batch `index` in the epoch's seeded order:
+            # input_ids, position_ids and the labels (the targets).
+            inputs = train_batches.get(epoch, index, env.rank, env.world_size)
+            inputs = {
+                name: rows.to(env.device, non_blocking=True)
+                for name, rows in inputs.items()
+            }
+            targets = inputs.pop("labels")
+
+            # event: BATCH_START
+
+            fraction = progress.fraction(cfg.max_duration)
+            lr = lr_at(fraction, cfg, progress.batches_per_epoch)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            # Gradient accumulation: each microbatch's summed loss over its target
+            # tokens is divided by the target tokens of the whole global batch (all
+            # ranks, counted from the data), so the gradient is the mean over the global
+            # batch's targets, exactly, whatever the microbatch size, world size and
+            # packing. DDP and FSDP average gradients over ranks: hence world_size.
+            num_targets = train_batches.num_targets(epoch, index)
+            loss_scale = env.world_size / num_targets
+            loss_sum = forward_backward(
+                model, inputs, targets, cfg.device_microbatch_size, loss_scale, cfg
+            )
+
+            # event: AFTER_BACKWARD
+
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            progress.advance(
+                samples=cfg.global_batch_size,
+                tokens=train_batches.num_tokens(epoch, index),
+            )
+            train_loss.add(loss_sum, num_targets)  # no device sync
+
+            # event: BATCH_END
+
+            monitor.update(progress)
+            profiler.step(progress)  # records the --profile window, writes its traces
+            finished = progress.reached(cfg.max_duration)
+            # SIGUSR1/SIGTERM on any rank: every rank saves and stops after this step.
+            stopping = preemption.agreed()
+            metrics = {}
+            if progress.at_interval(cfg.eval_interval, cfg.max_duration) or finished:
+                # event: EVAL
+
+                # Evaluation time does not count against the logged throughput.
+                with monitor.paused():
+                    metrics["val_loss"] = evaluate(model, val, cfg, env)
+                    log_samples(model, tokenizer, prompts, cfg, monitor)
+            if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
+                metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks
+                metrics["lr"] = lr
+
+                monitor.log(progress, **metrics)
+            finished = stopper.update(progress, metrics, cfg.max_duration) or finished
+            save_due = progress.at_interval(cfg.save_interval, cfg.max_duration)
+            if save_due or finished or stopping:
+                with monitor.paused():
+                    checkpointer.save(state)
+            if finished or stopping:
+                break
+
+        # event: EPOCH_END
+
+    # event: FIT_END
+
+    checkpointer.close()  # an async save in flight: finished and marked complete
+    outcome = f"done: step {progress.batch}, {progress.token:,} tokens"
+    if stopping:  # exit status 0; under SLURM the batch script requeues the job
+        outcome = (
+            f"stopped by {preemption.stopped_by} after step {progress.batch}, saved"
+        )
+    else:  # model + tokenizer for transformers' from_pretrained (evaluation, serving)
+        hf.save_pretrained(model, tokenizer, run_dir / "hf")
+        outcome += f", model in {run_dir}/hf"
+    monitor.info(f"{outcome}; outputs in {run_dir}")
+    monitor.close()
+    preemption.close()  # the previous signal handlers again
+    run_lock.release()  # the next start of this run may begin
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except RuntimeError as error:
+        dist.exit_if_peer_lost(error)  # another rank died or hangs: one line, status 1
+        if isinstance(error, checkpoint.StorageError):  # a full disk, a refusing store
+            config.fail(str(error), status=1)
+        raise
+    finally:
+        dist.shutdown()  # leave the process group, also after an error

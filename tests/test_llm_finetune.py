@@ -1,0 +1,406 @@
+"""The llm_finetune task with the hf_causal model pack: a tiny Llama built from LlamaConfig and a
+BPE tokenizer trained here with `tokenizers` (real transformers code, nothing downloaded);
+chat SFT learns and exports a folder that transformers loads and that answers as the run did;
+answer-only targets; packed rows compute exactly what unpacked rows do; bad input.
+HF_HUB_OFFLINE=1 in every subprocess."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from projects import project_modules, read_metrics, run_train  # noqa: E402
+
+SFT = "llm-sft"
+SMALL = [
+    "--seq_len=128",
+    "--global_batch_size=8",
+    "--device_microbatch_size=4",
+    "--eval_batches=1",
+    "--samples=2",
+    "--sample_tokens=12",
+]
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is a list?"},
+    {"role": "assistant", "content": "A mutable sequence."},
+    {"role": "user", "content": "And a tuple?"},
+    {"role": "assistant", "content": "An immutable one."},
+]
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def samples(log: str) -> list[str]:
+    return re.findall(r"sample: .* -> (.*)", log)
+
+
+def save_without_template(project: Path, folder: Path) -> str:
+    """`tiny` (random, seeded) saved with save_pretrained, its tokenizer without a chat
+    template, as many base models come; returns the template it had."""
+    with project_modules(project) as modules:
+        data, model_py = modules["data"], modules["model"]
+        tokenizer = model_py.load_tokenizer("tiny", data.topic_documents()[0])
+        template = tokenizer.chat_template
+        tokenizer.chat_template = None
+        torch.manual_seed(0)
+        model_py.load_model("tiny", tokenizer, 128).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return template
+
+
+def test_sft_learns_and_exports_what_transformers_loads(
+    generated: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """The recipe CI trains end to end, from a save_pretrained folder whose tokenizer has
+    no chat template (--chat_template=FILE gives it one): the answer loss falls, samples
+    are logged, hf/ loads with AutoModelForCausalLM (the template kept), and README's
+    `python sample.py --run=runs/NAME` answers the last sample's question as the run did
+    (greedy, the same tokens)."""
+    project = generated[SFT]
+    template = save_without_template(project, tmp_path / "base")
+    (tmp_path / "chat.jinja").write_text(template)
+    args = (*SMALL, "--model=base", "--chat_template=chat.jinja")
+    args = (*args, "--max_duration=12ba", "--eval_interval=6ba", "--run_name=sft")
+    result = run_train(project, tmp_path, *args)
+    assert result.returncode == 0, result.stderr
+    evals = [r["val_loss"] for r in read_metrics(tmp_path, "sft") if "val_loss" in r]
+    assert len(evals) == 2 and evals[1] < evals[0] - 0.1, evals
+    log = (tmp_path / "runs" / "sft" / "log.txt").read_text()
+    answers = samples(log)
+    assert len(answers) == 4, log
+    folder = tmp_path / "runs" / "sft" / "hf"
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.chat_template == template and model.config.model_type == "llama"
+    question = re.findall(r"sample: '(.*)' ->", log)[-1]
+    run = tmp_path / "runs" / "sft"
+    args = [f"--run={run}", f"--prompt={question}", "--temperature=0"]
+    monkeypatch.setattr("sys.argv", ["sample.py", *args, "--max_new_tokens=12"])
+    with project_modules(project) as modules:
+        modules["sample"].main()
+    first, printed = capsys.readouterr().out.split("\n", 1)
+    assert first == f"sampling from {run / 'hf'} (chat prompt)"
+    assert printed.endswith("\n" + "-" * 15 + "\n"), printed
+    assert repr(printed[: -len("-" * 15) - 2]) == answers[-1]
+
+
+def test_only_assistant_tokens_are_targets(generated: dict[str, Path]) -> None:
+    with project_modules(generated[SFT]) as modules:
+        data, model = modules["data"], modules["model"]
+        tokenizer = model.load_tokenizer("tiny", data.topic_documents()[0])
+        doc = data.chat_document(CONVERSATION, tokenizer, "test")
+    targets = tokenizer.decode(doc.ids[doc.targets])
+    assert targets == "A mutable sequence.<|end|>\nAn immutable one.<|end|>\n"
+    assert tokenizer.decode(doc.ids) == tokenizer.apply_chat_template(
+        CONVERSATION, tokenize=False
+    )
+
+
+def tiny_pair(modules: dict, pairs: list) -> tuple:
+    """`tiny`'s tokenizer trained on `pairs` and its model (seed 0), for evaluation."""
+    words = [message["content"] for pair in pairs for message in pair]
+    tokenizer = modules["model"].load_tokenizer("tiny", words)
+    torch.manual_seed(0)
+    return tokenizer, modules["model"].load_model("tiny", tokenizer, 256).eval()
+
+
+def test_packed_rows_compute_what_unpacked_rows_do(generated: dict[str, Path]) -> None:
+    """The summed loss over every target, and its count, are the same with several
+    conversations per row (positions restarting) as with one padded row each: no token
+    attends across a document boundary."""
+    with project_modules(generated[SFT]) as modules:
+        data, model_py = modules["data"], modules["model"]
+        pairs = data.topic_pairs()[0][:24]
+        tokenizer = model_py.load_tokenizer(
+            "tiny", [m["content"] for p in pairs for m in p]
+        )
+        torch.manual_seed(0)
+        model = model_py.load_model("tiny", tokenizer, 256).eval()
+        docs = data.tokenize(pairs, tokenizer, "chat")
+        losses = {}
+        for packing in (True, False):
+            rows = data.pack(docs, 256, tokenizer.pad_token_id, packing)
+            batch = rows.take(slice(None))
+            labels = batch.pop("labels")
+            with torch.no_grad():
+                logits = model(**batch, use_cache=False).logits
+            loss = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), labels.flatten(), reduction="sum"
+            )
+            losses[packing] = (len(rows), int((labels != data.IGNORE).sum()), loss)
+    assert losses[True][0] < losses[False][0] / 3  # several conversations per row
+    assert losses[True][1] == losses[False][1]
+    torch.testing.assert_close(losses[True][2], losses[False][2], rtol=1e-5, atol=0)
+
+
+def test_cross_document_attention_would_change_the_loss(
+    generated: dict[str, Path],
+) -> None:
+    """The test above can fail: the same packed rows with positions that do not restart
+    (one causal sequence per row) give another loss."""
+    with project_modules(generated[SFT]) as modules:
+        data, model_py = modules["data"], modules["model"]
+        pairs = data.topic_pairs()[0][:8]
+        tokenizer = model_py.load_tokenizer(
+            "tiny", [m["content"] for p in pairs for m in p]
+        )
+        torch.manual_seed(0)
+        model = model_py.load_model("tiny", tokenizer, 256).eval()
+        rows = data.pack(data.tokenize(pairs, tokenizer, "chat"), 256, 0, True)
+        batch = rows.take(slice(None))
+        labels = batch.pop("labels")
+        with torch.no_grad():
+            packed = model(**batch, use_cache=False).logits
+            batch["position_ids"] = torch.arange(256).expand_as(labels)
+            causal = model(**batch, use_cache=False).logits
+    keep = labels != data.IGNORE
+    assert (packed[keep] - causal[keep]).abs().max() > 1e-3
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_prompt_response_lines_and_bad_lines(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
+    project = generated[SFT]
+    good = [{"prompt": f"q{i}?", "response": f"answer {i}."} for i in range(40)]
+    bad = [*good[:3], {"messages": [{"role": "user", "content": "hello?"}]}]
+    path = write_jsonl(tmp_path / "bad.jsonl", bad)
+    result = run_train(project, tmp_path, *SMALL, f"--data={path}", "--run_name=bad")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: {path} line 4: the conversation has no assistant turn, so nothing to "
+        'learn; add a {"role": "assistant", "content": ...} message or drop the line'
+    ]
+    assert not (tmp_path / "runs" / "bad").exists()
+    path = write_jsonl(tmp_path / "notjson.jsonl", good[:2])
+    path.write_text(path.read_text() + "{oops\n")
+    with project_modules(project) as modules:
+        with pytest.raises(
+            ValueError, match=f"^{re.escape(str(path))} line 3: not JSON"
+        ):
+            modules["data"].read_conversations(path)
+
+
+def test_a_tokenizer_without_a_chat_template(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
+    """One line saying how to give it one (the test above trains with it), nothing
+    written."""
+    project = generated[SFT]
+    folder = tmp_path / "plain"
+    save_without_template(project, folder)
+    args = (*SMALL, f"--model={folder}", "--max_duration=1ba", "--run_name=plain")
+    result = run_train(project, tmp_path, *args)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: --model={folder}: its tokenizer has no chat template; pass one with "
+        "--chat_template=FILE (a Jinja template, e.g. the chat_template of an instruct "
+        "model of its family), or train on plain text with --data_format=text"
+    ]
+    assert not (tmp_path / "runs" / "plain").exists()
+
+
+@pytest.mark.slow
+def test_continued_pretraining_recipe(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
+    """Plain text, every token a target: the loss falls; hf/ loads."""
+    project = generated["llm-continued-pretraining"]
+    args = (*SMALL, "--max_duration=16ba", "--eval_interval=8ba", "--run_name=cpt")
+    result = run_train(project, tmp_path, *args)
+    assert result.returncode == 0, result.stderr
+    evals = [r["val_loss"] for r in read_metrics(tmp_path, "cpt") if "val_loss" in r]
+    assert evals[1] < evals[0] - 0.3, evals
+    assert "sample:" not in (tmp_path / "runs" / "cpt" / "log.txt").read_text()
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "cpt" / "hf")
+
+
+LORA = "llm-lora"
+LORA_SMALL = [*SMALL[:4], "--samples=1", "--sample_tokens=8", "--max_duration=2ba"]
+
+
+def last_sample(workdir: Path, run_name: str) -> tuple[str, str]:
+    log = (workdir / "runs" / run_name / "log.txt").read_text()
+    return re.findall(r"sample: '(.*)' -> (.*)", log)[-1]
+
+
+NOPE = (
+    "--lora_targets=nope matches no module of the model; its linear layers are named "
+    "down_proj,gate_proj,k_proj,lm_head,o_proj,q_proj,up_proj,v_proj (or use all-linear)"
+)
+
+
+def test_lora_targets_that_match_no_module(generated: dict[str, Path]) -> None:
+    """The error names the model's linear layers (train.py's one line: the slow test)."""
+    pytest.importorskip("peft")
+    with project_modules(generated[LORA]) as modules:
+        model_py = modules["model"]
+        tokenizer = model_py.load_tokenizer("tiny", ["a few words"] * 4)
+        model = model_py.load_model("tiny", tokenizer, 64)
+        with pytest.raises(ValueError) as error:
+            model_py.add_lora(model, 8, 16.0, 0.0, "nope")
+    assert str(error.value) == NOPE
+
+
+def sample_main(
+    modules: dict, monkeypatch: pytest.MonkeyPatch, capsys, *args: str
+) -> str:
+    """`python sample.py ARGS` in this process: its greedy answer, as the log writes it."""
+    monkeypatch.setattr("sys.argv", ["sample.py", "--temperature=0", *args])
+    modules["sample"].main()
+    return repr(capsys.readouterr().out.split("\n", 1)[1][: -len("-" * 15) - 2])
+
+
+@pytest.mark.slow
+def test_lora_checkpoints_adapters_and_exports_merged_or_adapter(
+    generated: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """Only the adapters are trained and checkpointed; hf/ holds the merged model
+    (AutoModelForCausalLM) or the adapter (PeftModel on the base), and either answers as
+    the run did, also through sample.py (an adapter on --base)."""
+    peft = pytest.importorskip("peft")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    project = generated[LORA]
+    result = run_train(project, tmp_path, *LORA_SMALL, "--lora_targets=nope")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"error: {NOPE}"]
+    assert not (tmp_path / "runs").exists()
+    for export in ("merged", "adapter"):
+        args = (*LORA_SMALL, "--eval_interval=2ba", f"--lora_export={export}")
+        result = run_train(project, tmp_path, *args, f"--run_name={export}")
+        assert result.returncode == 0, result.stderr
+    # The checkpoint's model entry: the adapters' weights, nothing of the frozen model.
+    step = tmp_path / "runs" / "merged" / "checkpoints" / "step-2"
+    keys = FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    weights = [k for k in keys if k.startswith("model.")]
+    assert weights and all(".lora_A." in k or ".lora_B." in k for k in weights), weights
+    question, answer = last_sample(tmp_path, "merged")
+    messages = [{"role": "user", "content": question}]
+    folder = tmp_path / "runs" / "merged" / "hf"
+    merged = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    with project_modules(project) as modules:
+        assert repr(modules["model"].respond(merged, tokenizer, messages, 8)) == answer
+        # The adapter on its base: `tiny` is built from the seed, as the run built it.
+        data, model_py = modules["data"], modules["model"]
+        folder = tmp_path / "runs" / "adapter" / "hf"
+        assert (folder / "adapter_config.json").is_file()
+        texts = data.load_texts("", "", "chat", 42)
+        tokenizer = model_py.load_tokenizer("tiny", texts.words())
+        torch.manual_seed(42)
+        base = model_py.load_model("tiny", tokenizer, 128)
+        base.save_pretrained(tmp_path / "base")  # for sample.py below
+        adapted = peft.PeftModel.from_pretrained(base, folder)
+        question, answer = last_sample(tmp_path, "adapter")
+        messages = [{"role": "user", "content": question}]
+        assert repr(model_py.respond(adapted, tokenizer, messages, 8)) == answer
+        # sample.py: the merged folder as is; the adapter only on a base it can load.
+        run = tmp_path / "runs" / "adapter"
+        args = (f"--run={run}", f"--prompt={question}", "--max_new_tokens=8")
+        with pytest.raises(SystemExit) as exit:
+            sample_main(modules, monkeypatch, capsys, *args)
+        assert exit.value.code == 2
+        assert (
+            "is a LoRA adapter whose base model has no name" in capsys.readouterr().err
+        )
+        base_arg = f"--base={tmp_path / 'base'}"
+        assert sample_main(modules, monkeypatch, capsys, *args, base_arg) == answer
+        question, answer = last_sample(tmp_path, "merged")
+        args = (f"--run={run.parent / 'merged'}", f"--prompt={question}")
+        assert (
+            sample_main(modules, monkeypatch, capsys, *args, "--max_new_tokens=8")
+            == answer
+        )
+
+
+def test_a_model_too_large_for_the_sharding(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
+    """A 70B-parameter Llama's config (no weights): one line naming the memory per rank,
+    before any weight is read or anything written."""
+    project = generated[SFT]
+    folder = tmp_path / "huge"
+    config = transformers.LlamaConfig(
+        hidden_size=8192,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        intermediate_size=28672,
+        vocab_size=128256,
+    )
+    config.save_pretrained(folder)
+    with project_modules(project) as modules:
+        tokenizer = modules["model"].load_tokenizer("tiny", ["some text"] * 4)
+    tokenizer.save_pretrained(folder)
+    result = run_train(
+        project, tmp_path, *SMALL, f"--model={folder}", "--run_name=huge"
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: --model={folder} needs about 1,051.3 GiB per rank for its fp32 weights, "
+        "gradients and AdamW state over 1 rank(s), but a cpu here has "
+    ), lines
+    assert lines[0].endswith("or train LoRA adapters (scaffold set lora=true)")
+    assert not (tmp_path / "runs" / "huge").exists()
+
+
+def test_trainable_only_checkpoints_leave_frozen_weights_out(tmp_path: Path) -> None:
+    """Checkpointer(trainable_only=True): the frozen weight and its tied alias are not
+    saved and a resume leaves them as built; the trainable ones come back."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from runtime import checkpoint
+    from runtime.time import Progress
+
+    def build() -> tuple:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 8)
+        )
+        model[2].weight = model[0].weight  # tied, as an LM head
+        model[0].weight.requires_grad_(False)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return model, torch.optim.AdamW(trainable, lr=0.1)
+
+    model, optimizer = build()
+    model(torch.arange(8)).sum().backward()
+    optimizer.step()
+    progress = Progress(batches_per_epoch=4)
+    progress.advance(samples=1, tokens=1)
+    saver = checkpoint.Checkpointer(tmp_path, trainable_only=True)
+    path = saver.save(dict(model=model, optimizer=optimizer, progress=progress))
+    saver.close()
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    weights = sorted(k for k in keys if k.startswith("model."))
+    assert weights == ["model.1.bias", "model.1.weight", "model.2.bias"], weights
+    fresh, fresh_optimizer = build()
+    embedding = fresh[0].weight.detach().clone()
+    state = dict(model=fresh, optimizer=fresh_optimizer, progress=Progress(4))
+    assert checkpoint.Checkpointer(tmp_path, trainable_only=True).resume(state)
+    torch.testing.assert_close(fresh[1].weight, model[1].weight, rtol=0, atol=0)
+    assert (
+        torch.equal(fresh[0].weight, embedding) and fresh[2].weight is fresh[0].weight
+    )
