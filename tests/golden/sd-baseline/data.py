@@ -1,20 +1,20 @@
-"""Training data: captioned images, held in memory as uint8 pixels, and a resumable order.
+"""Training data: captioned images, in memory as uint8 pixels, and a resumable order.
 
 The default data is real and offline: scikit-learn's handwritten digits (1,797 8x8
-grey-scale images; `pip install scikit-learn`), read from the CSV file the package ships,
-scaled up to `resolution` pixels and captioned from their labels ("a handwritten digit
-seven"). A fixed 20% is held out for validation. Because the captions name a class, the
-samples can be judged: a classifier trained on the same labelled images says which digit
-each generated image shows (train.py).
+grey-scale images; `pip install scikit-learn`), read from the CSV file the package
+ships, scaled up to `resolution` pixels and captioned from their labels ("a
+handwritten digit seven"). A fixed 20% is held out for validation. Because the captions
+name a class, the samples can be judged: a classifier trained on the same labelled
+images says which digit each generated image shows (train.py).
 `--data=PATH` takes
 - a JSON Lines file of `{"file": ..., "caption": ...}` rows, file paths relative to the
   .jsonl file (`--val_data`: its own file; without it a seeded 10% is held out);
 - a folder written by `datasets`' `save_to_disk` with an `image` column and a `text` or
   `caption` column (its `train` and `validation`/`test` splits).
 Every image is decoded once, converted to RGB, resized on its short side and centre
-cropped to `resolution`. Epoch e visits the samples in a permutation seeded by (seed, e):
-any batch is a pure function of (seed, epoch, batch index), on any number of ranks, after
-any resume.
+cropped to `resolution`. Epoch e visits the samples in a permutation seeded by
+(seed, e): any batch is a pure function of (seed, epoch, batch index), on any number of
+ranks, after any resume.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def load_captioned(data: str, val_data: str, resolution: int, seed: int) -> Capt
         return saved_dataset(path, resolution)
     raise FileNotFoundError(
         f"--data={data}: not a .jsonl file or a datasets folder; pass JSON Lines of "
-        '{"file", "caption"} rows, a save_to_disk folder, or leave it empty for the default'
+        '{"file", "caption"} rows, a save_to_disk folder, or leave it empty for the '
+        "default"
     )
 
 
@@ -93,7 +94,7 @@ def digits(resolution: int) -> CaptionData:
         )
     with gzip.open(csv, "rt") as text:
         table = np.loadtxt(text, delimiter=",", dtype=np.float32)
-    # 64 pixel values 0..16, then the label; scaled up with bilinear filtering, grey RGB.
+    # 64 pixel values 0..16, then the label; scaled up (bilinear), grey RGB.
     pixels = torch.from_numpy(table[:, :64] / 16).view(-1, 1, 8, 8)
     pixels = torch.nn.functional.interpolate(pixels, size=resolution, mode="bilinear")
     images = (pixels.clamp(0, 1) * 255).round().byte().expand(-1, 3, -1, -1)
@@ -136,7 +137,7 @@ def read_jsonl(path: Path, resolution: int) -> Captioned:
             ) from None
         if not file.is_file():
             raise FileNotFoundError(
-                f"{where}: the image {file} does not exist; fix the path or drop the line"
+                f"{where}: the image {file} does not exist; fix or drop the line"
             )
         images.append(decode(file.read_bytes(), resolution, where))
         captions.append(caption)
@@ -146,7 +147,7 @@ def read_jsonl(path: Path, resolution: int) -> Captioned:
 
 
 def saved_dataset(path: Path, resolution: int) -> CaptionData:
-    """A `datasets` DatasetDict saved with save_to_disk: `image` and `text`/`caption`."""
+    """A `datasets` DatasetDict from save_to_disk: `image` and `text` or `caption`."""
     import datasets
 
     splits = datasets.load_from_disk(str(path))
@@ -161,7 +162,7 @@ def saved_dataset(path: Path, resolution: int) -> CaptionData:
         column = "text" if "text" in table.column_names else "caption"
         if "image" not in table.column_names or column not in table.column_names:
             raise ValueError(
-                f"--data={path}: split {split} needs columns image and text (or caption)"
+                f"--data={path}: split {split} needs columns image and text"
             )
         images = []
         for i, image in enumerate(table["image"]):
@@ -199,8 +200,8 @@ def token_ids(tokenizer, captions: list[str]) -> torch.Tensor:
     for caption in captions:
         if len(tokenizer(caption).input_ids) > limit:
             raise ValueError(
-                f"the caption {caption!r} is longer than the text encoder's {limit} tokens; "
-                "shorten it"
+                f"the caption {caption!r} is longer than the text encoder's {limit} "
+                "tokens; shorten it"
             )
     return tokenizer(
         captions, padding="max_length", max_length=limit, return_tensors="pt"
@@ -208,7 +209,7 @@ def token_ids(tokenizer, captions: list[str]) -> torch.Tensor:
 
 
 class Batches:
-    """Global batch i of an epoch: images, scaled to [-1, 1] (N, 3, H, W), and token ids.
+    """Global batch i of an epoch: images in [-1, 1] (N, 3, H, W) and token ids.
     `get` returns one rank's share; the order is seeded by (seed, epoch)."""
 
     def __init__(

@@ -1,14 +1,15 @@
 """Latent diffusion's parts, from diffusers and transformers: a UNet that predicts the
 noise in VAE latents, conditioned on CLIP text-encoder states (Stable Diffusion).
 
-`--model=path/to/folder` (a StableDiffusionPipeline folder: unet/, vae/, text_encoder/,
-tokenizer/, scheduler/) or a hub id (downloaded once into the Hugging Face cache) loads
-the parts for fine-tuning; `--from_scratch` keeps its VAE, text encoder and noise schedule
-and starts the UNet from its config, as mosaicml/diffusion trains SD2 from scratch.
-`--model=tiny` builds every part from configs, offline: a 4-layer CLIP text encoder and a
-CLIP BPE tokenizer over the caption words, a UNet of two resolutions, and a small
-AutoencoderKL fitted for `tiny_vae_steps` on the training images (Stable Diffusion's VAE
-is trained before, and apart from, the UNet), cached in runs/.scaffold-cache/.
+`--model=path/to/folder` (a StableDiffusionPipeline folder: unet/, vae/,
+text_encoder/, tokenizer/, scheduler/) or a hub id (downloaded once into the Hugging
+Face cache) loads the parts for fine-tuning; `--from_scratch` keeps its VAE, text
+encoder and noise schedule and starts the UNet from its config, as mosaicml/diffusion
+trains SD2 from scratch. `--model=tiny` builds every part from configs, offline: a
+4-layer CLIP text encoder and a CLIP BPE tokenizer over the caption words, a UNet of two
+resolutions, and a small AutoencoderKL fitted for `tiny_vae_steps` on the training
+images (Stable Diffusion's VAE is trained before, and apart from, the UNet), cached in
+runs/.scaffold-cache/.
 
 Only the UNet trains; the VAE and the text encoder are frozen. FSDP shards the UNet per
 block: each down block, the middle block and each up block.
@@ -106,8 +107,9 @@ def load_parts(name: str, from_scratch: bool, seed: int) -> Parts:
     try:
         unet = UNet2DConditionModel.from_pretrained(name, subfolder="unet")
     except (OSError, ValueError) as error:
+        why = str(error).splitlines()[0]
         raise ModelError(
-            f"--model={name}: no UNet could be loaded ({str(error).splitlines()[0]}); pass "
+            f"--model={name}: no UNet could be loaded ({why}); pass "
             "a StableDiffusionPipeline folder (unet/, vae/, text_encoder/, tokenizer/, "
             "scheduler/), a hub id, or tiny"
         ) from None
@@ -120,8 +122,9 @@ def load_parts(name: str, from_scratch: bool, seed: int) -> Parts:
             DDPMScheduler.from_pretrained(name, subfolder="scheduler"),
         )
     except (OSError, ValueError) as error:
+        why = str(error).splitlines()[0]
         raise ModelError(
-            f"--model={name}: {str(error).splitlines()[0]}; pass a complete pipeline folder"
+            f"--model={name}: {why}; pass a complete pipeline folder"
         ) from None
     if from_scratch:  # the same architecture, new weights
         torch.manual_seed(seed)

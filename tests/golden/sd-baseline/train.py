@@ -1,4 +1,4 @@
-"""Train my-gpt: a text-to-image latent diffusion model (Stable Diffusion's UNet) (recipe `sd-baseline`).
+"""Train my-gpt: text-to-image latent diffusion (recipe `sd-baseline`).
 
     python train.py                     # CPU or one GPU: tiny parts, captioned digits
     python train.py --model=./sd2-base --data=captions.jsonl --resolution=512
@@ -73,7 +73,7 @@ class Config:
     device_microbatch_size: int | Literal["auto"] = 16
     lr: float = 0.001  # peak learning rate (AdamW)
     lr_warmup: Time = Time.parse("0.05dur")  # linear from 0, then constant
-    weight_decay: float = 0.01  # decoupled (AdamW), weight matrices only
+    weight_decay: float = 0.01  # decoupled (AdamW), every parameter
     beta1: float = 0.9
     beta2: float = 0.999
 
@@ -105,12 +105,11 @@ class Config:
         "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"
     ] = "FULL_SHARD"
     hybrid_shard_size: int = 0  # HYBRID_SHARD group size; 0: processes per node
-    # auto: amp_bf16 (autocast) on CUDA, fp32 on the CPU; bf16: FSDP's policy
+    # auto: amp_bf16 (autocast; mosaicml/diffusion trains under amp) on CUDA, fp32 on
+    # the CPU; bf16: FSDP's mixed-precision policy
     precision: Literal["auto", "fp32", "amp_bf16", "bf16"] = "auto"
-    activation_checkpointing: bool = (
-        False  # recompute UNet block activations in backward
-    )
-    # torch.compile each UNet block in place (keys unchanged); auto: on CUDA, off on the CPU
+    activation_checkpointing: bool = False  # recompute block activations in backward
+    # torch.compile each block in place (keys unchanged); auto: on CUDA, off on the CPU
     compile: bool | Literal["auto"] = "auto"
     cpu_offload: bool = False  # FSDP parameters and optimizer step on the CPU (CUDA)
     dist_timeout: int = 600  # seconds a collective waits before the job fails
@@ -248,7 +247,7 @@ def noised(
 
 
 @torch.no_grad()
-def sample_images(
+def sample(
     model: torch.nn.Module,
     parts: Parts,
     prompt_ids: torch.Tensor,
@@ -297,19 +296,15 @@ def save_grid(images: torch.Tensor, rows: int, path: Path) -> None:
     ).save(path)
 
 
-def draw(
-    model: torch.nn.Module,
-    parts: Parts,
-    prompt_ids: torch.Tensor,
+def show(
+    images: torch.Tensor,
     judge: torch.nn.Module | None,
-    shape: tuple[int, ...],
     grid: Path,
     cfg: Config,
     env: dist.DistEnv,
 ) -> dict[str, float]:
-    """Samples of every prompt, written as a grid (rank 0); with a judge, the share of
-    samples it sees showing the class their prompt names (`judged_accuracy`)."""
-    images = sample_images(model, parts, prompt_ids, shape, cfg, env)
+    """The samples as a grid (rank 0 writes it); with a judge, the share of samples it
+    sees showing the class their prompt names (`judged_accuracy`)."""
     if env.is_main:
         save_grid(images, cfg.samples_per_prompt, grid)
     if judge is None:
@@ -458,7 +453,8 @@ def main() -> None:
         )
     val = data.rows(captioned.val, val_ids)  # all of it
     # The sample grid: each prompt (a column) from samples_per_prompt seeds (rows); the
-    # digits' prompts are their ten captions, other data's its first ten validation ones.
+    # digits' prompts are their ten captions, other data's its first ten validation
+    # captions.
     prompts = captioned.classes or list(dict.fromkeys(captioned.val.captions))[:10]
     prompt_ids = data.token_ids(parts.tokenizer, prompts * cfg.samples_per_prompt)
     empty_ids = data.token_ids(parts.tokenizer, [""])[0].to(env.device)
@@ -503,18 +499,13 @@ def main() -> None:
     blocks = unet_blocks(model)
     model = fsdp.parallelize(model, blocks, env, parallel)
 
-    # Decoupled weight decay on weight matrices and kernels; biases and norms have none.
-    params = [p for p in model.parameters() if p.requires_grad]
+    # AdamW over every UNet parameter, decay included, as mosaicml/diffusion's
+    # torch.optim.AdamW(unet.parameters(), ...) (no exempt biases or norms).
     optimizer = torch.optim.AdamW(
-        [
-            {
-                "params": [p for p in params if p.dim() >= 2],
-                "weight_decay": cfg.weight_decay,
-            },
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ],
+        [p for p in model.parameters() if p.requires_grad],
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
+        weight_decay=cfg.weight_decay,
         # CUDA: one fused kernel for the whole update instead of several per tensor.
         fused=env.device.type == "cuda" and not cfg.cpu_offload,
     )
@@ -559,8 +550,9 @@ def main() -> None:
     )
     monitor.open_trackers(cfg.trackers, config.to_toml(cfg))  # rank 0 writes them
     monitor.info(f"data: {captioned.source}")
+    train_count, val_count = len(captioned.train), len(captioned.val)
     monitor.info(
-        f"images: {len(captioned.train):,} train, {len(captioned.val):,} validation, {resolution}px"
+        f"images: {train_count:,} train, {val_count:,} validation, {resolution}px"
     )
     monitor.info(
         f"model: {cfg.model}, UNet {num_params:,} parameters, {len(blocks)} FSDP units"
@@ -632,19 +624,9 @@ def main() -> None:
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
                     metrics.update(evaluate(model, parts, val, latent_shape, cfg, env))
+                    samples = sample(model, parts, prompt_ids, latent_shape, cfg, env)
                     grid = run_dir / "samples" / f"step-{progress.batch}.png"
-                    metrics.update(
-                        draw(
-                            model,
-                            parts,
-                            prompt_ids,
-                            judge,
-                            latent_shape,
-                            grid,
-                            cfg,
-                            env,
-                        )
-                    )
+                    metrics.update(show(samples, judge, grid, cfg, env))
             if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
                 metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks
                 metrics["lr"] = lr

@@ -1,4 +1,4 @@
-"""Smoke tests: CPU steps of the tiny parts on the captioned digits; a resumed run equals a whole one."""
+"""Smoke tests: CPU steps on the digits; a resumed run equals a whole one."""
 
 from __future__ import annotations
 
