@@ -236,7 +236,9 @@ class Batches:
 def rows(
     data: Captioned, token_ids: torch.Tensor, ids: np.ndarray | None = None
 ) -> dict[str, torch.Tensor]:
-    """Images in [-1, 1] (N, 3, H, W) and token ids of the rows `ids` (None: all)."""
+    """Images in [-1, 1] (N, 3, H, W), token ids and row numbers (`index`: which
+    images of the split) of the rows `ids` (None: all)."""
     ids = np.arange(len(data)) if ids is None else ids
     images = torch.from_numpy(data.images[ids]).permute(0, 3, 1, 2).float() / 127.5 - 1
-    return {"pixels": images, "input_ids": token_ids[torch.from_numpy(ids)]}
+    index = torch.from_numpy(ids)
+    return {"pixels": images, "input_ids": token_ids[index], "index": index}

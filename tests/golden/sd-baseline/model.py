@@ -230,8 +230,11 @@ def fit_vae(vae: AutoencoderKL, images: np.ndarray, steps: int, seed: int) -> No
 
 
 def freeze(parts: Parts) -> Parts:
+    """The parts as training uses them: the encoders frozen (and any change an
+    algorithm makes to the built or loaded parts, in place)."""
     for frozen in (parts.text_encoder, parts.vae):
         frozen.requires_grad_(False).eval()
+
     return parts
 
 

@@ -80,6 +80,7 @@ class Config:
     # evaluation, logging, checkpoints
     eval_interval: Time = Time.parse("500ba")  # validation and samples every ...
     eval_timesteps: int = 10  # validation loss at this many evenly spaced timesteps
+    eval_batches: int = 0  # validation batches per evaluation (the first); 0: all
     samples_per_prompt: int = 4  # sample grid: rows (seeds) of the prompts (columns)
     sample_steps: int = 25  # DDIM steps per sample
     guidance_scale: float = 1.0  # classifier-free guidance (1: none)
@@ -149,6 +150,8 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     ):
         if getattr(cfg, name) < 1:
             config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
+    if cfg.eval_batches < 0:
+        config.fail(f"eval_batches={cfg.eval_batches} must be 0 (all) or more")
     if cfg.resolution < 0 or cfg.resolution % 8:
         config.fail(
             f"resolution={cfg.resolution} must be 0 (the model's) or a multiple of 8"
@@ -336,13 +339,16 @@ def evaluate(
     cfg: Config,
     env: dist.DistEnv,
 ) -> dict[str, float]:
-    """Validation denoising loss: every validation image at a fixed timestep (the
-    set cycles through eval_timesteps evenly spaced ones) with fixed noise (seed 0), so
+    """Validation denoising loss: each validation image (or the first eval_batches
+    global batches of them) at a fixed timestep (cycling through eval_timesteps evenly
+    spaced ones) with fixed noise (seed 0), so
     every evaluation measures the same thing. Each rank scores its share of every global
     batch; a short share is padded and the padding not counted (§6.4 of scaffold's
     design)."""
     model.eval()
     count = len(val["pixels"])
+    if cfg.eval_batches:  # the same first images at every evaluation
+        count = min(count, cfg.eval_batches * cfg.global_batch_size)
     generator = torch.Generator().manual_seed(0)
     noise = torch.randn((count, *shape), generator=generator)
     spacing = parts.scheduler.config.num_train_timesteps // cfg.eval_timesteps
@@ -649,8 +655,10 @@ def main() -> None:
         outcome = (
             f"stopped by {preemption.stopped_by} after step {progress.batch}, saved"
         )
-    else:  # the pipeline for diffusers' StableDiffusionPipeline.from_pretrained
-        save_pretrained(model, parts, run_dir / "pipeline", env)
+    else:  # the pipeline for diffusers' StableDiffusionPipeline.from_pretrained, with
+        # the UNet weights `scaffold export` writes (the model's, or an entry of `state`
+        # an algorithm named at OPTIMIZER)
+        save_pretrained(state[checkpointer.export], parts, run_dir / "pipeline", env)
         outcome += f", samples in {run_dir}/samples, pipeline in {run_dir}/pipeline"
     monitor.info(f"{outcome}; outputs in {run_dir}")
     monitor.close()
