@@ -380,15 +380,16 @@ def precompute_encodings(
         return torch.load(path)
     captions, caption = torch.unique(token_ids, dim=0, return_inverse=True)
     mean, std, states = [], [], []
+    size = cfg.global_batch_size // env.world_size  # what a step's encode() takes
     with torch.autocast(env.device.type, torch.bfloat16, enabled=is_amp(cfg)):
-        for start in range(0, len(split), cfg.global_batch_size):
-            ids = np.arange(start, min(start + cfg.global_batch_size, len(split)))
+        for start in range(0, len(split), size):
+            ids = np.arange(start, min(start + size, len(split)))
             pixels = data.rows(split, token_ids, ids)["pixels"].to(env.device)
             posterior = parts.vae.encode(pixels).latent_dist
             mean.append((posterior.mean.float() * parts.latent_scale).cpu())
             std.append((posterior.std.float() * parts.latent_scale).cpu())
-        for start in range(0, len(captions), cfg.global_batch_size):
-            ids = captions[start : start + cfg.global_batch_size].to(env.device)
+        for start in range(0, len(captions), size):
+            ids = captions[start : start + size].to(env.device)
             states.append(parts.text_encoder(ids)[0].float().cpu())
         empty = parts.text_encoder(empty_ids[None])[0][0].float().cpu()
     encodings = dict(mean=torch.cat(mean), std=torch.cat(std), caption=caption)
