@@ -56,8 +56,9 @@ TRAIN_SECTIONS = ("imports", "config", "checks", "functions", "metrics", "augmen
 # per-sample augmentations the DataLoader workers run).
 DATA_SECTIONS = ("functions",)
 # Code of train.py an algorithm may replace (at most one algorithm each), and the event it
-# belongs to: `train.optimizer` stands instead of the task's optimizer construction.
-TRAIN_POINTS = {"optimizer": "OPTIMIZER"}
+# belongs to: `train.optimizer` stands instead of the task's optimizer construction,
+# `train.encode` instead of the frozen encoders' forward of a step (the diffusion task's).
+TRAIN_POINTS = {"optimizer": "OPTIMIZER", "encode": "BATCH_START"}
 SNIPPET_SUFFIX = ".py.jinja"
 
 

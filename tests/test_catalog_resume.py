@@ -67,6 +67,16 @@ TASK_ARGS = {
         "--eval_batches=1",
         "--lr=1e-3",
     ],
+    "diffusion": [
+        "--model=tiny",
+        "--tiny_vae_steps=5",
+        "--global_batch_size=4",
+        "--device_microbatch_size=2",
+        "--eval_batches=1",
+        "--eval_timesteps=2",
+        "--samples_per_prompt=1",
+        "--sample_steps=2",
+    ],
 }
 # Hyperparameters that make an algorithm act within 6 steps (its defaults act later, or
 # barely); algorithms not named here train with their defaults.
@@ -84,7 +94,7 @@ ACTIVE: dict[str, dict[str, Any]] = {
 }
 # Cases in the default run: the stateful and the historically broken; plus the first
 # algorithm of any task none of these covers.
-FAST = {"ema", "sam", "layer_freezing", "seq_length_warmup"}
+FAST = {"ema", "sam", "layer_freezing", "seq_length_warmup", "precomputed_latents"}
 # Logged values that measure time or memory, not training: they differ between any two runs.
 UNTIMED = re.compile(r"(_s|_ms|_gb|_mb|per_s|mfu|_bytes)$")
 

@@ -20,6 +20,7 @@ OWN_TESTS_EVERY_RUN = (
     "cifar-resnet56-baseline",
     "bert-sst2-speedup",
     "llm-sft",
+    "sd-baseline",
 )
 
 

@@ -70,7 +70,7 @@ class LowPrecisionLayerNorm(nn.LayerNorm):
 
 
 def use_low_precision_layernorm(model: nn.Module) -> int:
-    """transformers built the model's layers: make every nn.LayerNorm a
+    """transformers or diffusers built the layers: make every nn.LayerNorm a
     LowPrecisionLayerNorm, in place; returns how many."""
     norms = [m for m in model.modules() if type(m) is nn.LayerNorm]
     for norm in norms:

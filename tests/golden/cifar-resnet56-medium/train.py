@@ -796,10 +796,8 @@ def main() -> None:
                 # algorithm: ema
                 # The averaged weights, same evaluation: ema_val_loss, ema_val_top1, ...
                 with monitor.paused():
-                    ema_metrics = evaluate(ema_model, val, images, cfg, env)
-                metrics.update(
-                    {f"ema_{name}": value for name, value in ema_metrics.items()}
-                )
+                    scores = evaluate(ema_model, val, images, cfg, env)
+                metrics.update({f"ema_{name}": value for name, value in scores.items()})
                 # end algorithm: ema
 
                 # Evaluation time does not count against the logged throughput.
