@@ -15,7 +15,12 @@ from projects import checkout_env, read_metrics, run_train
 # One recipe per task in every run (gpt2-speedup is README's main job); the others with --slow:
 # their own tests differ only in answers, and test_vision_recipes, test_image, test_modern and
 # test_text_classification train those recipes in every run.
-OWN_TESTS_EVERY_RUN = ("gpt2-speedup", "cifar-resnet56-baseline", "bert-sst2-speedup")
+OWN_TESTS_EVERY_RUN = (
+    "gpt2-speedup",
+    "cifar-resnet56-baseline",
+    "bert-sst2-speedup",
+    "mosaicbert",
+)
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,8 @@ from scaffold.upgrade import upgrade
 
 RELEASE_0_2_0 = "e505f85f8df8c7d945cd7d7096dac869c9ada644"  # the last commit of 0.2.0
 STEPS = 12
+# Recipes 0.2.0 did not have (its golden trees hold their answers): nothing to compare.
+AFTER_0_2_0 = ("bert-pretrain-baseline", "mosaicbert")
 # Settings that let every recipe take 12 steps in seconds on the embedded data (the
 # ImageNet recipes' global batch exceeds the 1,437 training digits, as README says).
 FAST = {
@@ -137,6 +139,7 @@ def compared(rows: list[dict]) -> list[tuple[int, str, float]]:
     [
         pytest.param(name, marks=() if name in EVERY_RUN else pytest.mark.slow)
         for name in RECIPES
+        if name not in AFTER_0_2_0
     ],
 )
 def test_every_recipe_trains_the_losses_of_0_2_0(
