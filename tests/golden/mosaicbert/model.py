@@ -1,0 +1,163 @@
+"""BERT encoder and masked-LM head: post-LayerNorm layers, learned position embeddings,
+padding masked out of attention, GELU MLP, output layer tied to the token embedding.
+
+Sizes follow BERT (Devlin et al. 2019); `tiny` trains at several steps per second on 2
+CPU cores. Every sequence of a batch is padded to the same length; `keep` (True: a real
+token) keeps padding out of every attention. Algorithms that change the architecture are
+written in where they act, each fenced `# algorithm: NAME` ... `# end algorithm: NAME`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class EncoderConfig:
+    vocab_size: int  # embedding rows: the tokenizer's, padded (vocab_multiple)
+    max_seq_len: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    pad_id: int  # the padding token: never attended to
+    dropout: float = 0.0
+
+
+Preset = Literal["tiny", "mini", "bert-base", "bert-large"]
+# Size presets (layers, heads, width); bert-base and bert-large are BERT's (110M, 340M).
+PRESETS: dict[Preset, dict[str, int]] = {
+    "tiny": dict(n_layer=2, n_head=4, n_embd=128),  # a CPU trains it in minutes
+    "mini": dict(n_layer=4, n_head=4, n_embd=256),  # Turc et al. 2019's BERT-Mini
+    "bert-base": dict(n_layer=12, n_head=12, n_embd=768),
+    "bert-large": dict(n_layer=24, n_head=16, n_embd=1024),
+}
+
+
+def layer_norm(width: int) -> nn.LayerNorm:
+    """Every LayerNorm of the model: the embeddings', each layer's two, the head's."""
+    return nn.LayerNorm(width, eps=1e-12)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        assert config.n_embd % config.n_head == 0, "n_embd must be divisible by n_head"
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Bidirectional self-attention over the real tokens (`keep`: batch, 1, 1,
+        seq)."""
+        batch, seq, width = x.shape
+        # (batch, seq, 3*width) -> three (batch, head, seq, head_dim) tensors
+        q, k, v = (
+            t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2)
+            for t in self.qkv(x).split(width, dim=2)
+        )
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout)
+        y = y.transpose(1, 2).reshape(batch, seq, width)
+        return F.dropout(self.proj(y), dropout, self.training)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h = F.gelu(h)
+        return F.dropout(self.proj(h), self.dropout, self.training)
+
+
+class Layer(nn.Module):
+    """Post-LayerNorm encoder layer (BERT's): ln(x + attn(x)), then ln(x + mlp(x))."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.attn = SelfAttention(config)
+        self.ln_1 = layer_norm(config.n_embd)
+        self.mlp = MLP(config)
+        self.ln_2 = layer_norm(config.n_embd)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        x = self.ln_1(x + self.attn(x, keep))
+        return self.ln_2(x + self.mlp(x))
+
+
+class Encoder(nn.Module):
+    """Token ids (batch, seq) -> masked-LM logits (batch, seq, vocab)."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.max_seq_len, config.n_embd)
+        self.ln_e = layer_norm(config.n_embd)
+        self.blocks = nn.ModuleList(Layer(config) for _ in range(config.n_layer))
+        # The masked-LM head (BERT's): dense, GELU, LayerNorm, then the token embedding
+        # transposed (tied) plus a bias per token.
+        self.head_fc = nn.Linear(config.n_embd, config.n_embd)
+        self.head_ln = layer_norm(config.n_embd)
+        self.head_bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """BERT's init: N(0, 0.02) weights, zero biases, unit LayerNorm gains."""
+        for module in self.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, 0.02)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+        self.head_bias.zero_()
+
+    def encode(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The encoder's last hidden states (batch, seq, n_embd)."""
+        seq = input_ids.shape[1]
+        assert seq <= self.config.max_seq_len, f"sequence of {seq} > max_seq_len"
+        # True where a real token is: padding is never attended to.
+        keep = (input_ids != self.config.pad_id)[:, None, None, :]
+        position = torch.arange(seq, device=input_ids.device)
+        x = self.wte(input_ids) + self.wpe(position)
+        x = F.dropout(self.ln_e(x), self.config.dropout, self.training)
+        for block in self.blocks:
+            x = block(x, keep)
+        return x
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.head_ln(F.gelu(self.head_fc(self.encode(input_ids))))
+        return F.linear(h, self.wte.weight, self.head_bias)
+
+    def num_params(self) -> int:
+        """Parameter count (the tied output layer is the token embedding)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward), for MFU: 6N + attention.
+
+        6N: each weight is one multiply-add (2 FLOPs) forward and two backward; N
+        counts the weights that multiply: the position table is looked up, and the
+        token embedding counts once, as the output layer's matmul. Attention: QK^T
+        and the weighted sum of V, 2 * 2 * seq_len * width per layer forward, times 3
+        with backward (PaLM, appendix B), padding included.
+        """
+        lookups = sum(
+            m.weight.numel()
+            for m in self.modules()
+            if isinstance(m, nn.Embedding) and m is not self.wte
+        )
+        n = self.num_params() - lookups
+        return 6 * n + 12 * self.config.n_layer * seq_len * self.config.n_embd
