@@ -1,0 +1,220 @@
+"""The masked_lm task with the bert pack: BERT's 80/10/10 masking (rates, special tokens
+never picked, the same masks on any world size), the loss normalised by the global batch's
+masked tokens whatever the microbatch size, the data sources, the tokenizer trained once
+and saved beside the run, and bad input as one line with nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+import torch  # noqa: E402
+
+from conftest import scaffold_cli  # noqa: E402
+from projects import project_modules, run_train  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dest = tmp_path_factory.mktemp("mlm") / "bert"
+    result = scaffold_cli("new", "--recipe", "mosaicbert", str(dest))
+    assert result.returncode == 0, result.stderr
+    return dest
+
+
+@pytest.fixture(scope="module")
+def modules(project: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The project's modules, with a WordPiece tokenizer trained on the default data
+    (in a scratch working directory: its cache is runs/.scaffold-cache)."""
+    workdir = tmp_path_factory.mktemp("work")
+    before = Path.cwd()
+    os.chdir(workdir)
+    try:
+        with project_modules(project) as found:
+            corpus = found["data"].load_corpus("")
+            found["data"].train_tokenizer(corpus, 512)
+            tokenizer = found["data"].load_tokenizer("", corpus, 512)
+            yield found, corpus, tokenizer
+    finally:
+        os.chdir(before)
+
+
+def test_masking_is_berts_80_10_10_on_real_tokens_only(modules) -> None:
+    found, corpus, tokenizer = modules
+    data = found["data"]
+    masking = data.Masking.of(tokenizer, 0.3)
+    train, _ = data.sequences(corpus, tokenizer, 64, seed=0)
+    ids = train.rows(np.arange(len(train)), 64, tokenizer.pad_token_id)
+    inputs, targets = masking.apply(ids, np.random.default_rng(0))
+    picked = targets != data.IGNORE
+    special = np.isin(ids, masking.special_ids)  # [CLS], [SEP], padding
+    assert special.any() and not (picked & special).any()
+    assert (inputs[~picked] == ids[~picked]).all()  # only picked tokens change
+    assert (targets[picked] == ids[picked]).all()
+    assert abs(picked.sum() / (~special).sum() - 0.3) < 0.01
+    masked = (inputs == tokenizer.mask_token_id)[picked].mean()
+    kept = (inputs == ids)[picked].mean()  # 10% stay, plus random draws of itself
+    assert abs(masked - 0.8) < 0.01 and abs(kept - 0.1) < 0.01
+    replaced = inputs[picked & (inputs != ids) & (inputs != tokenizer.mask_token_id)]
+    assert not np.isin(replaced, masking.special_ids).any()
+
+
+def test_batches_do_not_depend_on_the_world_size(modules) -> None:
+    found, corpus, tokenizer = modules
+    data = found["data"]
+    train, _ = data.sequences(corpus, tokenizer, 64, seed=0)
+    batches = data.Batches(train, 64, 12, data.Masking.of(tokenizer, 0.15), seed=3)
+    whole = batches.get(epoch=1, index=5)
+    for world in (2, 3):
+        shares = [batches.get(1, 5, rank, world) for rank in range(world)]
+        assert torch.equal(torch.cat([s.inputs for s in shares]), whole.inputs)
+        assert torch.equal(torch.cat([s.targets for s in shares]), whole.targets)
+        assert {s.num_masked for s in shares} == {whole.num_masked}
+    assert whole.num_masked == int((whole.targets != data.IGNORE).sum())
+    other = batches.get(epoch=1, index=6)
+    assert not torch.equal(other.targets, whole.targets)
+
+
+def test_gradient_is_the_global_masked_token_mean_for_any_microbatch(modules) -> None:
+    """forward_backward with loss_scale = 1 / masked tokens: the same gradient as the mean
+    cross-entropy over the batch's masked tokens, in 1 or 4 microbatches."""
+    found, corpus, tokenizer = modules
+    data, model_py, train_py = found["data"], found["model"], found["train"]
+    train, _ = data.sequences(corpus, tokenizer, 32, seed=0)
+    batch = data.Batches(train, 32, 8, data.Masking.of(tokenizer, 0.3), 0).get(0, 0)
+    config = model_py.EncoderConfig(
+        len(tokenizer), 32, pad_id=tokenizer.pad_token_id, **model_py.PRESETS["tiny"]
+    )
+    torch.manual_seed(0)
+    model = model_py.Encoder(config)
+    cfg = train_py.Config(precision="fp32")
+    logits = model(batch.inputs)
+    picked = batch.targets != data.IGNORE
+    reference = torch.nn.functional.cross_entropy(logits[picked], batch.targets[picked])
+    expected = torch.autograd.grad(reference, list(model.parameters()))
+    for microbatch in (8, 2):
+        model.zero_grad()
+        loss_sum = train_py.forward_backward(
+            model, batch.inputs, batch.targets, microbatch, 1 / batch.num_masked, cfg
+        )
+        assert torch.allclose(loss_sum / batch.num_masked, reference, atol=1e-5)
+        for grad, param in zip(expected, model.parameters()):
+            assert torch.allclose(param.grad, grad, atol=1e-6), microbatch
+
+
+def test_padding_is_never_attended_to(modules) -> None:
+    """A sequence's logits are the same alone and padded beside a longer one."""
+    found, _, tokenizer = modules
+    model_py = found["model"]
+    pad = tokenizer.pad_token_id
+    config = model_py.EncoderConfig(
+        len(tokenizer), 16, pad_id=pad, **model_py.PRESETS["tiny"]
+    )
+    model = model_py.Encoder(config).eval()
+    short = torch.tensor([[2, 40, 41, 42, 3]])
+    padded = torch.full((2, 16), pad)
+    padded[0, :5], padded[1] = short[0], torch.arange(30, 46)
+    with torch.no_grad():
+        assert torch.allclose(model(short)[0], model(padded)[0, :5], atol=1e-5)
+
+
+def test_data_sources(modules, tmp_path: Path) -> None:
+    found, _, _ = modules
+    data = found["data"]
+    text = tmp_path / "a.txt"
+    text.write_text("First paragraph here.\n\nSecond one.\n")
+    assert data.load_corpus(str(text)).documents == [text.read_text()]
+    lines = tmp_path / "b.jsonl"
+    lines.write_text('{"text": "one"}\n\n{"text": "two"}\n')
+    assert data.load_corpus(str(lines)).documents == ["one", "two"]
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "x.txt").write_text("x words")
+    (folder / "y.txt").write_text("y words")
+    assert data.load_corpus(str(folder)).documents == ["x words", "y words"]
+    datasets = pytest.importorskip("datasets")
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"text": ["alpha beta", "gamma"]}).save_to_disk(saved)
+    assert data.load_corpus(str(saved)).documents == ["alpha beta", "gamma"]
+    mds = tmp_path / "mds"
+    mds.mkdir()
+    (mds / "index.json").write_text(json.dumps({"shards": [], "version": 2}))
+    with pytest.raises(ValueError, match="MDS shards are not read"):
+        data.load_corpus(str(mds))
+
+
+def test_the_trained_tokenizer_is_shared_and_saved_beside_the_run(
+    project: Path, tmp_path: Path
+) -> None:
+    small = ["--model=tiny", "--seq_len=32", "--global_batch_size=8"]
+    small += ["--vocab_size=512", "--max_duration=2ba", "--eval_batches=1"]
+    for name in ("one", "two"):
+        result = run_train(project, tmp_path, f"--run_name={name}", *small)
+        assert result.returncode == 0, result.stderr
+    cached = list((tmp_path / "runs" / ".scaffold-cache").glob("wordpiece-*.json"))
+    assert len(cached) == 1  # trained once, read by the second run
+    saved = [
+        json.loads((tmp_path / "runs" / n / "tokenizer" / "tokenizer.json").read_text())
+        for n in ("one", "two")
+    ]
+    assert saved[0]["model"]["vocab"] == saved[1]["model"]["vocab"]
+    assert len(saved[0]["model"]["vocab"]) == 512
+    loaded = transformers.AutoTokenizer.from_pretrained(
+        tmp_path / "runs" / "one" / "tokenizer"
+    )
+    assert loaded.mask_token == "[MASK]"
+
+
+def no_mask_tokenizer(folder: Path) -> Path:
+    """A word-level tokenizer with padding but no [MASK] (GPT-2 style)."""
+    vocab = {"[PAD]": 0, "[UNK]": 1, "the": 2}
+    model = tokenizers.models.WordLevel(vocab, unk_token="[UNK]")
+    backend = tokenizers.Tokenizer(model)
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]"
+    )
+    fast.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--mask_rate=1.5"], "mask_rate=1.5 is outside its range (0, 1)"),
+        (["--mask_rate=0"], "mask_rate=0.0 is outside its range (0, 1)"),
+        (["--data=EMPTY"], "holds no text"),
+        (["--data=PUNCT"], "holds no tokens"),
+        (["--tokenizer=NOMASK"], "has no mask token"),
+        (["--seq_len=2"], "seq_len=2"),
+    ],
+)
+def test_bad_input_is_one_line_and_writes_nothing(
+    project: Path, tmp_path: Path, args: list[str], message: str
+) -> None:
+    (tmp_path / "empty.txt").write_text("  \n\n \t\n")
+    (tmp_path / "punct.txt").write_text("\u200b\u200b \u200b\n")
+    replace = {
+        "EMPTY": str(tmp_path / "empty.txt"),
+        "PUNCT": str(tmp_path / "punct.txt"),
+        "NOMASK": str(tmp_path / "nomask"),
+    }
+    if "--tokenizer=NOMASK" in args:
+        no_mask_tokenizer(tmp_path / "nomask")
+    for key, value in replace.items():
+        args = [arg.replace(key, value) for arg in args]
+    result = run_train(project, tmp_path, *args)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert message in lines[0], lines[0]
+    assert not (tmp_path / "runs").exists() or not [
+        p for p in (tmp_path / "runs").iterdir() if p.name != ".scaffold-cache"
+    ]
