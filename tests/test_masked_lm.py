@@ -218,3 +218,66 @@ def test_bad_input_is_one_line_and_writes_nothing(
     assert not (tmp_path / "runs").exists() or not [
         p for p in (tmp_path / "runs").iterdir() if p.name != ".scaffold-cache"
     ]
+
+
+def word_tokenizer(folder: Path, words: int) -> Path:
+    """A BERT-style word-level tokenizer of `words` + 5 special tokens."""
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab = {token: i for i, token in enumerate(special)}
+    vocab.update({f"w{i}": len(special) + i for i in range(words)})
+    backend = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel(vocab, unk_token="[UNK]")
+    )
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        **{
+            f"{role}_token": f"[{role.upper()}]"
+            for role in ("pad", "unk", "cls", "sep")
+        },
+        mask_token="[MASK]",
+    )
+    fast.save_pretrained(folder)
+    return folder
+
+
+def test_hf_pack_trains_a_saved_masked_lm_and_refuses_a_larger_tokenizer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project = tmp_path / "hf-mlm"
+    result = scaffold_cli(
+        "new", "--recipe", "mosaicbert", "--set", "model_family=hf", str(project)
+    )
+    assert result.returncode == 0, result.stderr
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=32, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.BertForMaskedLM(config).save_pretrained(tmp_path / "model")
+    word_tokenizer(tmp_path / "model", 59)  # 64 tokens: the model's own
+    word_tokenizer(tmp_path / "big", 200)
+    corpus = tmp_path / "words.txt"
+    rng = np.random.default_rng(0)
+    corpus.write_text(
+        "\n\n".join(
+            " ".join(f"w{i}" for i in rng.integers(59, size=20)) for _ in range(80)
+        )
+    )
+    common = [f"--model={tmp_path / 'model'}", f"--data={corpus}", "--seq_len=32"]
+    common += ["--global_batch_size=8", "--eval_batches=1", "--max_duration=2ba"]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing downloads
+    bad = run_train(project, tmp_path, *common, f"--tokenizer={tmp_path / 'big'}")
+    assert bad.returncode == 2, bad.stderr
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and "the tokenizer has 205 tokens" in lines[0], bad.stderr
+    assert not (tmp_path / "runs").exists()
+    good = run_train(project, tmp_path, *common, "--run_name=ok")
+    assert good.returncode == 0, good.stderr
+    records = [
+        json.loads(line)
+        for line in (tmp_path / "runs" / "ok" / "metrics.jsonl")
+        .read_text()
+        .splitlines()
+    ]
+    assert [r["step"] for r in records] == [1, 2] and "val_loss" in records[-1]
