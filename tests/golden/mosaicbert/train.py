@@ -44,7 +44,8 @@ class Config:
     seed: int = 42  # a run is a function of (config, seed)
     # data: "" Python's documentation topics; a .txt/.jsonl file, a folder, litdata
     data: str = ""
-    tokenizer: str = ""  # a folder or hub id; "": WordPiece trained on the data
+    # a folder or hub id; "": WordPiece trained on the data
+    tokenizer: str = ""
     vocab_size: int = 4096  # the trained WordPiece tokenizer's vocabulary
     # embedding rows: the vocabulary rounded up to a multiple of this (1: none)
     vocab_multiple: int = 64
@@ -185,9 +186,9 @@ def evaluate(
             micro = share[start : min(start + cfg.device_microbatch_size, real)].to(
                 env.device
             )
-            inputs, targets = micro[:, 0], micro[:, 1]
+            micro_inputs, targets = micro[:, 0], micro[:, 1]
             with torch.autocast(env.device.type, torch.bfloat16, enabled=is_amp(cfg)):
-                logits = model(inputs).float()
+                logits = model(micro_inputs).float()
             picked = targets != -100
             sums[0] += F.cross_entropy(logits[picked], targets[picked], reduction="sum")
             sums[1] += (logits[picked].argmax(-1) == targets[picked]).sum()
@@ -253,10 +254,11 @@ def main() -> None:
     # A missing path, no text, a tokenizer without [MASK], too little data.
     with config.failing(OSError, ValueError):
         corpus = load_corpus(cfg.data)
-        if not cfg.tokenizer and env.is_main:  # once, by one rank (see data.py)
+        tokenizer_name = cfg.tokenizer
+        if not tokenizer_name and env.is_main:  # once, by one rank (see data.py)
             train_tokenizer(corpus, cfg.vocab_size)
         dist.barrier()
-        tokenizer = load_tokenizer(cfg.tokenizer, corpus, cfg.vocab_size)
+        tokenizer = load_tokenizer(tokenizer_name, corpus, cfg.vocab_size)
         train_seqs, val_seqs = sequences(corpus, tokenizer, cfg.seq_len, cfg.seed)
         masking = Masking.of(tokenizer, cfg.mask_rate)
         train_batches = Batches(
@@ -282,7 +284,7 @@ def main() -> None:
         **PRESETS[cfg.model],
     )
     model = Encoder(model_config).to(env.device)
-    num_params = model.num_params()
+    num_params = sum(p.numel() for p in model.parameters())
 
     # One live start per run (a requeue racing a dying job is refused): an OS lock the
     # kernel drops even after kill -9. Taken after all input is read: a bad one leaves
