@@ -281,3 +281,95 @@ def test_hf_pack_trains_a_saved_masked_lm_and_refuses_a_larger_tokenizer(
         .splitlines()
     ]
     assert [r["step"] for r in records] == [1, 2] and "val_loss" in records[-1]
+
+
+def test_mosaicbert_builds_every_layernorm_in_low_precision(modules) -> None:
+    """mosaicbert's low_precision_layernorm: every LayerNorm of the encoder and its head
+    is the bf16 kind (BERT's eps kept); under autocast it normalizes in bf16, and its
+    logits stay close to the plain LayerNorm's."""
+    found, _, tokenizer = modules
+    model_py = found["model"]
+    config = model_py.EncoderConfig(
+        len(tokenizer), 16, pad_id=tokenizer.pad_token_id, **model_py.PRESETS["tiny"]
+    )
+    torch.manual_seed(0)
+    model = model_py.Encoder(config)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert len(norms) == 2 * config.n_layer + 2
+    assert all(type(m) is model_py.LowPrecisionLayerNorm for m in norms)
+    assert {m.eps for m in norms} == {1e-12}
+    x = torch.randn(2, 16, config.n_embd)
+    with torch.autocast("cpu", torch.bfloat16):
+        assert norms[0](x).dtype == torch.bfloat16
+        ids = torch.randint(5, len(tokenizer), (2, 16))
+        low = model(ids).float()
+        for norm in norms:
+            norm.__class__ = torch.nn.LayerNorm
+        plain = model(ids).float()
+    assert norms[0](x).dtype == torch.float32
+    assert torch.allclose(low, plain, atol=0.1) and not torch.equal(low, plain)
+
+
+def test_pretrain_export_fine_tune_hands_the_encoder_over_unchanged(
+    project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mosaicbert pretrains 2 steps; `scaffold export --format hf` writes a
+    BertForMaskedLM folder with the run's tokenizer whose logits equal model.py's; a
+    sequence classifier loads the same encoder weights from it, and a text_classification
+    project fine-tunes it with --model=FOLDER."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    small = ["--model=tiny", "--seq_len=32", "--global_batch_size=8", "--run_name=pre"]
+    small += ["--vocab_size=512", "--max_duration=2ba", "--eval_batches=1"]
+    result = run_train(project, tmp_path, *small)
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "exported"
+    exported = scaffold_cli(
+        "export", "--format", "hf", str(tmp_path / "runs" / "pre"), str(out),
+        "--project", str(project),
+    )  # fmt: skip
+    assert exported.returncode == 0, exported.stderr
+    from runtime.checkpoint import export
+
+    ours, _, _, _ = export.read_weights(str(tmp_path / "runs" / "pre"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert len(tokenizer) == 512 and tokenizer.mask_token == "[MASK]"
+    ids = tokenizer(["the quick brown fox", "a"], padding=True, return_tensors="pt")
+    with project_modules(project) as found:
+        model_py = found["model"]
+        config = model_py.EncoderConfig(
+            ours["wte.weight"].shape[0], 32, pad_id=tokenizer.pad_token_id,
+            **model_py.PRESETS["tiny"],
+        )  # fmt: skip
+        encoder = model_py.Encoder(config).eval()
+        encoder.load_state_dict(ours)
+        with torch.no_grad():
+            expected = encoder(ids["input_ids"])
+    hf = transformers.BertForMaskedLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        logits = hf(**ids).logits
+    real = ids["attention_mask"].bool()
+    assert torch.allclose(logits[real], expected[real], atol=1e-4)
+    classifier = transformers.AutoModelForSequenceClassification.from_pretrained(
+        out, num_labels=2
+    )
+    handed = classifier.bert.state_dict()
+    for name, tensor in hf.bert.state_dict().items():
+        if not name.startswith("pooler"):  # the classifier's pooler is new
+            assert torch.equal(handed[name], tensor), name
+    finetune = tmp_path / "ft"
+    made = scaffold_cli("new", "--recipe", "bert-sst2", str(finetune))
+    assert made.returncode == 0, made.stderr
+    toy = tmp_path / "toy.jsonl"
+    toy.write_text(
+        "".join(
+            json.dumps({"text": f"{['bad', 'good'][i % 2]} movie {i}", "label": i % 2})
+            + "\n"
+            for i in range(40)
+        )
+    )
+    tuned = run_train(
+        finetune, tmp_path, f"--model={out}", f"--data={toy}", "--run_name=ft",
+        "--max_seq_len=16", "--global_batch_size=8", "--max_duration=2ba",
+    )  # fmt: skip
+    assert tuned.returncode == 0, tuned.stderr
+    assert (tmp_path / "runs" / "ft" / "hf" / "config.json").is_file()
