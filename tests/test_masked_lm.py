@@ -373,3 +373,51 @@ def test_pretrain_export_fine_tune_hands_the_encoder_over_unchanged(
     )  # fmt: skip
     assert tuned.returncode == 0, tuned.stderr
     assert (tmp_path / "runs" / "ft" / "hf" / "config.json").is_file()
+
+
+def test_fsdp_and_ddp_on_two_ranks_equal_one_process_and_resume_on_one(
+    project: Path, tmp_path: Path
+) -> None:
+    """The masked-LM loss normalisation on any world size: FSDP2 and DDP on 2 gloo ranks log
+    one process's losses (reduction order aside, as test_distributed.py), and the 2-rank
+    FSDP2 checkpoint of step 2 resumes on 1 process to the same steps 3-4."""
+    import subprocess
+    import sys
+
+    from projects import checkout_env, read_metrics
+
+    small = ["--model=tiny", "--seq_len=32", "--global_batch_size=8"]
+    small += ["--device_microbatch_size=2", "--vocab_size=512", "--max_duration=4ba"]
+    small += ["--eval_interval=2ba", "--eval_batches=2", "--save_interval=2ba"]
+    small += ["--dist_timeout=60", "--save_num_checkpoints_to_keep=0", "--lr=3e-3"]
+    one = run_train(project, tmp_path, "--run_name=one", *small)
+    assert one.returncode == 0, one.stderr
+    for parallelism in ("fsdp", "ddp"):
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        launch += ["--nproc_per_node=2", str(project / "train.py"), "--device=cpu"]
+        launch += [f"--run_name={parallelism}", f"--parallelism={parallelism}", *small]
+        env = {**checkout_env(), "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(
+            launch, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    checkpoint = tmp_path / "runs" / "fsdp" / "checkpoints" / "step-2"
+    elastic = run_train(
+        project, tmp_path, "--run_name=elastic", f"--load_path={checkpoint}", *small
+    )
+    assert elastic.returncode == 0, elastic.stderr
+
+    def logged(run: str) -> list[tuple[int, str, float]]:
+        rows = read_metrics(tmp_path, run)
+        keys = ("loss", "val_loss", "mlm_accuracy")
+        return [(r["step"], k, r[k]) for r in rows for k in keys if k in r]
+
+    reference = logged("one")
+    for run in ("fsdp", "ddp", "elastic"):
+        values = logged(run)
+        expected = (
+            [row for row in reference if row[0] > 2] if run == "elastic" else reference
+        )
+        assert [v[:2] for v in values] == [e[:2] for e in expected], run
+        for (step, key, value), (_, _, want) in zip(values, expected):
+            assert value == pytest.approx(want, rel=1e-5, abs=1e-6), (run, step, key)
