@@ -3,7 +3,9 @@ padding masked out of attention, GELU MLP, output layer tied to the token embedd
 
 Sizes follow BERT (Devlin et al. 2019); `tiny` trains at several steps per second on 2
 CPU cores. Every sequence of a batch is padded to the same length; `keep` (True: a real
-token) keeps padding out of every attention. Algorithms that change the architecture are
+token) keeps padding out of every attention. This is BERT's layout: `to_hf_bert` maps
+the weights to Hugging Face's BertForMaskedLM (`scaffold export --format hf`), which a
+text_classification project fine-tunes. Algorithms that change the architecture are
 written in where they act, each fenced `# algorithm: NAME` ... `# end algorithm: NAME`.
 """
 
@@ -161,3 +163,59 @@ class Encoder(nn.Module):
         )
         n = self.num_params() - lookups
         return 6 * n + 12 * self.config.n_layer * seq_len * self.config.n_embd
+
+
+# Hugging Face BERT (`BertForMaskedLM`) weights out (`scaffold export --format hf`): the
+# same function under other names; the fused qkv is split into query, key and value, and
+# BERT's token-type table (unused here) is zeros, which adds nothing.
+HF_LAYER_NAMES = {
+    "attn.proj": "attention.output.dense",
+    "ln_1": "attention.output.LayerNorm",
+    "mlp.fc": "intermediate.dense",
+    "mlp.proj": "output.dense",
+    "ln_2": "output.LayerNorm",
+}
+
+
+def to_hf_bert(
+    weights: dict[str, torch.Tensor], config: EncoderConfig
+) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+    """Our weights -> BertForMaskedLM's config.json and safetensors weights."""
+    hf_config = {
+        "architectures": ["BertForMaskedLM"],
+        "model_type": "bert",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.n_embd,
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "intermediate_size": 4 * config.n_embd,
+        "hidden_act": "gelu",  # exact GELU, as F.gelu
+        "max_position_embeddings": config.max_seq_len,
+        "type_vocab_size": 2,
+        "layer_norm_eps": 1e-12,
+        "pad_token_id": config.pad_id,
+        "hidden_dropout_prob": config.dropout,
+        "attention_probs_dropout_prob": config.dropout,
+        "tie_word_embeddings": True,
+    }
+    out = {
+        "bert.embeddings.word_embeddings.weight": weights["wte.weight"],
+        "bert.embeddings.position_embeddings.weight": weights["wpe.weight"],
+        "bert.embeddings.token_type_embeddings.weight": torch.zeros(
+            2, config.n_embd, dtype=weights["wte.weight"].dtype
+        ),
+        "cls.predictions.transform.dense.weight": weights["head_fc.weight"],
+        "cls.predictions.transform.dense.bias": weights["head_fc.bias"],
+        "cls.predictions.bias": weights["head_bias"],
+    }
+    for kind in ("weight", "bias"):
+        out[f"bert.embeddings.LayerNorm.{kind}"] = weights[f"ln_e.{kind}"]
+        out[f"cls.predictions.transform.LayerNorm.{kind}"] = weights[f"head_ln.{kind}"]
+        for i in range(config.n_layer):
+            ours, theirs = f"blocks.{i}.", f"bert.encoder.layer.{i}."
+            qkv = weights[f"{ours}attn.qkv.{kind}"].chunk(3, dim=0)
+            for part, tensor in zip(("query", "key", "value"), qkv):
+                out[f"{theirs}attention.self.{part}.{kind}"] = tensor
+            for name, hf_name in HF_LAYER_NAMES.items():
+                out[f"{theirs}{hf_name}.{kind}"] = weights[f"{ours}{name}.{kind}"]
+    return hf_config, {k: v.contiguous() for k, v in out.items()}

@@ -1,4 +1,4 @@
-"""Train my-gpt: a BERT pretrained by masked language modelling (recipe `bert-pretrain-baseline`).
+"""Train my-gpt: BERT masked-LM pretraining (recipe `bert-pretrain-baseline`).
 
     python train.py                     # CPU or one GPU: Python's docs, WordPiece
     python train.py --model=bert-base --data=corpus.txt --max_duration=70000ba

@@ -1,11 +1,11 @@
-"""Train my-gpt: a BERT pretrained by masked language modelling (recipe `mosaicbert`).
+"""Train my-gpt: BERT masked-LM pretraining (recipe `mosaicbert`).
 
     python train.py                     # CPU or one GPU: Python's docs, WordPiece
     python train.py --model=bert-base --data=corpus.txt --max_duration=70000ba
     python train.py --config run.toml   # keys as in Config below; flags override it
     python train.py --help              # every key, its default and meaning
 
-Algorithms: none.
+Algorithms: low_precision_layernorm.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
 hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end algorithm:
 NAME`. `scaffold upgrade` merges newer template versions in and keeps your edits.
