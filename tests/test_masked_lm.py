@@ -421,3 +421,40 @@ def test_fsdp_and_ddp_on_two_ranks_equal_one_process_and_resume_on_one(
         assert [v[:2] for v in values] == [e[:2] for e in expected], run
         for (step, key, value), (_, _, want) in zip(values, expected):
             assert value == pytest.approx(want, rel=1e-5, abs=1e-6), (run, step, key)
+
+
+def test_auto_microbatching_halves_on_out_of_memory_with_the_same_losses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mosaicbert with the out-of-memory search: an injected OOM above 4 samples halves
+    the microbatch to 4, and the losses equal the run at 8 (the masked-token count of the
+    global batch divides every microbatch's sum)."""
+    project = tmp_path / "auto"
+    result = scaffold_cli(
+        "new",
+        "--recipe",
+        "mosaicbert",
+        "--set",
+        "auto_microbatching=true",
+        str(project),
+    )
+    assert result.returncode == 0, result.stderr
+    small = ["--model=tiny", "--seq_len=32", "--global_batch_size=8"]
+    small += ["--vocab_size=512", "--max_duration=2ba", "--eval_batches=2"]
+    whole = run_train(project, tmp_path, "--run_name=whole", *small)
+    assert whole.returncode == 0, whole.stderr
+    monkeypatch.setenv("SCAFFOLD_INJECT_OOM", "ranks=0;above=4;phase=backward")
+    halved = run_train(project, tmp_path, "--run_name=halved", *small)
+    assert halved.returncode == 0, halved.stderr
+    rows = {
+        run: json_rows(tmp_path / "runs" / run / "metrics.jsonl")
+        for run in ("whole", "halved")
+    }
+    assert [r["microbatch_size"] for r in rows["whole"]] == [8, 8]
+    assert [r["microbatch_size"] for r in rows["halved"]] == [4, 4]
+    for a, b in zip(rows["whole"], rows["halved"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+def json_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
