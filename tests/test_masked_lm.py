@@ -150,11 +150,11 @@ def test_data_sources(modules, tmp_path: Path) -> None:
         data.load_corpus(str(mds))
 
 
-def test_the_trained_tokenizer_is_shared_and_saved_beside_the_run(
+def test_the_trained_tokenizer_is_shared_saved_and_its_vocabulary_padded(
     project: Path, tmp_path: Path
 ) -> None:
     small = ["--model=tiny", "--seq_len=32", "--global_batch_size=8"]
-    small += ["--vocab_size=512", "--max_duration=2ba", "--eval_batches=1"]
+    small += ["--vocab_size=500", "--max_duration=2ba", "--eval_batches=1"]
     for name in ("one", "two"):
         result = run_train(project, tmp_path, f"--run_name={name}", *small)
         assert result.returncode == 0, result.stderr
@@ -165,7 +165,10 @@ def test_the_trained_tokenizer_is_shared_and_saved_beside_the_run(
         for n in ("one", "two")
     ]
     assert saved[0]["model"]["vocab"] == saved[1]["model"]["vocab"]
-    assert len(saved[0]["model"]["vocab"]) == 512
+    assert len(saved[0]["model"]["vocab"]) == 500
+    # mosaicbert's vocab_multiple=64: 500 tokens, 512 embedding rows
+    log = (tmp_path / "runs" / "one" / "log.txt").read_text()
+    assert "vocabulary 500 (512 embedding rows)" in log
     loaded = transformers.AutoTokenizer.from_pretrained(
         tmp_path / "runs" / "one" / "tokenizer"
     )
