@@ -200,8 +200,14 @@ def no_mask_tokenizer(folder: Path) -> Path:
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(
-    project: Path, tmp_path: Path, args: list[str], message: str
+    modules,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    message: str,
 ) -> None:
+    """train.main() in this process (a subprocess per case cost 6 s of imports each)."""
     (tmp_path / "empty.txt").write_text("  \n\n \t\n")
     (tmp_path / "punct.txt").write_text("\u200b\u200b \u200b\n")
     replace = {
@@ -213,10 +219,20 @@ def test_bad_input_is_one_line_and_writes_nothing(
         no_mask_tokenizer(tmp_path / "nomask")
     for key, value in replace.items():
         args = [arg.replace(key, value) for arg in args]
-    result = run_train(project, tmp_path, *args)
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2, result.stderr
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    train = modules[0]["train"]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(
+        "sys.argv", ["train.py", "--device=cpu", "--vocab_size=512", *args]
+    )
+    capsys.readouterr()
+    try:
+        with pytest.raises(SystemExit) as exited:
+            train.main()
+    finally:
+        train.dist.shutdown()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2, lines
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
     assert message in lines[0], lines[0]
     assert not (tmp_path / "runs").exists() or not [
         p for p in (tmp_path / "runs").iterdir() if p.name != ".scaffold-cache"
@@ -244,10 +260,12 @@ def word_tokenizer(folder: Path, words: int) -> Path:
     return folder
 
 
-def test_hf_pack_trains_a_saved_masked_lm_and_refuses_a_larger_tokenizer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    project = tmp_path / "hf-mlm"
+@pytest.fixture(scope="module")
+def hf_setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """A mosaicbert project on the hf pack, a saved 64-token BertForMaskedLM with its own
+    tokenizer, a 205-token tokenizer beside it, and a corpus of its words."""
+    root = tmp_path_factory.mktemp("hf-mlm")
+    project = root / "project"
     result = scaffold_cli(
         "new", "--recipe", "mosaicbert", "--set", "model_family=hf", str(project)
     )
@@ -257,24 +275,42 @@ def test_hf_pack_trains_a_saved_masked_lm_and_refuses_a_larger_tokenizer(
         intermediate_size=64, max_position_embeddings=32, pad_token_id=0,
     )  # fmt: skip
     torch.manual_seed(0)
-    transformers.BertForMaskedLM(config).save_pretrained(tmp_path / "model")
-    word_tokenizer(tmp_path / "model", 59)  # 64 tokens: the model's own
-    word_tokenizer(tmp_path / "big", 200)
-    corpus = tmp_path / "words.txt"
+    transformers.BertForMaskedLM(config).save_pretrained(root / "model")
+    word_tokenizer(root / "model", 59)  # 64 tokens: the model's own
+    word_tokenizer(root / "big", 200)
+    corpus = root / "words.txt"
     rng = np.random.default_rng(0)
     corpus.write_text(
         "\n\n".join(
             " ".join(f"w{i}" for i in rng.integers(59, size=20)) for _ in range(80)
         )
     )
-    common = [f"--model={tmp_path / 'model'}", f"--data={corpus}", "--seq_len=32"]
+    common = [f"--model={root / 'model'}", f"--data={corpus}", "--seq_len=32"]
     common += ["--global_batch_size=8", "--eval_batches=1", "--max_duration=2ba"]
+    return project, common
+
+
+def test_hf_pack_refuses_a_tokenizer_larger_than_the_model(
+    hf_setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project, common = hf_setup
+    big = Path(common[0].split("=", 1)[1]).parent / "big"
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing downloads
-    bad = run_train(project, tmp_path, *common, f"--tokenizer={tmp_path / 'big'}")
+    bad = run_train(project, tmp_path, *common, f"--tokenizer={big}")
     assert bad.returncode == 2, bad.stderr
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and "the tokenizer has 205 tokens" in lines[0], bad.stderr
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_hf_pack_trains_a_saved_masked_lm(
+    hf_setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save_pretrained BertForMaskedLM folder and its tokenizer train (test_packs trains
+    the pack's tiny random BERT in every run)."""
+    project, common = hf_setup
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     good = run_train(project, tmp_path, *common, "--run_name=ok")
     assert good.returncode == 0, good.stderr
     records = [
@@ -378,54 +414,84 @@ def test_pretrain_export_fine_tune_hands_the_encoder_over_unchanged(
     assert (tmp_path / "runs" / "ft" / "hf" / "config.json").is_file()
 
 
-def test_fsdp_and_ddp_on_two_ranks_equal_one_process_and_resume_on_one(
-    project: Path, tmp_path: Path
-) -> None:
-    """The masked-LM loss normalisation on any world size: FSDP2 and DDP on 2 gloo ranks log
-    one process's losses (reduction order aside, as test_distributed.py), and the 2-rank
-    FSDP2 checkpoint of step 2 resumes on 1 process to the same steps 3-4."""
+# Tiny runs that save every 2 steps; 6 rows per batch split evenly over 1, 2 or 3 ranks.
+RANKS_SMALL = ["--model=tiny", "--seq_len=32", "--global_batch_size=6"]
+RANKS_SMALL += ["--device_microbatch_size=2", "--vocab_size=512", "--max_duration=6ba"]
+RANKS_SMALL += ["--eval_interval=2ba", "--eval_batches=2", "--save_interval=2ba"]
+RANKS_SMALL += ["--dist_timeout=60", "--save_num_checkpoints_to_keep=0", "--lr=3e-3"]
+
+
+def torchrun(project: Path, workdir: Path, ranks: int, *args: str) -> None:
     import subprocess
     import sys
 
-    from projects import checkout_env, read_metrics
+    from projects import checkout_env
 
-    small = ["--model=tiny", "--seq_len=32", "--global_batch_size=8"]
-    small += ["--device_microbatch_size=2", "--vocab_size=512", "--max_duration=4ba"]
-    small += ["--eval_interval=2ba", "--eval_batches=2", "--save_interval=2ba"]
-    small += ["--dist_timeout=60", "--save_num_checkpoints_to_keep=0", "--lr=3e-3"]
-    one = run_train(project, tmp_path, "--run_name=one", *small)
-    assert one.returncode == 0, one.stderr
-    for parallelism in ("fsdp", "ddp"):
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        launch += ["--nproc_per_node=2", str(project / "train.py"), "--device=cpu"]
-        launch += [f"--run_name={parallelism}", f"--parallelism={parallelism}", *small]
-        env = {**checkout_env(), "OMP_NUM_THREADS": "1"}
-        done = subprocess.run(
-            launch, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-        )
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    checkpoint = tmp_path / "runs" / "fsdp" / "checkpoints" / "step-2"
-    elastic = run_train(
-        project, tmp_path, "--run_name=elastic", f"--load_path={checkpoint}", *small
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    launch += [f"--nproc_per_node={ranks}", str(project / "train.py"), "--device=cpu"]
+    env = {**checkout_env(), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [*launch, *RANKS_SMALL, *args],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
-    assert elastic.returncode == 0, elastic.stderr
-
-    def logged(run: str) -> list[tuple[int, str, float]]:
-        rows = read_metrics(tmp_path, run)
-        keys = ("loss", "val_loss", "mlm_accuracy")
-        return [(r["step"], k, r[k]) for r in rows for k in keys if k in r]
-
-    reference = logged("one")
-    for run in ("fsdp", "ddp", "elastic"):
-        values = logged(run)
-        expected = (
-            [row for row in reference if row[0] > 2] if run == "elastic" else reference
-        )
-        assert [v[:2] for v in values] == [e[:2] for e in expected], run
-        for (step, key, value), (_, _, want) in zip(values, expected):
-            assert value == pytest.approx(want, rel=1e-5, abs=1e-6), (run, step, key)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
+def logged(workdir: Path, run: str, after: int = 0) -> list[tuple[int, str, float]]:
+    """(step, key, value) of the losses and accuracy a run logged after step `after`."""
+    from projects import read_metrics
+
+    keys = ("loss", "val_loss", "mlm_accuracy")
+    rows = read_metrics(workdir, run)
+    return [
+        (r["step"], k, r[k]) for r in rows if r["step"] > after for k in keys if k in r
+    ]
+
+
+def assert_same(values: list, expected: list, run: str) -> None:
+    assert [v[:2] for v in values] == [e[:2] for e in expected], run
+    for (step, key, value), (_, _, want) in zip(values, expected):
+        assert value == pytest.approx(want, rel=1e-5, abs=1e-6), (run, step, key)
+
+
+def test_fsdp_equals_one_process_and_resumes_elastically_from_2_to_3_to_1_ranks(
+    project: Path, tmp_path: Path
+) -> None:
+    """The masked-LM loss normalisation on any world size: FSDP2 on 2 gloo ranks logs one
+    process's losses (reduction order aside, as test_distributed.py); its step-2
+    checkpoint resumes on 3 ranks, and that run's step-4 checkpoint on 1 process, each to
+    the same steps as the uninterrupted single process."""
+    one = run_train(project, tmp_path, "--run_name=one", *RANKS_SMALL)
+    assert one.returncode == 0, one.stderr
+    reference = logged(tmp_path, "one")
+    torchrun(project, tmp_path, 2, "--run_name=two", "--parallelism=fsdp")
+    assert_same(logged(tmp_path, "two"), reference, "two")
+    step_2 = tmp_path / "runs" / "two" / "checkpoints" / "step-2"
+    torchrun(project, tmp_path, 3, "--run_name=three", f"--load_path={step_2}")
+    assert_same(logged(tmp_path, "three", 2), logged(tmp_path, "one", 2), "three")
+    step_4 = tmp_path / "runs" / "three" / "checkpoints" / "step-4"
+    last = run_train(
+        project, tmp_path, "--run_name=last", f"--load_path={step_4}", *RANKS_SMALL
+    )
+    assert last.returncode == 0, last.stderr
+    assert_same(logged(tmp_path, "last", 4), logged(tmp_path, "one", 4), "last")
+
+
+@pytest.mark.slow
+def test_ddp_on_two_ranks_equals_one_process(project: Path, tmp_path: Path) -> None:
+    """DDP's gradient average over 2 ranks with the factor world_size: one process's
+    losses (FSDP2 checks the same normalisation in every run)."""
+    one = run_train(project, tmp_path, "--run_name=one", *RANKS_SMALL)
+    assert one.returncode == 0, one.stderr
+    torchrun(project, tmp_path, 2, "--run_name=ddp", "--parallelism=ddp")
+    assert_same(logged(tmp_path, "ddp"), logged(tmp_path, "one"), "ddp")
+
+
+@pytest.mark.slow
 def test_auto_microbatching_halves_on_out_of_memory_with_the_same_losses(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
