@@ -57,11 +57,12 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """Bidirectional self-attention over the real tokens (`keep`: batch, 1, 1,
         seq)."""
-        batch, seq, width = x.shape
+        qkv = self.qkv(x)
+        batch, seq, width = *qkv.shape[:2], qkv.shape[2] // 3
         # (batch, seq, 3*width) -> three (batch, head, seq, head_dim) tensors
         q, k, v = (
             t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2)
-            for t in self.qkv(x).split(width, dim=2)
+            for t in qkv.split(width, dim=2)
         )
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout)
