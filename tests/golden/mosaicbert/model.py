@@ -63,6 +63,30 @@ class LowPrecisionLayerNorm(nn.LayerNorm):
 # end algorithm: low_precision_layernorm
 
 
+# algorithm: unpadding
+# Unpadding (MosaicBERT): padding is gathered out of the layers' input, so the
+# token-wise work (linear layers, LayerNorms, MLP) is done for real tokens only.
+def unpad(x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (batch, seq, width) -> its real tokens (tokens, width), and `keep` cut after
+    the batch's last real column (attention then spans the longest sequence only)."""
+    seen = keep.flatten(1).any(dim=0).nonzero()  # columns with a real token
+    # 1 where there is none: a microbatch of padding only (ALiBi's split rows).
+    columns = int(seen.max()) + 1 if len(seen) else 1
+    keep = keep[..., :columns]
+    return x[:, :columns][keep[:, 0, 0, :]], keep
+
+
+def repad(x: torch.Tensor, keep: torch.Tensor, seq: int) -> torch.Tensor:
+    """Real tokens (tokens, width) back to (batch, seq, width), zeros at padding."""
+    real = keep[:, 0, 0, :]
+    rows = x.new_zeros(real.shape[0], seq, x.shape[-1])
+    rows[:, : real.shape[1]][real] = x
+    return rows
+
+
+# end algorithm: unpadding
+
+
 def layer_norm(width: int) -> nn.LayerNorm:
     """Every LayerNorm of the model: the embeddings', each layer's two, the head's."""
 
@@ -85,6 +109,12 @@ class SelfAttention(nn.Module):
         """Bidirectional self-attention over the real tokens (`keep`: batch, 1, 1,
         seq)."""
         qkv = self.qkv(x)
+        # algorithm: unpadding
+        # qkv of the real tokens back in their (batch, seq) places for attention, zeros
+        # at padding (masked out by keep).
+        qkv = repad(qkv, keep, keep.shape[-1])
+        # end algorithm: unpadding
+
         batch, seq, width = *qkv.shape[:2], qkv.shape[2] // 3
         # (batch, seq, 3*width) -> three (batch, head, seq, head_dim) tensors
         q, k, v = (
@@ -94,6 +124,11 @@ class SelfAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout)
         y = y.transpose(1, 2).reshape(batch, seq, width)
+        # algorithm: unpadding
+        # The real tokens again: the output projection skips padding.
+        y = y[keep[:, 0, 0, :]]
+        # end algorithm: unpadding
+
         return F.dropout(self.proj(y), dropout, self.training)
 
 
@@ -163,8 +198,18 @@ class Encoder(nn.Module):
         position = torch.arange(seq, device=input_ids.device)
         x = self.wte(input_ids) + self.wpe(position)
         x = F.dropout(self.ln_e(x), self.config.dropout, self.training)
+        # algorithm: unpadding
+        # The layers see the real tokens only, as one (tokens, width) tensor.
+        x, keep = unpad(x, keep)
+        # end algorithm: unpadding
+
         for block in self.blocks:
             x = block(x, keep)
+        # algorithm: unpadding
+        # Back to (batch, seq, width) for the head; padding positions hold zeros.
+        x = repad(x, keep, seq)
+        # end algorithm: unpadding
+
         return x
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
