@@ -262,12 +262,19 @@ def word_tokenizer(folder: Path, words: int) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
-    """A mosaicbert project on the hf pack, a saved 64-token BertForMaskedLM with its own
+    """A masked_lm project on the hf pack, a saved 64-token BertForMaskedLM with its own
     tokenizer, a 205-token tokenizer beside it, and a corpus of its words."""
     root = tmp_path_factory.mktemp("hf-mlm")
     project = root / "project"
     result = scaffold_cli(
-        "new", "--recipe", "mosaicbert", "--set", "model_family=hf", str(project)
+        "new",
+        "--recipe",
+        "bert-pretrain-baseline",
+        "--set",
+        "model_family=hf",
+        "--set",
+        "mask_rate=0.3",
+        str(project),
     )
     assert result.returncode == 0, result.stderr
     config = transformers.BertConfig(
