@@ -534,3 +534,52 @@ def test_auto_microbatching_halves_on_out_of_memory_with_the_same_losses(
 
 def json_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_sigusr1_saves_and_stops_and_a_rerun_continues_bitwise(
+    project: Path, tmp_path: Path
+) -> None:
+    """Pre-emption on mosaicbert: SIGUSR1 mid-run saves after the current step and exits
+    0; the same command resumes from that checkpoint, and the whole run's losses equal an
+    uninterrupted run's bitwise (test_preempt.py checks SIGTERM under torchrun on GPT-2).
+    """
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from projects import checkout_env, read_metrics
+
+    small = ["--model=tiny", "--seq_len=32", "--global_batch_size=8", "--lr=3e-3"]
+    small += ["--vocab_size=512", "--max_duration=40ba", "--eval_interval=1000ba"]
+    small += ["--save_interval=1000ba", "--eval_batches=1"]
+    whole = run_train(project, tmp_path, "--run_name=whole", *small)
+    assert whole.returncode == 0, whole.stderr
+    command = [sys.executable, str(project / "train.py"), "--device=cpu", *small]
+    command.append("--run_name=pre")
+    first = subprocess.Popen(
+        command, cwd=tmp_path, env=checkout_env(), stderr=subprocess.PIPE, text=True
+    )
+    metrics = tmp_path / "runs" / "pre" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert first.poll() is None and time.monotonic() < deadline, "no steps"
+        time.sleep(0.05)
+    first.send_signal(signal.SIGUSR1)
+    _, err = first.communicate(timeout=240)
+    assert first.returncode == 0, err[-3000:]
+    log = (tmp_path / "runs" / "pre" / "log.txt").read_text()
+    stopped = [
+        line for line in log.splitlines() if "stopped by SIGUSR1 after step" in line
+    ]
+    assert stopped, log[-2000:]
+    step = int(stopped[0].split("after step ")[1].split(",")[0])
+    assert 3 <= step < 40
+    second = subprocess.run(
+        command, cwd=tmp_path, env=checkout_env(), capture_output=True, text=True
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in (tmp_path / "runs" / "pre" / "log.txt").read_text()
+    losses = [(r["step"], r["loss"]) for r in read_metrics(tmp_path, "pre")]
+    assert losses == [(r["step"], r["loss"]) for r in read_metrics(tmp_path, "whole")]
