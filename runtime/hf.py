@@ -138,6 +138,8 @@ def export_gpt2(
     if not project and not (folder / "model.py").is_file():
         folder = Path.cwd()  # runs/ written away from the project: run from the project
     model = _import_model(folder / "model.py")
+    if hasattr(model, "EncoderConfig"):  # a masked_lm project's BERT encoder
+        return export_bert(model, source, out_dir, run, config_file)
     changes = getattr(
         model, "HF_LAYOUT_CHANGES", {}
     )  # older projects: the mapping, and why not
@@ -182,6 +184,52 @@ def export_gpt2(
         hf_weights,
         {"checkpoint": str(checkpoint), "step": str(step)},
     )
+    return {
+        "checkpoint": checkpoint,
+        "step": step,
+        "tensors": len(hf_weights),
+        "numel": sum(v.numel() for v in hf_weights.values()),
+        "folder": out,
+    }
+
+
+def export_bert(
+    model: Any,
+    source: Path | str,
+    out_dir: Path | str,
+    run: dict[str, Any],
+    config_file: Path,
+) -> dict[str, Any]:
+    """A masked_lm checkpoint as a Hugging Face BertForMaskedLM folder, with the run's
+    tokenizer (runs/<name>/tokenizer/): what a text_classification project loads with
+    --model=FOLDER."""
+    if not hasattr(model, "to_hf_bert"):
+        raise CheckpointError(
+            "BertForMaskedLM cannot hold this model: its algorithms change BERT's layout "
+            "(the docstring of its model.py says how); export it with --format safetensors"
+        )
+    if run.get("model") not in model.PRESETS:
+        raise CheckpointError(
+            f"{config_file}: model={run.get('model')!r} is not a preset"
+        )
+    weights, step, checkpoint, _ = export.read_weights(source)
+    tokenizer = config_file.parent / "tokenizer"
+    if not (tokenizer / "tokenizer_config.json").is_file():
+        raise CheckpointError(f"{tokenizer}: no saved tokenizer beside the run")
+    from transformers import AutoTokenizer
+
+    pad_id = AutoTokenizer.from_pretrained(tokenizer).pad_token_id
+    encoder_config = model.EncoderConfig(
+        vocab_size=weights["wte.weight"].shape[0],
+        max_seq_len=weights["wpe.weight"].shape[0],
+        pad_id=pad_id,
+        dropout=float(run.get("dropout", 0.0)),
+        **model.PRESETS[run["model"]],
+    )
+    hf_config, hf_weights = model.to_hf_bert(weights, encoder_config)
+    metadata = {"checkpoint": str(checkpoint), "step": str(step)}
+    out = write_gpt2(out_dir, hf_config, hf_weights, metadata)
+    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out)
     return {
         "checkpoint": checkpoint,
         "step": step,

@@ -370,8 +370,9 @@ def export(
         typer.Option(
             "--format",
             help="safetensors: the model's own weights in one file; hf: a "
-            "Hugging Face GPT-2 folder (config.json + model.safetensors) for GPT2LMHeadModel "
-            "(causal_lm projects with learned positions).",
+            "Hugging Face folder (config.json + model.safetensors): GPT2LMHeadModel "
+            "(causal_lm projects with learned positions) or BertForMaskedLM with the "
+            "run's tokenizer (masked_lm projects with BERT's layout).",
         ),
     ] = "safetensors",
     run_config: Annotated[

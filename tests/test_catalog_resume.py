@@ -59,6 +59,14 @@ TASK_ARGS = {
         "--device_microbatch_size=2",
         "--eval_batches=1",
     ],
+    "masked_lm": [
+        "--model=tiny",
+        "--seq_len=32",
+        "--vocab_size=512",
+        "--global_batch_size=4",
+        "--device_microbatch_size=2",
+        "--eval_batches=1",
+    ],
     "text_classification": [
         "--model=tiny",
         "--max_seq_len=16",

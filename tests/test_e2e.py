@@ -21,6 +21,7 @@ OWN_TESTS_EVERY_RUN = (
     "bert-sst2-speedup",
     "llm-sft",
     "sd-baseline",
+    "mosaicbert",
 )
 
 

@@ -43,6 +43,15 @@ TASK_ARGS = {
         "--device_microbatch_size=2",
         "--eval_batches=1",
     ],
+    # The tiny BERT; a 512-token WordPiece trained once per run on Python's docs.
+    "masked_lm": [
+        "--model=tiny",
+        "--seq_len=32",
+        "--global_batch_size=4",
+        "--device_microbatch_size=2",
+        "--vocab_size=512",
+        "--eval_batches=1",
+    ],
 }
 # Settings that make each algorithm act within the 2 steps.
 ACT_NOW = {

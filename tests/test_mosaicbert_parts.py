@@ -1,0 +1,187 @@
+"""MosaicBERT's architecture changes on the bert pack, each by its effect: `alibi` on an
+encoder (a symmetric distance penalty that gives a position-free model its order, rows
+split for short-sequence training), `gated_linear_units` in Composer's BERT form, and
+`unpadding` (the loss of the padded model; the layers' FLOPs count real tokens only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+from projects import project_modules  # noqa: E402
+from scaffold.render import new_project  # noqa: E402
+
+VOCAB, PAD = 64, 0
+PROJECTS = {
+    "plain": "",
+    "glu": '[algorithms.gated_linear_units]\nactivation = "gelu"\n',
+    "alibi": "[algorithms.alibi]\ntrain_sequence_length_scaling = 0.5\n",
+    "padded": "[algorithms.alibi]\n[algorithms.gated_linear_units]\n",
+    "unpadded": "[algorithms.alibi]\n[algorithms.gated_linear_units]\n"
+    "[algorithms.unpadding]\n",
+}
+
+
+@pytest.fixture(scope="module")
+def projects(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("parts")
+    made = {}
+    for name, algorithms in PROJECTS.items():
+        recipe = root / f"{name}.toml"
+        recipe.write_text(
+            '[answers]\ntask = "masked_lm"\nmodel_family = "bert"\n' + algorithms
+        )
+        new_project(str(recipe), root / name, [], name)
+        made[name] = root / name
+    return made
+
+
+def encoder(project: Path, seed: int = 0) -> tuple[torch.nn.Module, object]:
+    with project_modules(project) as found:
+        model_py = found["model"]
+        config = model_py.EncoderConfig(
+            VOCAB, 32, pad_id=PAD, **model_py.PRESETS["tiny"]
+        )
+        torch.manual_seed(seed)
+        return model_py.Encoder(config).eval(), model_py
+
+
+def test_alibi_is_a_symmetric_distance_penalty_that_orders_a_position_free_encoder(
+    projects: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No position table; the bias is -slope * |i - j| per head with the padding keys at
+    the dtype's lowest value (finite: a row of padding only stays finite). The bias is
+    the encoder's only sense of order: with zero slopes, swapping two tokens swaps their
+    outputs and leaves the others; with ALiBi's slopes it changes the others."""
+    alibi, model_py = encoder(projects["alibi"])
+    assert not hasattr(alibi, "wpe")
+    keep = torch.tensor([[True] * 5 + [False] * 3])[:, None, None, :]
+    bias = model_py.alibi_encoder_bias(4, keep, torch.float32)
+    slopes = model_py.alibi_slopes(4)
+    assert torch.allclose(slopes, torch.tensor([2**-2, 2**-4, 2**-6, 2**-8]))
+    i, j = torch.meshgrid(torch.arange(8), torch.arange(8), indexing="ij")
+    expected = -slopes[:, None, None] * (i - j).abs()
+    assert torch.equal(bias[0, :, :, :5], expected[:, :, :5])
+    assert (bias[0, :, :, 5:] == torch.finfo(torch.float32).min).all()
+    ids = torch.tensor([[2, 10, 11, 12, 13, 14, 3]])
+    swapped = ids[:, [0, 1, 4, 3, 2, 5, 6]]  # tokens 11 and 13 trade places
+    others = [0, 1, 3, 5, 6]
+    with torch.no_grad():
+        padding = torch.full((1, 7), PAD)
+        assert torch.isfinite(alibi(torch.cat([ids, padding]))).all()
+        a, b = alibi(ids)[0], alibi(swapped)[0]
+        assert not torch.allclose(a[others], b[others], atol=1e-3)
+        monkeypatch.setattr(model_py, "alibi_slopes", torch.zeros)
+        a, b = alibi(ids)[0], alibi(swapped)[0]
+        assert torch.allclose(a[others], b[others], atol=1e-5)
+        assert torch.allclose(a[2], b[4], atol=1e-5)
+
+
+def test_alibi_splits_masked_lm_rows_with_their_targets(
+    projects: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """train_sequence_length_scaling=0.5 on masked_lm: each row and its targets become
+    two rows of half the length (Composer's reshape; no target lost), and a seq_len the
+    pieces do not divide is one error line."""
+    with project_modules(projects["alibi"]) as found:
+        train = found["train"]
+        rows = torch.arange(24).view(2, 12)
+        split = train.alibi_split_rows(rows, 2)
+        assert split.tolist() == [list(range(k, k + 6)) for k in (0, 6, 12, 18)]
+        with pytest.raises(SystemExit) as exited:
+            train.setup(train.Config(seq_len=33, device="cpu"))
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: seq_len=33 must be a multiple of 2 (1/alibi_train_sequence_length_scaling:"
+        " rows split evenly)"
+    ]
+
+
+def test_gated_linear_units_in_composers_bert_form(projects: dict[str, Path]) -> None:
+    """The MLP is gelu(x W_gate) * (x W_value) W_out + b: one bias-free (8d x d) layer,
+    gate first, exact GELU, BERT's 4d hidden width kept (d*d*4 more weights per layer).
+    """
+    glu, _ = encoder(projects["glu"])
+    plain, _ = encoder(projects["plain"])
+    mlp, d = glu.blocks[0].mlp, glu.config.n_embd
+    assert mlp.fc.bias is None and mlp.fc.weight.shape == (8 * d, d)
+    assert mlp.proj.weight.shape == (d, 4 * d)
+    extra = glu.num_params() - plain.num_params()
+    assert extra == glu.config.n_layer * (4 * d * d - 4 * d)  # + W_gate, - fc's bias
+    x = torch.randn(3, d)
+    gate, value = mlp.fc.weight.split(4 * d)
+    expected = F.linear(F.gelu(x @ gate.T) * (x @ value.T), *mlp.proj.parameters())
+    with torch.no_grad():
+        assert torch.allclose(mlp(x), expected, atol=1e-6)
+        tanh = F.linear(
+            F.gelu(x @ gate.T, approximate="tanh") * (x @ value.T),
+            *mlp.proj.parameters(),
+        )
+        assert not torch.allclose(mlp(x), tanh, atol=1e-7)
+
+
+def batch_of(lengths: list[int], seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of `lengths` real tokens padded to `seq`, and targets at every 3rd token."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.full((len(lengths), seq), PAD)
+    targets = torch.full((len(lengths), seq), -100)
+    for row, length in enumerate(lengths):
+        ids[row, :length] = torch.randint(5, VOCAB, (length,), generator=gen)
+        targets[row, 1:length:3] = ids[row, 1:length:3]
+    return ids, targets
+
+
+def encode_flops(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, int]:
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model.encode(ids)
+    return {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+
+
+def test_unpadding_keeps_the_loss_and_spends_no_layer_flops_on_padding(
+    projects: dict[str, Path],
+) -> None:
+    """The same weights with and without unpadding (alibi and GLU in both): equal
+    logits at real tokens, loss and gradients. The layers' matmuls cost 2 FLOPs per
+    weight per real token, whatever the padding; more padding after the longest row
+    costs nothing; the padded model pays for every position."""
+    unpadded, _ = encoder(projects["unpadded"])
+    padded, _ = encoder(projects["padded"])
+    padded.load_state_dict(unpadded.state_dict())
+    ids, targets = batch_of([20, 7, 13, 1], 32)
+    losses = []
+    for model in (unpadded, padded):
+        model.zero_grad()
+        logits = model(ids)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        losses.append((loss, logits, [p.grad for p in model.parameters()]))
+    (loss_u, logits_u, grads_u), (loss_p, logits_p, grads_p) = losses
+    real = ids != PAD
+    assert torch.allclose(logits_u[real], logits_p[real], atol=1e-5)
+    assert torch.allclose(loss_u, loss_p, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads_u, grads_p))
+
+    tokens = int(real.sum())
+    assert tokens < ids[:, :20].numel()  # padding within the longest row's length too
+    weights = sum(
+        m.weight.numel()
+        for m in unpadded.blocks.modules()
+        if isinstance(m, torch.nn.Linear)
+    )
+    short = encode_flops(unpadded, ids[:, :20])  # padded to the longest row only
+    long = encode_flops(unpadded, ids)
+    assert short == long
+    matmuls = long.get("aten.addmm", 0) + long.get("aten.mm", 0)
+    assert matmuls == 2 * tokens * weights
+    assert encode_flops(padded, ids) != encode_flops(padded, ids[:, :20])
+    nothing = torch.full((2, 8), PAD)  # a microbatch of padding only (split rows)
+    with torch.no_grad():
+        assert (unpadded.encode(nothing) == 0).all()
