@@ -10,10 +10,9 @@ image_classification.
   bitwise.
 - A bad shard folder (a chunk missing) and an empty bucket prefix: one `error:` line, exit 2.
 
-litdata is installed with `pip install --no-deps litdata` (README): its wheel requires
-torchvision, and the registry's torchvision for torch 2.13 is a CUDA build whose import
-fails beside the CPU torch and breaks transformers' BERT classes. Without litdata these tests
-are skipped.
+litdata comes with the test extra, all its requirements too (CI runs on torch 2.14.1 and
+torchvision 0.29.1: README's test command). Without litdata these tests are skipped, except
+in CI, where they fail (`real_library`).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from projects import checkout_env, project_modules, read_metrics
+from projects import checkout_env, project_modules, read_metrics, real_library
 from runtime import shards
 from test_storage import (
     s3,
@@ -36,11 +35,7 @@ from test_storage import (
     launch,
 )  # noqa: F401 (s3: the server fixture)
 
-pytest.importorskip(
-    "litdata",
-    reason="litdata is not installed: pip install --no-deps litdata==0.2.76 (its torchvision "
-    "requirement breaks a CPU torch 2.13; see README)",
-)
+real_library("litdata")
 
 TESTS = Path(__file__).resolve().parent
 STOP_AFTER = TESTS / "stop_after.py"

@@ -1,0 +1,260 @@
+"""`--model=torchvision:NAME` and `--model=timm:NAME` in an image-classification project
+(model.py's `check_model`, `hub_model` and `HubNet`), against the real torchvision and timm.
+
+No stand-in: CI installs both (.ci/run, the README's test command); where one is missing
+these tests are skipped outside CI and fail in CI (`real_library`). The models are the
+libraries' own ResNet-18s on the 8x8 digits (11.7M parameters: a few seconds a step on a
+CPU).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from projects import (
+    checkout_env,
+    project_modules,
+    read_metrics,
+    real_library,
+    run_train,
+)
+from scaffold.render import new_project
+from test_image import assert_close, ok, small, torchrun, trajectory
+
+torchvision_models = real_library("torchvision.models")
+timm = real_library("timm")
+
+RECIPE = "cifar-resnet56-baseline"
+STOP_AFTER = Path(__file__).resolve().parent / "stop_after.py"
+# 4 steps of 12 digits, checkpoints at 2 and 4.
+FOUR = ["--max_duration=4ba", "--eval_interval=2ba", "--save_interval=2ba"]
+
+
+@pytest.fixture(scope="module")
+def project(generated: dict[str, Path]) -> Path:
+    return generated[RECIPE]
+
+
+def library_model(name: str, weights: str = "") -> torch.nn.Module:
+    """The library's own model with 10 classes, as its documentation builds it."""
+    hub, _, arch = name.partition(":")
+    if hub == "timm":
+        overlay = dict(file=weights) if weights else None
+        return timm.create_model(
+            arch,
+            pretrained=bool(weights),
+            pretrained_cfg_overlay=overlay,
+            num_classes=10,
+        )
+    net = torchvision_models.get_model(arch, weights=None, num_classes=10)
+    if weights:
+        net.load_state_dict(torch.load(weights, weights_only=True))
+    return net
+
+
+def one_error_line(result: subprocess.CompletedProcess[str], workdir: Path) -> str:
+    """Exit 2, a single `error:` line on stderr, and no run folder written."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert not (workdir / "runs").exists()
+    return lines[0]
+
+
+def test_bad_hub_models_and_weights_are_one_line_exit_2(
+    project: Path, tmp_path: Path
+) -> None:
+    def line(*args: str) -> str:
+        return one_error_line(run_train(project, tmp_path, *small(*args)), tmp_path)
+
+    assert "torchvision has no classification model 'resnet5O'" in line(
+        "--model=torchvision:resnet5O"
+    )
+    assert "timm has no model 'resnet5O'" in line("--model=timm:resnet5O")
+    assert "not a preset" in line("--model=resnet5O")
+    # timm's EfficientNet normalizes with BatchNormAct2d, which ghost BatchNorm does not
+    # replace: its statistics would follow the microbatch size.
+    refused = line("--model=timm:efficientnet_b0")
+    assert "BatchNormAct2d" in refused and "microbatch size" in refused
+    assert "pretrained weights are read for" in line("--model=tiny", "--weights=w.pt")
+    missing = line("--model=torchvision:resnet18", f"--weights={tmp_path / 'no.pt'}")
+    assert "no.pt" in missing
+
+
+@pytest.mark.parametrize("name", ["torchvision:resnet18", "timm:resnet18"])
+def test_the_model_gets_ghost_batchnorm_and_its_own_blocks_as_units(
+    project: Path, name: str
+) -> None:
+    """The library's model with its keys and initial values; torch's BatchNorm2d layers
+    swapped for ghost BatchNorm, so a step does not depend on the microbatch size; the FSDP
+    units are the library's residual blocks and the top-level layers with parameters."""
+    with project_modules(project) as found:
+        model_module = found["model"]
+        assert model_module.check_model(name) is None
+        torch.manual_seed(0)
+        reference = library_model(name)
+        torch.manual_seed(0)
+        model = model_module.HubNet(name, 10, bn_group_size=2)
+        net = model.net
+        assert type(net) is type(reference)
+        assert not any(type(m) is torch.nn.BatchNorm2d for m in model.modules())
+        assert isinstance(net.layer4[1].bn2, model_module.BatchNorm2d)
+        expected = {f"net.{k}": v for k, v in reference.state_dict().items()}
+        assert model.state_dict().keys() == expected.keys()
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+        layers = [net.layer1, net.layer2, net.layer3, net.layer4]
+        blocks = [block for layer in layers for block in layer]
+        assert model.blocks == [net.conv1, net.bn1, *blocks, net.fc]
+
+        images = torch.randn(8, 1, 8, 8, generator=torch.Generator().manual_seed(1))
+        labels = torch.arange(8) % 10
+
+        def grads(micro: int) -> list[torch.Tensor]:
+            model.zero_grad(set_to_none=True)
+            for x, y in zip(images.split(micro), labels.split(micro)):
+                F.cross_entropy(model(x), y, reduction="sum").backward()
+            model_module.clear_step_stats(model)
+            return [p.grad.clone() for p in model.parameters()]
+
+        # Equal up to rounding, which the last stage (1x1 pixels: groups of 2 values)
+        # amplifies; torch's BatchNorm would differ by O(1).
+        for a, b in zip(grads(8), grads(2), strict=True):
+            assert (a - b).norm() <= 1e-3 * a.norm()
+
+
+@pytest.mark.parametrize("name", ["torchvision:resnet18", "timm:resnet18"])
+def test_fine_tuning_starts_from_the_libraries_own_model_with_those_weights(
+    project: Path, tmp_path: Path, name: str
+) -> None:
+    """`--weights=FILE`: a saved state dict, read by the library's loading path. The first
+    step's loss equals the library's own model with those weights on that batch (one
+    BatchNorm group of the whole batch: ghost BatchNorm is then torch's)."""
+    torch.manual_seed(7)  # not the run's seed: the run must read these weights
+    weights = tmp_path / "pretrained.pt"
+    torch.save(library_model(name).state_dict(), weights)
+    batch = [
+        "--global_batch_size=8",
+        "--device_microbatch_size=8",
+        "--bn_group_size=8",
+    ]
+    args = [*small(*batch, f"--model={name}"), f"--weights={weights}"]
+    ok(run_train(project, tmp_path, *args, "--max_duration=1ba", "--run_name=ft"))
+    first = read_metrics(tmp_path, "ft")[0]
+    with project_modules(project) as found:
+        data = found["data"]
+        images = data.load_images("")
+        pixels, labels, _ = data.Batches(images, "train", 8, seed=42, image_size=8)[0]
+    # timm drops an ImageNet-sized classifier (its config says 1000 classes, not 10): the
+    # new head draws its weights as in the run, after torch.manual_seed(seed).
+    torch.manual_seed(42)
+    reference = library_model(name, str(weights)).train()
+    x = data.normalize(pixels, images).expand(-1, 3, -1, -1)
+    with torch.no_grad():
+        loss = F.cross_entropy(reference(x), labels).item()
+    assert first["step"] == 1 and abs(first["loss"] - loss) <= 1e-5 * loss, (
+        first["loss"],
+        loss,
+    )
+    # Not what random weights give.
+    ok(run_train(project, tmp_path, *args[:-1], "--max_duration=1ba", "--run_name=r"))
+    assert abs(read_metrics(tmp_path, "r")[0]["loss"] - loss) > 1e-3
+
+
+def test_torchvision_model_shards_and_resumes_elastically_after_kill_9(
+    project: Path, tmp_path: Path
+) -> None:
+    """FSDP2 on 2 ranks equals one process; killed (-9) while saving step 4 it resumes on
+    one process from step 2 (elastic) and the run ends as the uninterrupted one."""
+    common = [*small("--model=torchvision:resnet18"), *FOUR]
+    result = ok(run_train(project, tmp_path, *common, "--run_name=ref"))
+    assert "model: torchvision:resnet18" in result.stdout
+    reference = trajectory(tmp_path, "ref")
+    assert [row[0] for row in reference] == [1, 2, 3, 4]
+    sharded = [*common, "--parallelism=fsdp", "--run_name=cut"]
+    killed = torchrun(
+        2, STOP_AFTER, "kill:4", project / "train.py", *sharded, cwd=tmp_path
+    )
+    assert killed.returncode != 0
+    assert_close(trajectory(tmp_path, "cut"), reference[:3])
+    resumed = ok(run_train(project, tmp_path, *common, "--run_name=cut"))
+    assert "resumed from" in resumed.stdout
+    assert_close(trajectory(tmp_path, "cut")[-2:], reference[-2:])
+
+
+def test_timm_model_resumes_bitwise_after_kill_9_and_ddp_equals_one_process(
+    project: Path, tmp_path: Path
+) -> None:
+    common = [*small("--model=timm:resnet18"), *FOUR]
+    ok(run_train(project, tmp_path, *common, "--run_name=ref"))
+    reference = trajectory(tmp_path, "ref")
+    killed = subprocess.run(
+        [sys.executable, str(STOP_AFTER), "kill:4", str(project / "train.py")]
+        + ["--device=cpu", *common, "--run_name=cut"],
+        cwd=tmp_path,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = ok(run_train(project, tmp_path, *common, "--run_name=cut"))
+    assert "resumed from" in resumed.stdout
+    assert trajectory(tmp_path, "cut")[-2:] == reference[-2:]  # bitwise
+    replicated = [*common, "--parallelism=ddp", "--run_name=ddp"]
+    ok(torchrun(2, project / "train.py", *replicated, cwd=tmp_path))
+    assert_close(trajectory(tmp_path, "ddp"), reference)
+
+
+@pytest.mark.parametrize("name", ["torchvision:resnet18", "timm:resnet18"])
+def test_blurpool_and_squeeze_excite_change_hub_models_in_place(
+    tmp_path: Path, isolated_home: Path, name: str
+) -> None:
+    """The library built the layers, so HubNet makes them blurring and gives the wide
+    convolutions their gates in place: the library's keys and initial values, the gates
+    under <conv>.se. Stochastic depth needs model.py's residual blocks: one error line
+    (timm's own is its drop_path_rate)."""
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(
+        '[answers]\ntask = "image_classification"\n[algorithms.blurpool]\n'
+        "[algorithms.squeeze_excite]\nlatent_channels = 0.25\nmin_channels = 128\n"
+        "[algorithms.stochastic_depth]\n"
+    )
+    project = tmp_path / "p"
+    new_project(str(recipe), project, [], "p")
+    with project_modules(project) as found:
+        model_module = found["model"]
+        torch.manual_seed(0)
+        reference = library_model(name)
+        torch.manual_seed(0)
+        model = model_module.HubNet(name, 10, bn_group_size=2)
+        kinds = {name: type(m).__name__ for name, m in model.named_modules()}
+        # Strided with >= 16 input channels (BlurPool's default): the 3x3 and 1x1
+        # downsampling convolutions of layers 2-4; the stem's 3-channel one is not.
+        assert kinds["net.maxpool"] == "BlurMaxPool2d"
+        assert kinds["net.layer2.0.conv1"] == "BlurConv2d"
+        assert kinds["net.layer4.0.downsample.0"] == "BlurConv2d"
+        assert kinds["net.conv1"] == kinds["net.layer1.0.conv1"] == "Conv2d"
+        gated = {
+            name
+            for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Conv2d) and hasattr(m, "se")
+        }
+        assert "net.layer3.0.conv2" in gated and "net.layer2.0.conv1" not in gated
+        ours = model.state_dict()
+        theirs = {f"net.{k}": v for k, v in reference.state_dict().items()}
+        assert all(torch.equal(ours[k], v) for k, v in theirs.items())
+        assert all(".se." in k for k in set(ours) - set(theirs))
+        assert model(torch.randn(4, 1, 8, 8)).shape == (4, 10)
+    line = one_error_line(
+        run_train(project, tmp_path, *small(f"--model={name}")), tmp_path
+    )
+    assert line.startswith(
+        "error: stochastic_depth drops the branches of model.py's residual blocks"
+    )
+    assert "drop_path_rate" in line
