@@ -10,9 +10,9 @@ image_classification.
   bitwise.
 - A bad shard folder (a chunk missing) and an empty bucket prefix: one `error:` line, exit 2.
 
-litdata comes with the test extra, all its requirements too (CI runs on torch 2.14.1 and
-torchvision 0.29.1: README's test command). Without litdata these tests are skipped, except
-in CI, where they fail (`real_library`).
+litdata comes with README's test command (CI runs on torch 2.14.1 and torchvision 0.29.1),
+without obstore, which refuses the plain-http endpoint of the tests' S3 server. Without
+litdata these tests are skipped, except in CI, where they fail (`real_library`).
 """
 
 from __future__ import annotations
