@@ -181,10 +181,12 @@ def test_torchvision_model_shards_and_resumes_elastically_after_kill_9(
         2, STOP_AFTER, "kill:4", project / "train.py", *sharded, cwd=tmp_path
     )
     assert killed.returncode != 0
-    assert_close(trajectory(tmp_path, "cut"), reference[:3])
+    before = trajectory(tmp_path, "cut")
+    assert len(before) >= 2 and before[-1][0] <= 4, before
+    assert_close(before, reference[: len(before)])
     resumed = ok(run_train(project, tmp_path, *common, "--run_name=cut"))
     assert "resumed from" in resumed.stdout
-    assert_close(trajectory(tmp_path, "cut")[-2:], reference[-2:])
+    assert_close(trajectory(tmp_path, "cut"), reference)
 
 
 def test_timm_model_resumes_bitwise_after_kill_9_and_ddp_equals_one_process(
@@ -205,7 +207,7 @@ def test_timm_model_resumes_bitwise_after_kill_9_and_ddp_equals_one_process(
     assert killed.returncode == -9, killed.stderr[-3000:]
     resumed = ok(run_train(project, tmp_path, *common, "--run_name=cut"))
     assert "resumed from" in resumed.stdout
-    assert trajectory(tmp_path, "cut")[-2:] == reference[-2:]  # bitwise
+    assert trajectory(tmp_path, "cut") == reference  # bitwise
     replicated = [*common, "--parallelism=ddp", "--run_name=ddp"]
     ok(torchrun(2, project / "train.py", *replicated, cwd=tmp_path))
     assert_close(trajectory(tmp_path, "ddp"), reference)
