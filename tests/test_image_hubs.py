@@ -34,6 +34,9 @@ RECIPE = "cifar-resnet56-baseline"
 STOP_AFTER = Path(__file__).resolve().parent / "stop_after.py"
 # 4 steps of 12 digits, checkpoints at 2 and 4.
 FOUR = ["--max_duration=4ba", "--eval_interval=2ba", "--save_interval=2ba"]
+# Seconds a run of those may take: ResNet-18 (11.7M parameters, two checkpoints) on a busy
+# 2-core machine (300 s ran out under a load average of 22).
+SLOW = 900
 
 
 @pytest.fixture(scope="module")
@@ -172,19 +175,25 @@ def test_torchvision_model_shards_and_resumes_elastically_after_kill_9(
     """FSDP2 on 2 ranks equals one process; killed (-9) while saving step 4 it resumes on
     one process from step 2 (elastic) and the run ends as the uninterrupted one."""
     common = [*small("--model=torchvision:resnet18"), *FOUR]
-    result = ok(run_train(project, tmp_path, *common, "--run_name=ref"))
+    result = ok(run_train(project, tmp_path, *common, "--run_name=ref", timeout=SLOW))
     assert "model: torchvision:resnet18" in result.stdout
     reference = trajectory(tmp_path, "ref")
     assert [row[0] for row in reference] == [1, 2, 3, 4]
     sharded = [*common, "--parallelism=fsdp", "--run_name=cut"]
     killed = torchrun(
-        2, STOP_AFTER, "kill:4", project / "train.py", *sharded, cwd=tmp_path
+        2,
+        STOP_AFTER,
+        "kill:4",
+        project / "train.py",
+        *sharded,
+        cwd=tmp_path,
+        timeout=SLOW,
     )
-    assert killed.returncode != 0
+    assert killed.returncode != 0, killed.stdout[-2000:] + killed.stderr[-3000:]
     before = trajectory(tmp_path, "cut")
     assert len(before) >= 2 and before[-1][0] <= 4, before
     assert_close(before, reference[: len(before)])
-    resumed = ok(run_train(project, tmp_path, *common, "--run_name=cut"))
+    resumed = ok(run_train(project, tmp_path, *common, "--run_name=cut", timeout=SLOW))
     assert "resumed from" in resumed.stdout
     assert_close(trajectory(tmp_path, "cut"), reference)
 
@@ -193,7 +202,7 @@ def test_timm_model_resumes_bitwise_after_kill_9_and_ddp_equals_one_process(
     project: Path, tmp_path: Path
 ) -> None:
     common = [*small("--model=timm:resnet18"), *FOUR]
-    ok(run_train(project, tmp_path, *common, "--run_name=ref"))
+    ok(run_train(project, tmp_path, *common, "--run_name=ref", timeout=SLOW))
     reference = trajectory(tmp_path, "ref")
     killed = subprocess.run(
         [sys.executable, str(STOP_AFTER), "kill:4", str(project / "train.py")]
@@ -202,14 +211,14 @@ def test_timm_model_resumes_bitwise_after_kill_9_and_ddp_equals_one_process(
         env=checkout_env(),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=SLOW,
     )
     assert killed.returncode == -9, killed.stderr[-3000:]
-    resumed = ok(run_train(project, tmp_path, *common, "--run_name=cut"))
+    resumed = ok(run_train(project, tmp_path, *common, "--run_name=cut", timeout=SLOW))
     assert "resumed from" in resumed.stdout
     assert trajectory(tmp_path, "cut") == reference  # bitwise
     replicated = [*common, "--parallelism=ddp", "--run_name=ddp"]
-    ok(torchrun(2, project / "train.py", *replicated, cwd=tmp_path))
+    ok(torchrun(2, project / "train.py", *replicated, cwd=tmp_path, timeout=SLOW))
     assert_close(trajectory(tmp_path, "ddp"), reference)
 
 
