@@ -1,5 +1,9 @@
 """The speedrun on a CPU: time to a target validation loss for gpt2-baseline, gpt2-speedup,
-gpt2-modern, and each modern algorithm alone on top of the baseline (an ablation).
+gpt2-modern, gpt2-speedrun, each modern algorithm alone on top of the baseline (an
+ablation), ALiBi alone with and without Composer's train_sequence_length_scaling (`+alibi`:
+0.25, quarter rows; `+alibi-full`: 1.0, full-length rows), and each speedrun entry alone on
+top of gpt2-modern (`modern+<name>`, compared with gpt2-modern, seed by seed, at
+gpt2-modern's loss at `--target-at` of its budget).
 
 Every arm trains the same tiny model size on the same data (the embedded standard-library
 source as bytes, split by file; its hash is printed) for the same number of steps, with an
@@ -16,6 +20,7 @@ machine spreads over all of them. Medians over seeds; one `speedup: <arm> = X` l
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +37,7 @@ from _common import (
 )
 
 RECIPES = REPO / "templates" / "recipes"
-SHIPPED = ("gpt2-baseline", "gpt2-speedup", "gpt2-modern")
+SHIPPED = ("gpt2-baseline", "gpt2-speedup", "gpt2-modern", "gpt2-speedrun")
 # Each on top of gpt2-baseline, with the hyperparameters gpt2-modern uses.
 ALONE = (
     "rotary",
@@ -44,20 +49,53 @@ ALONE = (
     "muon",
     "value_embeddings",
 )
+# Each speedrun entry alone on top of gpt2-modern (`modern+<name>`), with gpt2-speedrun's
+# settings for it: a table added to gpt2-modern's recipe, `scaffold new --set` arguments.
+ON_MODERN: dict[str, tuple[str, list[str]]] = {
+    "bigram_hash_embedding": (
+        "[algorithms.bigram_hash_embedding]\ntable_factor = 5\n",
+        [],
+    ),
+    "polar_express": ("", ["--set", "muon.orthogonalizer=polar_express"]),
+    "cautious_weight_decay": (
+        "",
+        [
+            *("--set", "muon.cautious_weight_decay=true"),
+            *("--set", "muon.weight_decay=1.2"),
+        ],
+    ),
+    "logit_cap_15": ("", ["--set", "logit_softcap.cap=15.0"]),
+}
+
+
+# ALiBi with Composer's default train_sequence_length_scaling (0.25: quarter rows) and
+# without it (full-length rows), each alone on top of gpt2-baseline.
+ALIBI = ("alibi", "alibi-full")
+# An arm that is one algorithm with other hyperparameters: (algorithm, its table's lines).
+VARIANTS = {"alibi-full": ("alibi", "\ntrain_sequence_length_scaling = 1.0")}
 
 
 def generate(arm: str, root: Path) -> Path:
-    """A shipped recipe, or gpt2-baseline plus one algorithm (`+<name>`)."""
+    """A shipped recipe, gpt2-baseline plus one algorithm (`+<name>`, or a variant), or
+    gpt2-modern plus one speedrun entry (`modern+<name>`, ON_MODERN)."""
+    extra: list[str] = []
     if arm in SHIPPED:
         recipe = str(RECIPES / f"{arm}.toml")
+    elif arm.startswith("modern+"):
+        table, extra = ON_MODERN[arm.removeprefix("modern+")]
+        path = root / f"{arm.replace('+', '-')}.toml"
+        path.write_text((RECIPES / "gpt2-modern.toml").read_text() + "\n" + table)
+        recipe = str(path)
     else:
-        modern = (RECIPES / "gpt2-modern.toml").read_text()
-        table = modern.split(f"[algorithms.{arm.removeprefix('+')}]", 1)
-        params = table[1].split("\n[", 1)[0] if len(table) == 2 else "\n"
+        name, params = VARIANTS.get(arm.removeprefix("+"), (arm.removeprefix("+"), ""))
+        if not params:
+            modern = (RECIPES / "gpt2-modern.toml").read_text()
+            table = modern.split(f"[algorithms.{name}]", 1)
+            params = table[1].split("\n[", 1)[0] if len(table) == 2 else "\n"
         path = root / f"{arm.removeprefix('+')}.toml"
         path.write_text(
             (RECIPES / "gpt2-baseline.toml").read_text()
-            + f"\n[algorithms.{arm.removeprefix('+')}]{params}\n"
+            + f"\n[algorithms.{name}]{params}\n"
         )
         recipe = str(path)
     dest = root / arm.replace("+", "plus-")
@@ -72,6 +110,7 @@ def generate(arm: str, root: Path) -> Path:
             recipe,
             "--name",
             "bench",
+            *extra,
         ],
         check=True,
         env=bench_env(),
@@ -150,7 +189,13 @@ def main() -> None:
         help="fraction of the baseline's budget",
     )
     parser.add_argument(
-        "--arms", nargs="+", default=[*SHIPPED, *(f"+{name}" for name in ALONE)]
+        "--arms",
+        nargs="+",
+        default=[
+            *SHIPPED,
+            *(f"+{name}" for name in (*ALONE, *ALIBI)),
+            *(f"modern+{name}" for name in ON_MODERN),
+        ],
     )
     parser.add_argument(
         "--plot", type=Path, default=Path(__file__).resolve().parent / "lm_recipe.png"
@@ -167,6 +212,7 @@ def main() -> None:
         "--autoresume=false",
     ]
     print(f"allocator: {' '.join(f'{k}={v}' for k, v in ALLOCATOR.items())}")
+    print(f"load average at the start (1, 5, 15 min): {os.getloadavg()}")
     print(
         f"corpus (sha256[:16], train bytes, val bytes): {corpus_hash(projects['gpt2-baseline'])}"
     )
@@ -182,8 +228,9 @@ def main() -> None:
         arm: {"steps": [], "tokens": [], "time": []} for arm in arms
     }
     bounds: dict[str, list[float]] = {arm: [] for arm in arms}
+    runs_by_seed: dict[int, dict[str, list]] = {}
     for seed in args.seeds:
-        runs = {}
+        runs = runs_by_seed.setdefault(seed, {})
         for arm, project in projects.items():
             records = train(
                 project,
@@ -224,6 +271,7 @@ def main() -> None:
         title="time to loss: gpt2 recipes and each modern algorithm alone, tiny preset",
     ):
         print(f"plot: {args.plot}")
+    print(f"load average at the end (1, 5, 15 min): {os.getloadavg()}")
     print(
         f"median over {len(args.seeds)} seeds of baseline/arm to the target (steps, tokens, time):"
     )
@@ -235,6 +283,39 @@ def main() -> None:
             else f" (time; steps {median(r['steps']):.2f}, tokens {median(r['tokens']):.2f})"
         )
         print(speedup_line(arm, r["time"], bounds[arm], detail))
+    paired_with_modern(args, runs_by_seed, arms)
+
+
+def paired_with_modern(
+    args: argparse.Namespace, runs_by_seed: dict[int, dict[str, list]], arms: list[str]
+) -> None:
+    """gpt2-speedrun and each `modern+` arm against gpt2-modern, paired per seed: the
+    target is gpt2-modern's validation loss at --target-at of its budget."""
+    paired = [a for a in arms if a == "gpt2-speedrun" or a.startswith("modern+")]
+    if "gpt2-modern" not in arms or not paired:
+        return
+    print(
+        f"median over {len(args.seeds)} seeds of gpt2-modern/arm to gpt2-modern's loss at "
+        f"{args.target_at:.0%} of its steps (time; steps, tokens):"
+    )
+    for arm in paired:
+        ratios: dict[str, list[float]] = {"steps": [], "tokens": [], "time": []}
+        bounds: list[float] = []
+        for runs in runs_by_seed.values():
+            modern = runs["gpt2-modern"]
+            target = at_fraction(modern, args.target_at * args.steps)
+            base, reached = reach(target, modern), reach(target, runs[arm])
+            if reached is None:
+                bounds.append(base[2] / runs[arm][-1][2])
+                continue
+            for key, b, a in zip(("steps", "tokens", "time"), base, reached):
+                ratios[key].append(b / a)
+        detail = (
+            ""
+            if bounds
+            else f" (steps {median(ratios['steps']):.2f}, tokens {median(ratios['tokens']):.2f})"
+        )
+        print(speedup_line(f"{arm} vs gpt2-modern", ratios["time"], bounds, detail))
 
 
 if __name__ == "__main__":

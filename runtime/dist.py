@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -94,7 +95,62 @@ def init_process_group(
         options["device_id"] = env.device
     if env.world_size == 1:
         options.update(store=torch_dist.HashStore(), rank=0, world_size=1)
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        options.update(store=round_store(env, timeout), rank=env.rank)
+        options.update(world_size=env.world_size)
     torch_dist.init_process_group(backend, **options)  # type: ignore[arg-type]
+
+
+# Seconds between two looks at torchrun's store while the ranks agree on their round.
+POLL_S = 0.05
+
+
+def round_store(env: DistEnv, timeout: timedelta) -> torch_dist.Store:
+    """torchrun's store, seen through a prefix of its own for this round of workers.
+
+    torchrun (torch >= 2.5) hosts one store for the whole job and hands every round of
+    workers, restarts included, the same address. The keys a round leaves there stay:
+    gloo's and nccl's peer addresses among them. A restarted rank that read its peer's
+    address before the peer's new process wrote it connected to the dead process's port
+    ("Gloo connectFullMesh failed ... Connection refused", measured in 4 of 6 restarts)
+    and the new group never formed (pytorch/pytorch#135712). So the ranks agree on a
+    round number no earlier round used, and keep their keys under it.
+
+    TORCHELASTIC_RESTART_COUNT is no such number: each node's agent counts its own
+    restarts, and a node whose peer failed restarts without counting. Instead every rank
+    counts its own starts in the store (a number no earlier process of that rank had);
+    rank 0's count is the round; rank 0 writes it under each rank's newest count until
+    every rank has read it. Every worker of the previous round is dead before torchrun
+    starts the next, so no stale process takes part.
+    """
+    store = torch_dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        env.world_size,
+        is_master=False,
+        timeout=timeout,
+    )
+    start = store.add(f"scaffold/starts/{env.rank}", 1)
+    if env.rank == 0:
+        round_number = start
+        waiting = set(range(1, env.world_size))
+        deadline = time.monotonic() + timeout.total_seconds()
+        while waiting:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"ranks {sorted(waiting)} did not join round {round_number} within "
+                    f"{timeout.total_seconds():.0f} s"
+                )
+            for peer in sorted(waiting):
+                newest = store.add(f"scaffold/starts/{peer}", 0)
+                store.set(f"scaffold/round/{peer}/{newest}", str(round_number))
+                if store.check([f"scaffold/round-{round_number}/joined/{peer}"]):
+                    waiting.remove(peer)
+            time.sleep(POLL_S)
+    else:
+        round_number = int(store.get(f"scaffold/round/{env.rank}/{start}"))
+        store.set(f"scaffold/round-{round_number}/joined/{env.rank}", "1")
+    return torch_dist.PrefixStore(f"scaffold/round-{round_number}", store)
 
 
 def is_distributed() -> bool:
@@ -161,6 +217,38 @@ def any_rank(flag: bool, group: torch_dist.ProcessGroup | None = None) -> bool:
     value = torch.tensor([float(flag)], device=device)
     torch_dist.all_reduce(value, op=torch_dist.ReduceOp.MAX, group=group)
     return bool(value.item())
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """Why this rank stops, in one line, when `error` is a collective that failed because
+    another rank died or hangs (gloo's errors, nccl's and the store's DistError); else None.
+    """
+    seen = error
+    while seen is not None:
+        text = str(seen)
+        if isinstance(seen, torch_dist.DistError) or "/gloo/" in text:
+            detail = text.split("] ", 1)[-1].splitlines()[0].split(". ")[0][:200]
+            return (
+                f"rank {rank()} stopped: a collective failed because another rank died "
+                f"or hangs ({detail}); nothing was saved after the newest complete "
+                "checkpoint, where the restarted job (torchrun --max-restarts) or a rerun "
+                "resumes"
+            )
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def exit_if_peer_lost(error: BaseException) -> None:
+    """One `error:` line from this rank and exit status 1, if `error` is a lost peer.
+
+    Every surviving rank says it (rank 0 may be the one that died). The ranks agree on
+    every save (a collective), so a rank whose peer died never writes a checkpoint
+    alone: it leaves, and torchrun restarts the group from the newest complete one.
+    """
+    why = lost_peer(error)
+    if why is not None:
+        print(f"error: {why}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
 
 def print0(*args: object, **kwargs: object) -> None:

@@ -38,9 +38,7 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0]
 
 
-def read_gpt2(source: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """GPT2LMHeadModel's config (a dict) and fp32 CPU weights, through transformers'
-    `from_pretrained` (a hub id, or a folder written by `save_pretrained`)."""
+def _transformers() -> Any:
     try:
         import transformers
     except ModuleNotFoundError:
@@ -49,12 +47,35 @@ def read_gpt2(source: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         ) from None
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
+    return transformers
+
+
+def _gpt2_config(transformers: Any, source: str) -> Any:
     try:
         config = transformers.AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as error:
         raise HFError(f"no Hugging Face model there ({_first_line(error)})") from None
     if config.model_type != "gpt2":
         raise HFError(f"a {config.model_type} model, not GPT-2 (GPT2LMHeadModel)")
+    return config
+
+
+def gpt2_vocab_size(source: str, missing_ok: bool = False) -> int:
+    """The vocabulary size of a GPT-2 checkpoint (its config only; 50257 for GPT-2's);
+    `missing_ok`: 0 where there is no GPT-2 model to read."""
+    try:
+        return int(_gpt2_config(_transformers(), source).vocab_size)
+    except HFError:
+        if missing_ok:
+            return 0
+        raise
+
+
+def read_gpt2(source: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """GPT2LMHeadModel's config (a dict) and fp32 CPU weights, through transformers'
+    `from_pretrained` (a hub id, or a folder written by `save_pretrained`)."""
+    transformers = _transformers()
+    config = _gpt2_config(transformers, source)
     try:
         model = transformers.GPT2LMHeadModel.from_pretrained(
             source

@@ -14,7 +14,9 @@ only moves matrices to where that function runs:
   `aten.add_.Tensor: in-place operations that require placement changes are not supported`
   (tests/muon_worker.py records the error on 2 ranks).
 
-`Muon` keeps `torch.optim.Muon`'s hyperparameters, state (`momentum_buffer`) and update, so
+`cautious=True` decays only the entries whose update has the parameter's sign (cautious weight
+decay, Chen et al. 2025, arXiv 2510.12402; modded-nanogpt record 43); the default is
+`torch.optim.Muon`'s decoupled decay. `Muon` keeps `torch.optim.Muon`'s hyperparameters, state (`momentum_buffer`) and update, so
 on one process it takes the same steps; the state is per parameter (shards under FSDP2) and
 goes through DCP like AdamW's, so it resumes on any world size. `Chain` puts Muon and the
 AdamW that takes the other parameters behind the one optimizer the training loop holds.
@@ -75,6 +77,7 @@ class Muon(torch.optim.Optimizer):
         momentum: float = 0.95,
         nesterov: bool = True,
         adjust_lr_fn: str | None = None,
+        cautious: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -82,6 +85,7 @@ class Muon(torch.optim.Optimizer):
             momentum=momentum,
             nesterov=nesterov,
             adjust_lr_fn=adjust_lr_fn,
+            cautious=cautious,
         )
         super().__init__(params, defaults)
         self.orthogonalize = orthogonalize
@@ -111,7 +115,13 @@ class Muon(torch.optim.Optimizer):
             for param, update in zip(params, orthogonal):
                 scale = adjusted_lr(group["lr"], group["adjust_lr_fn"], param.shape)
                 local = _local(param)
-                local.mul_(1 - group["lr"] * group["weight_decay"])
+                decay = group["lr"] * group["weight_decay"]
+                if group["cautious"]:
+                    # Cautious weight decay (Chen et al. 2025, modded-nanogpt record 43):
+                    # decay only the entries the update also shrinks (same sign).
+                    local.sub_(local * (update * local > 0), alpha=decay)
+                else:
+                    local.mul_(1 - decay)
                 local.add_(update, alpha=-scale)
         return loss
 

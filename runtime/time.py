@@ -252,17 +252,46 @@ class Progress:
             setattr(self, name, state[name])
 
 
-def as_fraction(duration: Time, max_duration: Time) -> float:
-    """`duration` as a fraction of `max_duration` (for schedules): `0.3dur` -> 0.3, `300ba` of `1000ba` -> 0.3."""
-    _check_max_duration(max_duration)
+_EPOCH_OR_BATCH = (TimeUnit.EPOCH, TimeUnit.BATCH)
+
+
+def as_fraction(
+    duration: Time, max_duration: Time, batches_per_epoch: int | None = None
+) -> float:
+    """`duration` as a fraction of `max_duration` (for schedules): `0.3dur` -> 0.3,
+    `300ba` of `1000ba` -> 0.3. Epochs and batches convert once the data's
+    `batches_per_epoch` is known (as Composer's Time does): `8ep` of `12ba` at 4
+    batches per epoch -> 32 / 12: above 1, a warm-up still under way when the run ends
+    (Composer's schedulers do the same)."""
+    check_fraction(duration, max_duration)
     if duration.unit is TimeUnit.DURATION:
         return float(duration.value)
-    if duration.unit is not max_duration.unit:
+    if duration.unit is max_duration.unit:
+        return duration.value / max_duration.value
+    if batches_per_epoch is None:
         raise TimeError(
-            f"'{duration}' cannot be compared with max_duration '{max_duration}'; give it in "
-            f"{max_duration.unit.value} or as a fraction of training (e.g. 0.3dur)"
+            f"'{duration}' and max_duration '{max_duration}' convert only once the "
+            "data's batches per epoch are known; pass batches_per_epoch"
         )
-    return min(1.0, duration.value / max_duration.value)
+    batches = [
+        t.value * (batches_per_epoch if t.unit is TimeUnit.EPOCH else 1)
+        for t in (duration, max_duration)
+    ]
+    return batches[0] / batches[1]
+
+
+def check_fraction(duration: Time, max_duration: Time) -> None:
+    """TimeError unless `duration` can become a fraction of `max_duration`: a dur,
+    the same unit, or epochs against batches (they convert once the data are read)."""
+    _check_max_duration(max_duration)
+    units = {duration.unit, max_duration.unit}
+    if duration.unit is TimeUnit.DURATION or len(units) == 1:
+        return
+    if not units <= set(_EPOCH_OR_BATCH):
+        raise TimeError(
+            f"'{duration}' cannot be compared with max_duration '{max_duration}'; give "
+            f"it in {max_duration.unit.value} or as a fraction of training (e.g. 0.3dur)"
+        )
 
 
 def _check_max_duration(max_duration: Time) -> None:

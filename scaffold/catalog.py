@@ -79,6 +79,10 @@ class Hyperparameter:
     # An interval a number must lie in, e.g. "[0, 1)", "(0, inf)"; "": any. Checked by
     # `scaffold new`/`add`, and at run time by the check the template renders from it.
     range: str = ""
+    # (version, value): projects generated before that version trained as if the value were
+    # set (the option is new, or its default changed). `scaffold upgrade` records it for them,
+    # so upgrading never changes what a project trains.
+    earlier: tuple[str, Any] | None = None
 
     @property
     def literal(self) -> str:
@@ -264,6 +268,18 @@ def declared_order(template: Path) -> list[str]:
     return catalog_order(declared)
 
 
+def _earlier(meta_path: Path, name: str, spec: Any) -> tuple[str, Any] | None:
+    if spec is None:
+        return None
+    if not (isinstance(spec, dict) and set(spec) == {"until", "value"}):
+        raise CatalogError(
+            f"{meta_path}: hyperparameter '{name}' has earlier = {spec!r}; write "
+            '{ until = "0.3.0", value = ... }: the value projects older than that '
+            "version trained with"
+        )
+    return str(spec["until"]), spec["value"]
+
+
 def load_algorithms(template: Path) -> dict[str, Algorithm]:
     """Every algorithm in the template, in catalog order (see `catalog_order`)."""
     algorithms: dict[str, Algorithm] = {}
@@ -278,6 +294,7 @@ def load_algorithms(template: Path) -> dict[str, Algorithm]:
                 spec.get("help", ""),
                 tuple(spec.get("choices", ())),
                 str(spec.get("range", "")),
+                _earlier(meta_path, key, spec.get("earlier")),
             )
             for key, spec in meta.get("hyperparameters", {}).items()
         }
@@ -289,6 +306,16 @@ def load_algorithms(template: Path) -> dict[str, Algorithm]:
                     f"{meta_path}: hyperparameter '{hp.name}' has range {hp.range!r}; a "
                     'range is an interval such as "[0, 1)" on an int or float that '
                     "holds its default"
+                )
+            if hp.earlier is not None and not (
+                _has_type(hp.earlier[1], hp.type)
+                and (not hp.choices or hp.earlier[1] in hp.choices)
+                and (not hp.range or _in_range(hp.earlier[1], hp.range))
+            ):
+                raise CatalogError(
+                    f"{meta_path}: hyperparameter '{hp.name}' has earlier value "
+                    f"{hp.earlier[1]!r}, which its type, choices or range refuse; "
+                    "write the value older projects trained with"
                 )
             if hp.choices and any(
                 not _has_type(choice, hp.type) for choice in (hp.default, *hp.choices)

@@ -14,7 +14,7 @@ from types import ModuleType
 
 import pytest
 
-PROJECT_MODULES = ("train", "model", "data")
+PROJECT_MODULES = ("train", "model", "data", "sample")
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -34,7 +34,11 @@ def project_modules(project: Path) -> Iterator[dict[str, ModuleType]]:
     }
     sys.path.insert(0, str(project))
     try:
-        yield {name: importlib.import_module(name) for name in PROJECT_MODULES}
+        yield {
+            name: importlib.import_module(name)
+            for name in PROJECT_MODULES
+            if (project / f"{name}.py").is_file()  # sample.py: language models only
+        }
     finally:
         sys.path.remove(str(project))
         for name in PROJECT_MODULES:
@@ -99,6 +103,28 @@ def torchrun_command(project: Path, nproc: int, *args: str) -> list[str]:
         f"--max_duration={TINY_STEPS}ba",
         *args,
     ]
+
+
+def torchrun(
+    workdir: Path, nproc: int, *args: object, restarts: int = 0, timeout: int = 300
+) -> subprocess.CompletedProcess[str]:
+    """`torchrun --standalone --nproc_per_node=N --max-restarts=R ARGS` in `workdir`."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            f"--max-restarts={restarts}",
+            *map(str, args),
+        ],
+        cwd=workdir,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def train_workers(workdir: Path, run_name: str) -> list[int]:

@@ -147,6 +147,52 @@ def test_gpt2_preset_has_124m_parameters(baseline) -> None:
     assert round(gpt2.num_params() / 1e6) == 124
 
 
+def test_alibi_split_rows_keeps_every_target_once(speedup) -> None:
+    """Composer's train_sequence_length_scaling: 4x the rows at a quarter of the length."""
+    split = speedup["train"].alibi_split_rows
+    batch = torch.arange(2 * 17).view(2, 17)  # two rows of 16 inputs + 1
+    rows = split(batch, 4)
+    assert rows.shape == (8, 5)
+    inputs, targets = rows[:, :-1], rows[:, 1:]
+    # Each (input, target) pair of the original rows appears once, in order.
+    assert inputs.reshape(2, 16).equal(batch[:, :-1])
+    assert targets.reshape(2, 16).equal(batch[:, 1:])
+    assert split(batch, 1) is batch
+    assert split(batch[:, :4], 4).equal(batch[:, :4])  # 3 inputs: too short to split
+
+
+def test_alibi_sequence_length_scaling_in_the_training_loop(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
+    """The default 0.25 trains on quarter rows (another loss than full length), refuses
+    a scaling that is not 1/k, and 1.0 trains at full length."""
+    losses = {}
+    for scaling in ("0.25", "1.0"):
+        result = run_train(
+            generated["gpt2-speedup"],
+            tmp_path,
+            *TINY,
+            "--max_duration=3ba",
+            "--seq_length_warmup_min_len=64",
+            f"--alibi_train_sequence_length_scaling={scaling}",
+            "--log_interval=1ba",
+            f"--run_name=alibi{scaling}",
+        )
+        assert result.returncode == 0, result.stderr
+        records = read_metrics(tmp_path, f"alibi{scaling}")
+        assert [r["seq_len"] for r in records] == [64, 64, 64]
+        losses[scaling] = [r["loss"] for r in records]
+    assert losses["0.25"] != losses["1.0"]
+    refused = run_train(
+        generated["gpt2-speedup"],
+        tmp_path,
+        *TINY,
+        "--alibi_train_sequence_length_scaling=0.3",
+    )
+    assert refused.returncode == 2
+    assert "must be 1/k for a whole k" in refused.stderr
+
+
 # ---------------------------------------------------------------- seq_length_warmup
 
 
@@ -234,13 +280,13 @@ def test_gradient_clipping_changes_training(
 def test_lr_schedule_warms_up_then_decays(baseline) -> None:
     train = baseline["train"]
     cfg = train.Config(lr=1.0, lr_warmup=train.Time.parse("0.1dur"), min_lr_ratio=0.1)
-    assert train.lr_at(0.0, cfg) == 0.0
-    assert train.lr_at(0.05, cfg) == pytest.approx(0.5)
-    assert train.lr_at(0.1, cfg) == pytest.approx(1.0)
-    assert train.lr_at(0.55, cfg) == pytest.approx(
+    assert train.lr_at(0.0, cfg, 1) == 0.0
+    assert train.lr_at(0.05, cfg, 1) == pytest.approx(0.5)
+    assert train.lr_at(0.1, cfg, 1) == pytest.approx(1.0)
+    assert train.lr_at(0.55, cfg, 1) == pytest.approx(
         0.55
     )  # cosine midpoint between 1.0 and 0.1
-    assert train.lr_at(1.0, cfg) == pytest.approx(0.1)
+    assert train.lr_at(1.0, cfg, 1) == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("recipe", ["gpt2-baseline", "gpt2-speedup"])

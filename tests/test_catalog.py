@@ -38,11 +38,13 @@ def resolved(
 
 def test_shipped_recipes_resolve_with_defaults_filled() -> None:
     speedup = resolve(load_recipe("gpt2-speedup", TEMPLATE), TEMPLATE, "my-gpt")
+    # Catalog order: ALiBi's split follows sequence-length warmup's cut.
     assert list(speedup["algorithms"]) == [
-        "alibi",
         "gradient_clipping",
         "seq_length_warmup",
+        "alibi",
     ]
+    assert speedup["algorithms"]["alibi"] == {"train_sequence_length_scaling": 0.25}
     assert speedup["algorithms"]["seq_length_warmup"] == {
         "duration": "0.3dur",
         "min_len": 8,
@@ -310,9 +312,22 @@ def test_user_strings_are_escaped_not_pasted(tmp_path: Path) -> None:
         ),
         (
             "augmix",
-            'choices = ["all", "safe"]',
+            'choices = ["all", "safe", "original"]',
             'choices = ["all", 2]',
             "must be of type str",
+        ),
+        # `earlier` (the value older projects trained with, kept by `scaffold upgrade`)
+        (
+            "alibi",
+            'earlier = { until = "0.3.0", value = 1.0 }',
+            'earlier = { since = "0.3.0", value = 1.0 }',
+            "has earlier = {'since': '0.3.0', 'value': 1.0}",
+        ),
+        (
+            "randaugment",
+            'earlier = { until = "0.3.0", value = "original" }',
+            'earlier = { until = "0.3.0", value = "first" }',
+            "has earlier value 'first'",
         ),
     ],
 )

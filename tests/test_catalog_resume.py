@@ -75,6 +75,12 @@ ACTIVE: dict[str, dict[str, Any]] = {
     "layer_freezing": {"start": 0.0},
     "selective_backprop": {"start": 0.0, "interval": 1},
     "sam": {"interval": 2},
+    # Muon's options (the default Newton-Schulz resumes in gpt2-modern's own smoke test).
+    "muon": {
+        "orthogonalizer": "polar_express",
+        "cautious_weight_decay": True,
+        "weight_decay": 1.2,
+    },
 }
 # Cases in the default run: the stateful and the historically broken; plus the first
 # algorithm of any task none of these covers.
@@ -121,7 +127,8 @@ def recipe(name: str) -> str:
     for algorithm in (*spec.requires, name):
         lines.append(f"[algorithms.{algorithm}]")
         for key, value in ACTIVE.get(algorithm, {}).items():
-            lines.append(f"{key} = {value!r}".replace("'", '"'))
+            toml = str(value).lower() if isinstance(value, bool) else repr(value)
+            lines.append(f"{key} = {toml}".replace("'", '"'))
     return "\n".join(lines) + "\n"
 
 

@@ -138,7 +138,7 @@ def test_cli_check_of_a_folder_that_is_no_project_exits_2(tmp_path: Path) -> Non
 def test_an_answer_the_template_cannot_render_is_one_clear_error(project: Path) -> None:
     replace_once(
         project / ".copier-answers.yml",
-        "    alibi: {}\n",
+        "    alibi:\n        train_sequence_length_scaling: 0.25\n",
         "    no_such_algorithm: {}\n",
     )
     result = scaffold_cli("check", str(project))
@@ -299,7 +299,8 @@ def test_a_deleted_algorithm_and_a_partly_deleted_one(project: Path) -> None:
     # seq_length_warmup loses only its metric
     text = text.replace(
         '                # algorithm: seq_length_warmup\n                metrics["seq_len"] = '
-        "inputs.shape[1]\n                # end algorithm: seq_length_warmup\n\n",
+        "seq_len  # the warmup's length this step\n"
+        "                # end algorithm: seq_length_warmup\n\n",
         "",
     )
     (project / "train.py").write_text(text)

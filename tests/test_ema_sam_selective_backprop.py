@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -289,19 +290,25 @@ def test_sam_gradient_is_the_gradient_at_the_ascended_weights(modules) -> None:
 def test_selective_backprop_keeps_the_top_loss_samples_and_the_gradient_is_theirs(
     modules,
 ) -> None:
-    """The kept samples are the highest-loss ones (ties to the lower index), in global
-    order; a step on them has the gradient of the mean loss over exactly that subset."""
+    """With sampling="top" the kept samples are the highest-loss ones (ties to the lower
+    index), in global order; a step on them has the gradient of the mean loss over exactly that subset.
+    """
     train = modules["train"]
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3))
     inputs, labels = torch.randn(8, 3, 2, 2), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
     inputs[5] = inputs[2]
     labels[5] = labels[2]  # a tie: sample 2 goes first
-    cfg = train.Config(selective_backprop_scale_factor=1.0, precision="fp32")
+    cfg = train.Config(
+        selective_backprop_scale_factor=1.0,
+        precision="fp32",
+        selective_backprop_sampling="top",
+    )
     env = train.dist.environment("cpu")
     with torch.no_grad():
         losses = F.cross_entropy(net(inputs), labels, reduction="none")
-    kept_x, kept_y = train.select_high_loss(net, inputs, labels, 3, cfg, env, 4)
+    rng = np.random.default_rng(0)  # unused by "top"
+    kept_x, kept_y = train.select_high_loss(net, inputs, labels, 3, cfg, env, 4, rng)
     ranked = sorted(range(8), key=lambda i: (-losses[i].item(), i))[:3]
     assert 2 in ranked or 5 not in ranked
     expected = sorted(ranked)
@@ -322,6 +329,31 @@ def test_selective_backprop_keeps_the_top_loss_samples_and_the_gradient_is_their
     hand.backward()
     for a, b in zip(ours, (p.grad for p in net.parameters())):
         torch.testing.assert_close(a, b)
+
+
+def test_selective_backprop_samples_by_loss_percentile_as_composer(modules) -> None:
+    """The default sampling draws each sample with probability ~ its loss percentile **
+    (1 / keep - 1) (Composer's select_using_loss), without replacement, from the step's
+    generator: the same draw for the same (seed, step)."""
+    train = modules["train"]
+    assert train.Config().selective_backprop_sampling == "loss_percentile"
+    scores = torch.tensor([0.3, 2.0, 0.1, 1.0, 0.7, 5.0, 0.2, 0.5])
+    ranks = torch.argsort(torch.argsort(scores))  # 0: the lowest loss
+    keep = 0.25
+    weights = ((ranks.double() + 0.5) / 8) ** (1 / keep - 1)
+    expected = weights / weights.sum()
+    rng = np.random.default_rng(0)
+    draws = torch.stack(
+        [train.sample_by_loss(scores, 1, keep, rng) for _ in range(20000)]
+    ).flatten()
+    observed = torch.bincount(draws, minlength=8).double() / len(draws)
+    torch.testing.assert_close(observed, expected, atol=0.01, rtol=0)
+    # Two of eight: distinct samples, and a pure function of the step's generator.
+    pairs = [
+        train.sample_by_loss(scores, 2, 0.5, train.data.step_rng(7, 3, "sb"))
+        for _ in range(2)
+    ]
+    assert len(set(pairs[0].tolist())) == 2 and torch.equal(pairs[0], pairs[1])
 
 
 def test_selective_backprop_kept_count_must_fill_batchnorm_groups(

@@ -278,6 +278,46 @@ def test_training_and_evaluation_sizes_are_separate(modules, tmp_path: Path) -> 
     )
 
 
+def test_pad_crop_is_cifars_whatever_the_layout(modules, tmp_path: Path) -> None:
+    """crop="pad" (the CIFAR recipes): a folder of 40x20 PNGs trains on the whole image
+    at image_size, padded by 4 and cropped back (a shifted copy, zeros at the border),
+    flipped in about half the samples; evaluation sees the whole image at that size."""
+    data = modules["data"]
+    folder = tmp_path / "f"
+    gradient = np.tile(np.arange(40, dtype=np.uint8)[None, :, None] * 6, (20, 1, 3))
+    for split in ("train", "val"):
+        for name in ("a", "b"):
+            for i in range(16):
+                (folder / split / name).mkdir(parents=True, exist_ok=True)
+                Image.fromarray(gradient).save(folder / split / name / f"{i}.png")
+    images = data.load_images(str(folder))
+    whole = np.asarray(Image.fromarray(gradient).resize((8, 8), Image.BILINEAR))
+    train = data.Batches(images, "train", 32, seed=0, image_size=8, crop="pad")
+    val = data.Batches(images, "val", 32, seed=0, image_size=8, crop="pad")
+    assert np.array_equal(val[0][0][0].movedim(0, -1).numpy(), whole)
+    flipped = shifted = 0
+    for image in train[0][0].movedim(1, -1).numpy():
+        assert image.shape == (8, 8, 3)
+        matches = [
+            (flip, dy, dx)
+            for flip in (False, True)
+            for dy in range(-4, 5)
+            for dx in range(-4, 5)
+            if np.array_equal(image, shift(whole[:, ::-1] if flip else whole, dy, dx))
+        ]
+        assert matches, image[..., 0]
+        flipped += matches[0][0]
+        shifted += matches[0][1:] != (0, 0)
+    assert 4 <= flipped <= 28 and shifted >= 16
+
+
+def shift(image: np.ndarray, dy: int, dx: int) -> np.ndarray:
+    """`image` moved by (dy, dx) pixels, zeros where it left."""
+    padded = np.pad(image, ((4, 4), (4, 4), (0, 0)))
+    h, w = image.shape[:2]
+    return padded[4 - dy : 4 - dy + h, 4 - dx : 4 - dx + w]
+
+
 def write_png(
     path: Path, color: tuple[int, int, int], size: tuple[int, int] = (20, 14)
 ) -> None:

@@ -333,9 +333,9 @@ def test_muon_momentum_warms_up_from_085(modern) -> None:
     train = modern["train"]
     cfg = train.Config()  # 600ba, warmup 0.1dur: 60 steps
     at = train.muon_momentum_at
-    assert at(0.0, cfg) == pytest.approx(0.85)
-    assert at(0.05, cfg) == pytest.approx(0.90)
-    assert at(0.1, cfg) == at(0.7, cfg) == pytest.approx(0.95)
+    assert at(0.0, cfg, 1) == pytest.approx(0.85)
+    assert at(0.05, cfg, 1) == pytest.approx(0.90)
+    assert at(0.1, cfg, 1) == at(0.7, cfg, 1) == pytest.approx(0.95)
 
 
 def test_muon_under_fsdp_on_two_ranks_equals_one_process_with_two_collectives_per_matrix(
@@ -384,19 +384,24 @@ def test_muon_under_fsdp_on_two_ranks_equals_one_process_with_two_collectives_pe
     assert found["momentum_buffer_shapes"] == [[40, 16], [24, 40], [7, 24], [1, 7]]
 
 
+@pytest.mark.parametrize(
+    "recipe", ["gpt2-modern", pytest.param("gpt2-speedrun", marks=pytest.mark.slow)]
+)
 def test_modern_recipe_on_two_fsdp_ranks_equals_one_process_and_resumes_on_one(
-    generated: dict[str, Path], tmp_path: Path
+    recipe: str, generated: dict[str, Path], tmp_path: Path
 ) -> None:
     """The generated gpt2-modern loop (Muon + AdamW in one Chain) on 2 FSDP2 ranks matches one
     process; its step-2 checkpoint (Muon's momentum sharded over 2 ranks) resumes on 1 process
     and continues as the 1-process run does (step 4's loss depends on the restored momentum).
+    gpt2-speedrun (--slow): the same with Polar Express, cautious weight decay on sharded
+    rows and the bigram table in FSDP2's root unit.
     """
     import subprocess
     import sys
 
     from projects import checkout_env, read_metrics, run_train
 
-    project = generated["gpt2-modern"]
+    project = generated[recipe]
     small = [
         "--seq_len=32",
         "--global_batch_size=12",

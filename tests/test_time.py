@@ -6,7 +6,14 @@ import json
 
 import pytest
 
-from runtime.time import Progress, Time, TimeError, TimeUnit
+from runtime.time import (
+    Progress,
+    Time,
+    TimeError,
+    TimeUnit,
+    as_fraction,
+    check_fraction,
+)
 
 # ---------------------------------------------------------------- Time.parse
 
@@ -297,3 +304,33 @@ def test_load_state_dict_rejects_changed_batches_per_epoch_and_bad_values() -> N
         Progress(batches_per_epoch=3).load_state_dict(state)
     with pytest.raises(ValueError, match="batch must be an int"):
         Progress(batches_per_epoch=2).load_state_dict({**state, "batch": 1.5})
+
+
+# ---------------------------------------------------------------- as_fraction
+
+
+def test_as_fraction_converts_epochs_and_batches_once_batches_per_epoch_are_known() -> (
+    None
+):
+    """Composer's Time converts epochs and batches: a warm-up of 8ep in a 12ba trial run
+    at 4 batches per epoch is 32 / 12 of the run (it does not end within it); 6ba of
+    3ep at 4 per epoch is half of it."""
+    eight, twelve = Time.parse("8ep"), Time.parse("12ba")
+    check_fraction(eight, twelve)  # accepted before the data are read
+    with pytest.raises(TimeError, match="batches per epoch"):
+        as_fraction(eight, twelve)
+    assert as_fraction(eight, twelve, batches_per_epoch=4) == 32 / 12
+    assert as_fraction(Time.parse("2ep"), twelve, batches_per_epoch=4) == 8 / 12
+    assert as_fraction(Time.parse("6ba"), Time.parse("3ep"), 4) == 0.5
+    assert as_fraction(Time.parse("0.3dur"), twelve, 4) == 0.3
+    assert as_fraction(Time.parse("3ba"), twelve) == 0.25
+
+
+@pytest.mark.parametrize(
+    ("duration", "max_duration"), [("8ep", "100sp"), ("5tok", "3ba")]
+)
+def test_check_fraction_refuses_samples_and_tokens_against_other_units(
+    duration: str, max_duration: str
+) -> None:
+    with pytest.raises(TimeError, match="cannot be compared"):
+        check_fraction(Time.parse(duration), Time.parse(max_duration))

@@ -113,8 +113,10 @@ def generate(tmp_path: Path, release: TemplateRelease, recipe: str = RECIPE) -> 
     return generate_at(tmp_path / "my-gpt", release, recipe)
 
 
-def generate_at(dest: Path, release: TemplateRelease, recipe: str = RECIPE) -> Path:
-    new_project(recipe, dest, [], "my-gpt", release=release)
+def generate_at(
+    dest: Path, release: TemplateRelease, recipe: str = RECIPE, *overrides: str
+) -> Path:
+    new_project(recipe, dest, list(overrides), "my-gpt", release=release)
     return dest
 
 
@@ -910,7 +912,14 @@ def test_a_0_1_0_project_with_a_hand_edit_upgrades_to_task_packs_and_trains_the_
     assert result.changes.conflicted == []
     train = (project / "train.py").read_text()
     assert HAND_EDIT[1] in train
-    fresh = generate_at(tmp_path / "fresh" / "my-gpt", new)
+    # ALiBi's train_sequence_length_scaling is newer than 0.1.0 (default 0.25): the upgrade
+    # records the full-length rows 0.1.0 trained (its catalog entry's `earlier`).
+    fresh = generate_at(
+        tmp_path / "fresh" / "my-gpt",
+        new,
+        RECIPE,
+        "alibi.train_sequence_length_scaling=1.0",
+    )
     upgraded, expected = files_of(project), files_of(fresh)
     assert upgraded.pop("train.py") == expected.pop("train.py").replace(*HAND_EDIT)
     assert upgraded == expected

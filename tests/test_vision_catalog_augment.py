@@ -157,6 +157,36 @@ def test_each_operation_does_what_it_says(ra) -> None:
             assert out.shape == image.shape and out.dtype == torch.uint8, name
 
 
+@pytest.mark.parametrize(
+    ("name", "severity", "low", "high"),
+    [
+        ("brightness", 10, 0.1, 10.0),  # Composer's default ("all"), at hot's severity
+        ("brightness", 3, 0.73, 3.0),  # AugMix's severity: it may brighten too
+        ("brightness_original", 10, 0.1, 1.9),  # "original": AugMix's code
+    ],
+)
+def test_colour_factors_follow_composers_augmentation_sets(
+    ra, name: str, severity: int, low: float, high: float
+) -> None:
+    """Brightness on a grey level of 20 (no clipping up to 10x): the factors drawn span
+    Composer's range for the set; "all" weakens and strengthens equally often."""
+    data = ra["data"]
+    image = torch.full((3, 4, 4), 20, dtype=torch.uint8)
+    rng = np.random.default_rng(0)
+    factors = np.array(
+        [
+            data.random_operation(image, name, severity, rng)[0, 0, 0].item() / 20
+            for _ in range(400)
+        ]
+    )
+    step = 0.5 / 20  # the rounding to whole levels
+    assert factors.min() >= low - step and factors.max() <= high + step
+    assert factors.min() < low + 0.1 * (high - low)
+    assert factors.max() > high - 0.1 * (high - low)
+    if name == "brightness":
+        assert 0.4 < (factors > 1 + step).mean() < 0.6
+
+
 # ---------------------------------------------------------------- pure functions of (seed, epoch, index)
 
 

@@ -677,8 +677,8 @@ def test_stochastic_depth_block_mode_with_ddp_is_refused(
             "error: stochastic_depth_drop_rate=1.5 is outside its range [0, 1]",
         ),
         (
-            "--stochastic_depth_drop_warmup=3ep",
-            "error: stochastic_depth_drop_warmup: '3ep' cannot be compared",
+            "--stochastic_depth_drop_warmup=64sp",
+            "error: stochastic_depth_drop_warmup: '64sp' cannot be compared",
         ),
     ],
 )

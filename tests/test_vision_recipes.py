@@ -72,3 +72,19 @@ def test_recipe_trains_offline_and_two_fsdp_ranks_equal_one_process(
                     ours[key],
                     theirs[key],
                 )
+
+
+def test_an_epoch_warmup_converts_in_a_short_run_in_batches(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
+    """resnet50-mild warms up 8 epochs, as Composer's yaml (t_warmup: 8ep, unscaled); a
+    trial run of 3ba converts them into batches once the data's length is known:
+    the rate rises linearly by lr / (8 x batches per epoch) a step."""
+    project = generated["resnet50-mild"]
+    assert 'lr_warmup: Time = Time.parse("8ep")' in (project / "train.py").read_text()
+    args = [a for a in SMALL if not a.startswith("--lr_warmup")]
+    ok(run_train(project, tmp_path, *args, "--max_duration=3ba", "--run_name=w"))
+    rates = [row["lr"] for row in read_metrics(tmp_path, "w")]
+    per_epoch = 1437 // 12  # the digits' training split, in whole batches
+    step = 0.2 / (8 * per_epoch)
+    assert rates == pytest.approx([0.0, step, 2 * step], rel=1e-6)

@@ -64,7 +64,12 @@ SMALL = [
 ]
 # Only the target rewrites: no pixels dropped (cutout cannot be switched off: it keeps a
 # 1-pixel hole at a known place, reproduced below).
-TARGETS_ONLY = ["--colout_p_row=0", "--colout_p_col=0", "--cutout_length=1"]
+TARGETS_ONLY = [
+    "--colout_p_row=0",
+    "--colout_p_col=0",
+    "--cutout_length=1",
+    "--cutout_per_image=true",
+]
 STEPS = 8  # steps 0-7: the shared draw picks mixup 7 times and cutmix once (step 6)
 TOLERANCE = 2e-5  # 2 ranks and another microbatch size sum in another order
 
@@ -133,8 +138,11 @@ def train_once(
     return read_metrics(workdir, "r")
 
 
-def first_batch(modules) -> tuple[torch.Tensor, torch.Tensor, torch.nn.Module]:
-    """Step 0's normalized global batch, its labels, and the initial model (train mode)."""
+def first_batch(
+    modules, per_image: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.nn.Module]:
+    """Step 0's normalized global batch (its 1-pixel CutOut holes per image, or one for
+    the whole batch), its labels, and the initial model (train mode)."""
     data, model = modules["data"], modules["model"]
     images = data.load_images("")
     pixels, labels, _ = data.Batches(
@@ -149,8 +157,9 @@ def first_batch(modules) -> tuple[torch.Tensor, torch.Tensor, torch.nn.Module]:
     inputs = data.normalize(pixels, images)
     # The 1-pixel CutOut hole of TARGETS_ONLY: one per image, at its drawn centre.
     rng = data.step_rng(SEED, 0, "cutout")
-    centers = rng.integers(0, (8, 8), size=(BATCH, 1, 2))
-    for i, (row, col) in enumerate(centers[:, 0]):
+    centers = rng.integers(0, (8, 8), size=(BATCH if per_image else 1, 1, 2))
+    for i in range(BATCH):
+        row, col = centers[i if per_image else 0, 0]
         inputs[i, :, row, col] = 0.0
     return inputs, labels, net
 
@@ -269,6 +278,28 @@ def test_label_smoothing_loss_equals_the_closed_form(
     assert abs(step_one_loss(rows) - expected) < 1e-5 * expected
     plain = F.cross_entropy(net(inputs), labels).item()
     assert abs(plain - expected) > 1e-3  # smoothing changed the loss
+
+
+def test_cutout_cuts_one_set_of_holes_for_the_batch_by_default(
+    project: Path, modules, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Composer's cutout_batch: one hole position for every image of the batch (the
+    per-image holes of --cutout_per_image=true give another loss)."""
+    args = [a for a in TARGETS_ONLY if not a.startswith("--cutout_per_image")]
+    rows = train_once(
+        project,
+        tmp_path / "w",
+        monkeypatch,
+        *args,
+        "--mixup_prob=0",
+        "--cutmix_prob=0",
+        "--label_smoothing_smoothing=0.0",
+    )
+    inputs, labels, net = first_batch(modules, per_image=False)
+    expected = F.cross_entropy(net(inputs), labels).item()
+    assert abs(step_one_loss(rows) - expected) < 1e-5 * expected
+    inputs, labels, net = first_batch(modules, per_image=True)
+    assert abs(F.cross_entropy(net(inputs), labels).item() - expected) > 1e-4
 
 
 def test_smoothing_then_mixup_loss_equals_the_hand_computation(

@@ -8,6 +8,7 @@
     checkpointer.save(state)  # step-<progress.batch>/, COMPLETE once every rank wrote
     checkpointer.close()  # an asynchronous save in flight: finished and marked complete
     checkpoint.export_safetensors(run_or_checkpoint, "model.safetensors")  # no process group
+    weights, step, found, entry = checkpoint.read_weights(run_or_checkpoint)  # sampling
 
 One concern per module: `layout` (step folders, the COMPLETE marker, rotation,
 train_state.json), `reading` (loading without executing pickles), `contents` (what is saved:
@@ -23,7 +24,7 @@ from runtime.checkpoint.compat import (
     save,
     wait,
 )  # scaffold 0.1.0 projects, until upgraded
-from runtime.checkpoint.export import export_safetensors
+from runtime.checkpoint.export import export_safetensors, read_weights
 from runtime.checkpoint.failures import StorageError
 from runtime.checkpoint.layout import (
     MARKER,
@@ -43,6 +44,7 @@ __all__ = (
     "Resumed",
     "StorageError",
     "export_safetensors",
+    "read_weights",
     "is_complete",
     "latest",
     "load",

@@ -111,7 +111,7 @@ def progress_of(state: dict[str, Any]) -> Progress:
 
 
 def will_resume(
-    folder: Path | str, *, load_path: str = "", autoresume: bool = True
+    folder: Path | str, load_path: str = "", autoresume: bool = True
 ) -> bool:
     """Whether `Checkpointer(folder).resume(...)` will load weights: a load_path, or (with
     autoresume) a complete checkpoint in `folder`. Reads only; call before the model is built

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -41,6 +41,111 @@ PRESETS: dict[Preset, dict[str, int]] = {
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
 }
 
+# The depth dial (train.py --depth=N): a dN model is sized by its layer count alone, by
+# nanochat's rule (karpathy/nanochat scripts/base_train.py, --aspect-ratio 64): width =
+# 64 * depth; heads of 64 channels, GPT-2's (nanochat's --head-dim is 128), so d12 is
+# GPT-2.
+ASPECT_RATIO = 64  # width per layer
+HEAD_DIM = 64  # channels per attention head
+# The best batch grows as the token horizon^0.383, at a fixed tokens:parameters ratio as
+# the parameters^0.383 (nanochat's fit, scripts/base_train.py, "D^0.383").
+BATCH_EXPONENT = 0.383
+
+
+def depth_sizes(depth: int) -> dict[str, int]:
+    """A dN model's sizes: ASPECT_RATIO * depth wide, HEAD_DIM channels per head."""
+    width = ASPECT_RATIO * depth
+    return dict(n_layer=depth, n_head=width // HEAD_DIM, n_embd=width)
+
+
+def model_sizes(model: str) -> dict[str, int]:
+    """Layers, heads and width of a preset or of "dN" (depth_sizes); else ValueError."""
+    if model in PRESETS:
+        return PRESETS[model]
+    if model.startswith("d") and model[1:].isdigit() and int(model[1:]) > 0:
+        return depth_sizes(int(model[1:]))
+    raise ValueError(
+        f"unknown model {model!r}; use one of {', '.join(PRESETS)} or dN (N layers)"
+    )
+
+
+def depth_dial(cfg: Any) -> tuple[str, int, float]:
+    """train.py's (model, global_batch_size, lr) after --depth (cfg: its Config):
+    unchanged where depth is 0 or `model` is already d<depth> (a rerun of its
+    config.toml), else "d<depth>" and the batch and lr depth_scaled from those given for
+    `model`. ValueError on a bad value."""
+    model, depth, batch_size, lr = cfg.model, cfg.depth, cfg.global_batch_size, cfg.lr
+    reference = model_sizes(model)
+    if depth < 0:
+        raise ValueError(f"depth={depth}; use 0 (the model preset) or a layer count")
+    if depth == 0 or model == f"d{depth}":
+        return model, batch_size, lr
+    return (f"d{depth}", *depth_scaled(depth, reference, batch_size, lr))
+
+
+def depth_scaled(
+    depth: int, reference: dict[str, int], batch_size: int, lr: float
+) -> tuple[int, float]:
+    """(global batch size, peak AdamW lr) of a dN model, from those for `reference`.
+
+    nanochat's rules (scripts/base_train.py and gpt.py setup_optimizer), measured from
+    the reference instead of its d12: the batch grows as the parameters^BATCH_EXPONENT
+    (the blocks' matrices, 12 * layers * width^2; nanochat adds the head), rounded to a
+    power of two; the lr grows as sqrt(batch / reference batch) (its batch_lr_scale) and
+    falls as 1 / sqrt(width / reference width) (its dmodel_lr_scale for AdamW).
+    """
+    sizes = depth_sizes(depth)
+    params = 12 * depth * sizes["n_embd"] ** 2
+    params_ref = 12 * reference["n_layer"] * reference["n_embd"] ** 2
+    ideal = batch_size * (params / params_ref) ** BATCH_EXPONENT
+    scaled_batch = 2 ** max(0, round(math.log2(ideal)))
+    lr_scale = math.sqrt(scaled_batch / batch_size)
+    lr_scale /= math.sqrt(sizes["n_embd"] / reference["n_embd"])
+    return scaled_batch, lr * lr_scale
+
+
+def sample_token(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """(batch, vocab) logits -> (batch, 1) next tokens: the most likely at temperature
+    0, else drawn from softmax(logits / temperature) over the top_k (0: all)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+class LayerCache:
+    """One attention layer's keys and values of the tokens seen so far, for sampling
+    (GPT.generate): each new token is then one forward of that token alone."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """How many tokens are cached: the position of the next one."""
+        return 0 if self.k is None else self.k.shape[2]
+
+    def extend(
+        self, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache this forward's keys and values; return all keys and values so far."""
+        if self.k is not None:
+            # Several tokens attend causally only from an empty cache (a prompt).
+            assert k.shape[2] == 1, "after the prompt, one token per forward"
+            k, v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
+        self.k, self.v = k, v
+        return k, v
+
 
 def layer_norm(width: int) -> nn.LayerNorm:
     """The model's LayerNorm layers: each block's ln_1 and ln_2, and ln_f."""
@@ -56,16 +161,23 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Causal self-attention."""
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """Causal self-attention.
+
+        `cache` (sampling): the earlier tokens' keys and values, extended in place.
+        """
         batch, seq, width = x.shape
         # (batch, seq, 3*width) -> three (batch, head, seq, head_dim) tensors
         q, k, v = (
             t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2)
             for t in self.qkv(x).split(width, dim=2)
         )
+        if cache is not None:
+            k, v = cache.extend(k, v)  # the cached tokens' keys and values come first
         dropout = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        # Causal; one new token after a cache attends to every key (no mask).
+        causal = q.shape[2] > 1
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout)
         y = y.transpose(1, 2).reshape(batch, seq, width)
         return F.dropout(self.proj(y), dropout, self.training)
 
@@ -93,8 +205,8 @@ class Block(nn.Module):
         self.ln_2 = layer_norm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -125,16 +237,55 @@ class GPT(nn.Module):
             if name.endswith("proj.weight"):
                 param.normal_(0.0, 0.02 / math.sqrt(2 * self.config.n_layer))
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (batch, seq) -> next-token logits (batch, seq, vocab)."""
+    def forward(
+        self, idx: torch.Tensor, cache: list[LayerCache] | None = None
+    ) -> torch.Tensor:
+        """Token ids (batch, seq) -> next-token logits (batch, seq, vocab).
+
+        `cache` (sampling, see generate): one LayerCache per block holding the keys and
+        values of the tokens before idx; idx then holds only the new tokens.
+        """
         seq = idx.shape[1]
-        assert seq <= self.config.max_seq_len, f"sequence of {seq} > max_seq_len"
-        position = torch.arange(seq, device=idx.device)
+        caches = cache or [None] * len(self.blocks)
+        start = cache[0].length if cache else 0  # the position of idx's first token
+        assert start + seq <= self.config.max_seq_len, f"{start + seq} > max_seq_len"
+        position = torch.arange(start, start + seq, device=idx.device)
         x = self.wte(idx) + self.wpe(position)
-        for block in self.blocks:
-            x = block(x)
+        for block, layer_cache in zip(self.blocks, caches):
+            x = block(x, layer_cache)
         logits = self.lm_head(self.ln_f(x))
         return logits
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Continue idx (batch, seq) with max_new_tokens sampled tokens (nanoGPT's).
+
+        With a key/value cache: the prompt is one forward, then each new token one
+        forward of that token alone. When the context is full, its newest half is read
+        again into a fresh cache (one forward per max_seq_len / 2 tokens).
+        """
+        context = self.config.max_seq_len
+        cache = None
+        for _ in range(max_new_tokens):
+            if cache is None or cache[0].length == context:
+                # A fresh cache: the prompt, or the newest half of a full context.
+                keep = context if idx.shape[1] < context else context // 2
+                cache = [LayerCache() for _ in self.blocks]
+                logits = self(idx[:, -keep:], cache)
+            else:
+                logits = self(idx[:, -1:], cache)
+            next_token = sample_token(
+                logits[:, -1].float(), temperature, top_k, generator
+            )
+            idx = torch.cat((idx, next_token), dim=1)
+        return idx
 
     def num_params(self) -> int:
         """Parameter count, the tied embedding counted once."""

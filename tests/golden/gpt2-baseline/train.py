@@ -22,12 +22,13 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+import sample
 from data import Batches, load_tokens, val_batches
-from model import GPT, PRESETS, GPTConfig, Preset, from_hf_gpt2
+from model import GPT, GPTConfig, depth_dial, model_sizes, from_hf_gpt2
 from runtime import checkpoint, config, dist, early_stop, fsdp, hf, microbatch, preempt
 from runtime import profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum
-from runtime.time import Progress, Time, as_fraction
+from runtime.time import Progress, Time, as_fraction, check_fraction
 
 
 @dataclass
@@ -38,11 +39,11 @@ class Config:
     vocab_size: int = 0  # 0: from the data (bytes 256; .bin: meta.pkl, else GPT-2's)
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     # model (no dropout, as in modern pretraining: with it, ranks agree in distribution)
-    model: Preset = "tiny"  # size preset, see PRESETS in model.py
+    model: str = "tiny"  # a size preset (PRESETS in model.py) or dN: N layers
+    depth: int = 0  # >0: model dN, batch and lr rescaled (model.py, depth_dial)
     seq_len: int = 128  # tokens per training sequence
     dropout: float = 0.0
-    # Hugging Face GPT-2 weights to start from: a GPT2LMHeadModel save_pretrained
-    # folder or hub id (needs transformers); "": random init; a resume ignores it.
+    # GPT-2 weights to start from: GPT2LMHeadModel folder or hub id (not on resume)
     init_from: str = ""
     # optimization; Time strings: 10ep, 2000ba (steps), 4096sp, 1e6tok, 0.25dur
     max_duration: Time = Time.parse("600ba")  # training length
@@ -121,15 +122,16 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     for name in ("seq_len", "global_batch_size", "eval_batches"):
         if getattr(cfg, name) < 1:
             config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
-    if cfg.vocab_size < 0:
-        config.fail(f"vocab_size={cfg.vocab_size}; use 0 (from the data) or a size")
+    config.check_ranges(cfg, vocab_size="[0, inf)", depth="[0, inf)")  # 0: data, preset
+    with config.failing(ValueError):  # --depth=N: model dN, batch and lr rescaled
+        cfg.model, cfg.global_batch_size, cfg.lr = depth_dial(cfg)  # (model.py)
     if cfg.global_batch_size % env.world_size:
         config.fail(
             f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
             f"size {env.world_size}; pick a multiple of {env.world_size}"
         )
     with config.failing(ValueError, prefix="lr_warmup: "):
-        as_fraction(cfg.lr_warmup, cfg.max_duration)
+        check_fraction(cfg.lr_warmup, cfg.max_duration)
 
     # algorithm: gradient_clipping
     config.check_ranges(cfg, gradient_clipping_max_norm="(0, inf)")
@@ -144,9 +146,9 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     return env, parallel
 
 
-def lr_at(fraction: float, cfg: Config) -> float:
+def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
     """Learning rate after `fraction` of training: linear warmup, then cosine decay."""
-    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration)
+    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration, batches_per_epoch)
     if fraction < warmup:
         return cfg.lr * fraction / warmup
     decayed = (fraction - warmup) / max(1.0 - warmup, 1e-9)
@@ -234,6 +236,8 @@ def main() -> None:
     env, parallel = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
+    if cfg.init_from and not cfg.vocab_size:  # as nanoGPT: the checkpoint's vocabulary
+        cfg.vocab_size = hf.gpt2_vocab_size(cfg.init_from, missing_ok=True)
     with config.failing(OSError, ValueError):  # a missing path, too little data
         tokens = load_tokens(cfg.data, cfg.vocab_size, cfg.seq_len)
         # CUDA: batches in page-locked memory, so their copy to the GPU is asynchronous.
@@ -251,27 +255,22 @@ def main() -> None:
         vocab_size=tokens.vocab_size,
         max_seq_len=cfg.seq_len,
         dropout=cfg.dropout,
-        **PRESETS[cfg.model],
+        **model_sizes(cfg.model),
     )
     model = GPT(model_config)
     # init_from: GPT-2's weights, read and checked (sizes, vocabulary, positions) before
     # anything is written; a run that resumes takes its weights from its checkpoint.
     checkpoints = cfg.save_folder or run_dir / "checkpoints"
-    init_note = f"init_from={cfg.init_from}: not read, the run resumes instead"
-    resumes = checkpoint.will_resume(
-        checkpoints, load_path=cfg.load_path, autoresume=cfg.autoresume
-    )
+    resumes = checkpoint.will_resume(checkpoints, cfg.load_path, cfg.autoresume)
     if cfg.init_from and not resumes:
         with config.failing(ValueError, prefix=f"init_from={cfg.init_from}: "):
             init_weights = from_hf_gpt2(*hf.read_gpt2(cfg.init_from), model_config)
         model.load_state_dict(init_weights)  # every weight; lm_head re-tied to wte
-        init_note = f"init_from={cfg.init_from}: Hugging Face GPT-2 weights"
     model = model.to(env.device)
     num_params = model.num_params()
 
-    # One live start per run (a requeue racing a dying job is refused): an OS lock the
-    # kernel drops even after kill -9. Taken after all input is read: a bad one leaves
-    # no run folder behind.
+    # One live start per run (a requeue racing a dying job is refused): an OS lock that
+    # kill -9 releases, taken after all input is read (bad input leaves no run folder).
     with config.failing(runlock.RunInUse):
         run_lock = runlock.acquire(run_dir)
 
@@ -303,15 +302,12 @@ def main() -> None:
         cfg.early_stop_mode,
         log=monitor.info,
     )
-    # What a checkpoint holds: every entry has state_dict() and load_state_dict(). An
-    # algorithm with state of its own (EMA weights, say) adds an entry at OPTIMIZER.
+    # What a checkpoint holds: entries with state_dict() and load_state_dict(). An
+    # algorithm with state of its own (EMA weights) adds one at OPTIMIZER, and may name
+    # the entry `scaffold export` writes out for inference (by default "model").
     state = dict(model=model, optimizer=optimizer, progress=progress, stopper=stopper)
-    # Checkpoints of this run; the `state` entry whose weights `scaffold export` writes
-    # out for inference is "model" unless an algorithm says otherwise at OPTIMIZER.
     checkpointer = checkpoint.Checkpointer(
-        checkpoints,
-        keep=cfg.save_num_checkpoints_to_keep,
-        async_save=cfg.save_async,
+        checkpoints, keep=cfg.save_num_checkpoints_to_keep, async_save=cfg.save_async
     )
 
     # event: OPTIMIZER
@@ -333,11 +329,10 @@ def main() -> None:
         env.device, env.world_size, cfg.precision, flops_per_token=flops_per_token
     )
     monitor.open_trackers(cfg.trackers, config.to_toml(cfg))  # rank 0 writes them
-    monitor.info(f"data: {tokens.source}")
-    monitor.info(tokens.sizes())
+    monitor.info(f"data: {tokens.source}; {tokens.sizes()}")
     monitor.info(f"model: {cfg.model}, {num_params:,} parameters")
-    if cfg.init_from:
-        monitor.info(init_note)
+    if cfg.init_from:  # Hugging Face GPT-2 weights, read unless the run resumes
+        monitor.info(f"init_from={cfg.init_from}: {'not read' if resumes else 'read'}")
     monitor.info(f"parallelism: {parallel.parallelism}, {env.world_size} process(es)")
     for line in resumed.describe() if resumed else []:
         monitor.info(line)
@@ -364,14 +359,15 @@ def main() -> None:
             # event: BATCH_START
 
             inputs, targets = batch[:, :-1], batch[:, 1:]
-            lr = lr_at(progress.fraction(cfg.max_duration), cfg)
+            fraction = progress.fraction(cfg.max_duration)
+            lr = lr_at(fraction, cfg, progress.batches_per_epoch)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             # Gradient accumulation: each microbatch's summed token loss is divided by
             # the number of target tokens in the global batch (all ranks), so gradients
             # are the global-batch mean whatever the microbatch size and world size.
             # DDP and FSDP average gradients over ranks: hence the factor world_size.
-            num_tokens = cfg.global_batch_size * targets.shape[1]
+            num_tokens = env.world_size * targets.numel()  # ranks' shares are equal
             loss_scale = env.world_size / num_tokens
             loss_sum = forward_backward(
                 model, inputs, targets, cfg.device_microbatch_size, loss_scale, cfg
@@ -434,6 +430,8 @@ def main() -> None:
         outcome = (
             f"stopped by {preemption.stopped_by} after step {progress.batch}, saved"
         )
+    if env.world_size == 1 and not stopping:  # what it learned (sample.py: more)
+        monitor.info(sample.preview(fsdp.unwrap(model), cfg))
     monitor.info(f"{outcome}; outputs in {run_dir}")
     monitor.close()
     preemption.close()  # the previous signal handlers again
@@ -443,7 +441,10 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except checkpoint.StorageError as error:  # a full disk, a refusing store: one line
-        config.fail(str(error), status=1)
+    except RuntimeError as error:
+        dist.exit_if_peer_lost(error)  # another rank died or hangs: one line, status 1
+        if isinstance(error, checkpoint.StorageError):  # a full disk, a refusing store
+            config.fail(str(error), status=1)
+        raise
     finally:
         dist.shutdown()  # leave the process group, also after an error

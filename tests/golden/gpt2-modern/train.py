@@ -23,12 +23,13 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+import sample
 from data import Batches, load_tokens, val_batches
-from model import GPT, PRESETS, GPTConfig, Preset
+from model import GPT, GPTConfig, depth_dial, model_sizes
 from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, preempt
 from runtime import profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum
-from runtime.time import Progress, Time, as_fraction
+from runtime.time import Progress, Time, as_fraction, check_fraction
 
 # algorithm: muon
 from runtime import muon
@@ -44,7 +45,8 @@ class Config:
     vocab_size: int = 0  # 0: from the data (bytes 256; .bin: meta.pkl, else GPT-2's)
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     # model (no dropout, as in modern pretraining: with it, ranks agree in distribution)
-    model: Preset = "tiny"  # size preset, see PRESETS in model.py
+    model: str = "tiny"  # a size preset (PRESETS in model.py) or dN: N layers
+    depth: int = 0  # >0: model dN, batch and lr rescaled (model.py, depth_dial)
     seq_len: int = 128  # tokens per training sequence
     dropout: float = 0.0
     # optimization; Time strings: 10ep, 2000ba (steps), 4096sp, 1e6tok, 0.25dur
@@ -65,6 +67,10 @@ class Config:
     muon_momentum_warmup: Time = Time.parse("0.1dur")  # from 0.85
     muon_weight_decay: float = 0.0
     muon_ns_steps: int = 5  # Newton-Schulz iterations
+    # polar_express: per-step coefficients, nearer orthogonal (modded-nanogpt record 38)
+    muon_orthogonalizer: Literal["newton_schulz", "polar_express"] = "newton_schulz"
+    # decay only the entries whose update has the weight's sign (record 43)
+    muon_cautious_weight_decay: bool = False
     # end algorithm: muon
 
     # algorithm: gradient_clipping
@@ -132,20 +138,21 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     for name in ("seq_len", "global_batch_size", "eval_batches"):
         if getattr(cfg, name) < 1:
             config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
-    if cfg.vocab_size < 0:
-        config.fail(f"vocab_size={cfg.vocab_size}; use 0 (from the data) or a size")
+    config.check_ranges(cfg, vocab_size="[0, inf)", depth="[0, inf)")  # 0: data, preset
+    with config.failing(ValueError):  # --depth=N: model dN, batch and lr rescaled
+        cfg.model, cfg.global_batch_size, cfg.lr = depth_dial(cfg)  # (model.py)
     if cfg.global_batch_size % env.world_size:
         config.fail(
             f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
             f"size {env.world_size}; pick a multiple of {env.world_size}"
         )
     with config.failing(ValueError, prefix="lr_warmup: "):
-        as_fraction(cfg.lr_warmup, cfg.max_duration)
+        check_fraction(cfg.lr_warmup, cfg.max_duration)
 
     # algorithm: muon
     config.check_ranges(cfg, muon_momentum="[0, 1)", muon_ns_steps="[1, inf)")
     with config.failing(ValueError, prefix="muon_momentum_warmup: "):
-        as_fraction(cfg.muon_momentum_warmup, cfg.max_duration)
+        check_fraction(cfg.muon_momentum_warmup, cfg.max_duration)
     if cfg.lr <= 0:
         # Muon's learning rate is lr's schedule rescaled to peak at muon_lr.
         config.fail(
@@ -166,9 +173,9 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     return env, parallel
 
 
-def lr_at(fraction: float, cfg: Config) -> float:
+def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
     """Learning rate after `fraction` of training: linear warmup, then cosine decay."""
-    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration)
+    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration, batches_per_epoch)
     if fraction < warmup:
         return cfg.lr * fraction / warmup
     decayed = (fraction - warmup) / max(1.0 - warmup, 1e-9)
@@ -199,6 +206,42 @@ def newton_schulz(update: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return x.T if tall else x
 
 
+# Polar Express's (a, b, c) per step, from modded-nanogpt's train_gpt.py.
+POLAR_EXPRESS = [
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+]
+
+
+def polar_express(update: torch.Tensor) -> torch.Tensor:
+    """About U V^T for update = U S V^T, by Polar Express (Amsel et al. 2025).
+
+    Like the Newton-Schulz quintic, X <- a X + (b A + c A^2) X with A = X X^T, but each
+    of 5 steps has its own (a, b, c), chosen so the worst singular value is as close to
+    1 as a quintic can bring it (modded-nanogpt record 38 and train_gpt.py: num_iters=5,
+    safety_factor=2e-2, cushion=2). X starts at spectral norm < 1: Frobenius / 1.02.
+    """
+    x = update.bfloat16() if update.is_cuda else update.float()
+    tall = x.shape[0] > x.shape[1]
+    if tall:  # iterate on the wide side: A is the smaller Gram matrix
+        x = x.T
+    x = x / (x.norm() * (1 + 2e-2) + 1e-6)
+    for a, b, c in POLAR_EXPRESS:
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def muon_orthogonalize(update: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Muon's orthogonalisation of one update: the one muon_orthogonalizer names."""
+    if cfg.muon_orthogonalizer == "polar_express":
+        return polar_express(update)
+    return newton_schulz(update, cfg.muon_ns_steps)
+
+
 def muon_split(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(Muon's parameters, AdamW's): the blocks' 2-D weight matrices, and the rest.
 
@@ -210,9 +253,9 @@ def muon_split(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.T
     return hidden, [p for p in model.parameters() if id(p) not in taken]
 
 
-def muon_momentum_at(fraction: float, cfg: Config) -> float:
+def muon_momentum_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
     """Muon's momentum after `fraction` of training: 0.85 rising to muon_momentum."""
-    warmup = as_fraction(cfg.muon_momentum_warmup, cfg.max_duration)
+    warmup = as_fraction(cfg.muon_momentum_warmup, cfg.max_duration, batches_per_epoch)
     done = min(1.0, fraction / warmup) if warmup > 0 else 1.0
     return 0.85 + (cfg.muon_momentum - 0.85) * done
 
@@ -317,15 +360,14 @@ def main() -> None:
         vocab_size=tokens.vocab_size,
         max_seq_len=cfg.seq_len,
         dropout=cfg.dropout,
-        **PRESETS[cfg.model],
+        **model_sizes(cfg.model),
     )
     model = GPT(model_config)
     model = model.to(env.device)
     num_params = model.num_params()
 
-    # One live start per run (a requeue racing a dying job is refused): an OS lock the
-    # kernel drops even after kill -9. Taken after all input is read: a bad one leaves
-    # no run folder behind.
+    # One live start per run (a requeue racing a dying job is refused): an OS lock that
+    # kill -9 releases, taken after all input is read (bad input leaves no run folder).
     with config.failing(runlock.RunInUse):
         run_lock = runlock.acquire(run_dir)
 
@@ -338,16 +380,17 @@ def main() -> None:
 
     # algorithm: muon
     # Muon (Jordan et al. 2024) for the blocks' weight matrices: Nesterov momentum,
-    # orthogonalised by newton_schulz, so every direction of a matrix moves at the
+    # orthogonalised (muon_orthogonalize), so every direction of a matrix moves at the
     # same rate. Under FSDP2, runtime.muon orthogonalises each matrix once, on one
     # rank, instead of on every rank. AdamW keeps embeddings, head, biases, gains.
     hidden, rest = muon_split(model)
     muon_optimizer = muon.Muon(
         hidden,
-        lambda update: newton_schulz(update, cfg.muon_ns_steps),
+        lambda update: muon_orthogonalize(update, cfg),
         lr=cfg.muon_lr,
         weight_decay=cfg.muon_weight_decay,
         momentum=cfg.muon_momentum,
+        cautious=cfg.muon_cautious_weight_decay,
     )
     adamw = torch.optim.AdamW(
         [
@@ -373,11 +416,10 @@ def main() -> None:
         cfg.early_stop_mode,
         log=monitor.info,
     )
-    # What a checkpoint holds: every entry has state_dict() and load_state_dict(). An
-    # algorithm with state of its own (EMA weights, say) adds an entry at OPTIMIZER.
+    # What a checkpoint holds: entries with state_dict() and load_state_dict(). An
+    # algorithm with state of its own (EMA weights) adds one at OPTIMIZER, and may name
+    # the entry `scaffold export` writes out for inference (by default "model").
     state = dict(model=model, optimizer=optimizer, progress=progress, stopper=stopper)
-    # Checkpoints of this run; the `state` entry whose weights `scaffold export` writes
-    # out for inference is "model" unless an algorithm says otherwise at OPTIMIZER.
     checkpointer = checkpoint.Checkpointer(
         cfg.save_folder or run_dir / "checkpoints",
         keep=cfg.save_num_checkpoints_to_keep,
@@ -403,8 +445,7 @@ def main() -> None:
         env.device, env.world_size, cfg.precision, flops_per_token=flops_per_token
     )
     monitor.open_trackers(cfg.trackers, config.to_toml(cfg))  # rank 0 writes them
-    monitor.info(f"data: {tokens.source}")
-    monitor.info(tokens.sizes())
+    monitor.info(f"data: {tokens.source}; {tokens.sizes()}")
     monitor.info(f"model: {cfg.model}, {num_params:,} parameters")
     monitor.info(f"parallelism: {parallel.parallelism}, {env.world_size} process(es)")
     for line in resumed.describe() if resumed else []:
@@ -432,14 +473,15 @@ def main() -> None:
             # event: BATCH_START
 
             inputs, targets = batch[:, :-1], batch[:, 1:]
-            lr = lr_at(progress.fraction(cfg.max_duration), cfg)
+            fraction = progress.fraction(cfg.max_duration)
+            lr = lr_at(fraction, cfg, progress.batches_per_epoch)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             # Gradient accumulation: each microbatch's summed token loss is divided by
             # the number of target tokens in the global batch (all ranks), so gradients
             # are the global-batch mean whatever the microbatch size and world size.
             # DDP and FSDP average gradients over ranks: hence the factor world_size.
-            num_tokens = cfg.global_batch_size * targets.shape[1]
+            num_tokens = env.world_size * targets.numel()  # ranks' shares are equal
             loss_scale = env.world_size / num_tokens
             loss_sum = forward_backward(
                 model, inputs, targets, cfg.device_microbatch_size, loss_scale, cfg
@@ -453,7 +495,7 @@ def main() -> None:
             for group in muon_optimizer.param_groups:
                 group["lr"] = lr * cfg.muon_lr / cfg.lr
                 group["momentum"] = muon_momentum_at(
-                    progress.fraction(cfg.max_duration), cfg
+                    progress.fraction(cfg.max_duration), cfg, progress.batches_per_epoch
                 )
             # end algorithm: muon
 
@@ -516,6 +558,8 @@ def main() -> None:
         outcome = (
             f"stopped by {preemption.stopped_by} after step {progress.batch}, saved"
         )
+    if env.world_size == 1 and not stopping:  # what it learned (sample.py: more)
+        monitor.info(sample.preview(fsdp.unwrap(model), cfg))
     monitor.info(f"{outcome}; outputs in {run_dir}")
     monitor.close()
     preemption.close()  # the previous signal handlers again
@@ -525,7 +569,10 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except checkpoint.StorageError as error:  # a full disk, a refusing store: one line
-        config.fail(str(error), status=1)
+    except RuntimeError as error:
+        dist.exit_if_peer_lost(error)  # another rank died or hangs: one line, status 1
+        if isinstance(error, checkpoint.StorageError):  # a full disk, a refusing store
+            config.fail(str(error), status=1)
+        raise
     finally:
         dist.shutdown()  # leave the process group, also after an error

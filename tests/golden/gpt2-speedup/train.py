@@ -5,7 +5,7 @@
     python train.py --config run.toml   # keys as in Config below; flags override it
     python train.py --help              # every key, its default and meaning
 
-Algorithms: alibi, gradient_clipping, seq_length_warmup.
+Algorithms: gradient_clipping, seq_length_warmup, alibi.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
 hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end algorithm:
 NAME`. `scaffold upgrade` merges newer template versions in and keeps your edits.
@@ -22,12 +22,13 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+import sample
 from data import Batches, load_tokens, val_batches
-from model import GPT, PRESETS, GPTConfig, Preset
+from model import GPT, GPTConfig, depth_dial, model_sizes
 from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, preempt
 from runtime import profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum
-from runtime.time import Progress, Time, as_fraction
+from runtime.time import Progress, Time, as_fraction, check_fraction
 
 
 @dataclass
@@ -38,7 +39,8 @@ class Config:
     vocab_size: int = 0  # 0: from the data (bytes 256; .bin: meta.pkl, else GPT-2's)
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     # model (no dropout, as in modern pretraining: with it, ranks agree in distribution)
-    model: Preset = "tiny"  # size preset, see PRESETS in model.py
+    model: str = "tiny"  # a size preset (PRESETS in model.py) or dN: N layers
+    depth: int = 0  # >0: model dN, batch and lr rescaled (model.py, depth_dial)
     seq_len: int = 128  # tokens per training sequence
     dropout: float = 0.0
     # optimization; Time strings: 10ep, 2000ba (steps), 4096sp, 1e6tok, 0.25dur
@@ -61,6 +63,11 @@ class Config:
     seq_length_warmup_duration: Time = Time.parse("0.3dur")
     seq_length_warmup_min_len: int = 8  # length at step 0
     # end algorithm: seq_length_warmup
+
+    # algorithm: alibi
+    # Fraction of the length trained on (rows split into 1/it as many shorter rows).
+    alibi_train_sequence_length_scaling: float = 0.25
+    # end algorithm: alibi
 
     # evaluation, logging, checkpoints
     eval_interval: Time = Time.parse("100ba")  # validation loss every ...
@@ -123,15 +130,16 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     for name in ("seq_len", "global_batch_size", "eval_batches"):
         if getattr(cfg, name) < 1:
             config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
-    if cfg.vocab_size < 0:
-        config.fail(f"vocab_size={cfg.vocab_size}; use 0 (from the data) or a size")
+    config.check_ranges(cfg, vocab_size="[0, inf)", depth="[0, inf)")  # 0: data, preset
+    with config.failing(ValueError):  # --depth=N: model dN, batch and lr rescaled
+        cfg.model, cfg.global_batch_size, cfg.lr = depth_dial(cfg)  # (model.py)
     if cfg.global_batch_size % env.world_size:
         config.fail(
             f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
             f"size {env.world_size}; pick a multiple of {env.world_size}"
         )
     with config.failing(ValueError, prefix="lr_warmup: "):
-        as_fraction(cfg.lr_warmup, cfg.max_duration)
+        check_fraction(cfg.lr_warmup, cfg.max_duration)
 
     # algorithm: gradient_clipping
     config.check_ranges(cfg, gradient_clipping_max_norm="(0, inf)")
@@ -140,13 +148,24 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     # algorithm: seq_length_warmup
     config.check_ranges(cfg, seq_length_warmup_min_len="[1, inf)")
     with config.failing(ValueError, prefix="seq_length_warmup_duration: "):
-        as_fraction(cfg.seq_length_warmup_duration, cfg.max_duration)
+        check_fraction(cfg.seq_length_warmup_duration, cfg.max_duration)
     if cfg.seq_length_warmup_min_len > cfg.seq_len:
         min_len = cfg.seq_length_warmup_min_len
         config.fail(
             f"seq_length_warmup_min_len={min_len} must be at most seq_len={cfg.seq_len}"
         )
     # end algorithm: seq_length_warmup
+
+    # algorithm: alibi
+    config.check_ranges(cfg, alibi_train_sequence_length_scaling="(0, 1]")
+    alibi_pieces = round(1 / cfg.alibi_train_sequence_length_scaling)
+    if abs(alibi_pieces * cfg.alibi_train_sequence_length_scaling - 1) > 1e-6:
+        scaling = cfg.alibi_train_sequence_length_scaling
+        config.fail(
+            f"alibi_train_sequence_length_scaling={scaling} must be 1/k for a whole k "
+            "(0.5, 0.25, 0.125, ...)"
+        )
+    # end algorithm: alibi
 
     # FSDP and DDP need a process group, on one process too (a group of one rank).
     timeout = timedelta(seconds=cfg.dist_timeout)
@@ -157,9 +176,9 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     return env, parallel
 
 
-def lr_at(fraction: float, cfg: Config) -> float:
+def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
     """Learning rate after `fraction` of training: linear warmup, then cosine decay."""
-    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration)
+    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration, batches_per_epoch)
     if fraction < warmup:
         return cfg.lr * fraction / warmup
     decayed = (fraction - warmup) / max(1.0 - warmup, 1e-9)
@@ -181,6 +200,24 @@ def seq_length_warmup_len(warmup_done: float, min_len: int, max_len: int) -> int
 
 
 # end algorithm: seq_length_warmup
+
+
+# algorithm: alibi
+def alibi_split_rows(batch: torch.Tensor, pieces: int) -> torch.Tensor:
+    """Rows of n + 1 tokens as `pieces` times as many rows of n // pieces + 1 tokens.
+
+    Consecutive pieces share their boundary token (the last input of one is the first of
+    the next), so every target is kept once; tokens past pieces * (n // pieces) are
+    dropped.
+    """
+    length = (batch.shape[1] - 1) // pieces
+    if pieces == 1 or length == 0:
+        return batch
+    kept = batch[:, : pieces * length + 1]
+    return kept.unfold(1, length + 1, length).reshape(-1, length + 1)
+
+
+# end algorithm: alibi
 
 
 @torch.no_grad()
@@ -280,15 +317,14 @@ def main() -> None:
         vocab_size=tokens.vocab_size,
         max_seq_len=cfg.seq_len,
         dropout=cfg.dropout,
-        **PRESETS[cfg.model],
+        **model_sizes(cfg.model),
     )
     model = GPT(model_config)
     model = model.to(env.device)
     num_params = model.num_params()
 
-    # One live start per run (a requeue racing a dying job is refused): an OS lock the
-    # kernel drops even after kill -9. Taken after all input is read: a bad one leaves
-    # no run folder behind.
+    # One live start per run (a requeue racing a dying job is refused): an OS lock that
+    # kill -9 releases, taken after all input is read (bad input leaves no run folder).
     with config.failing(runlock.RunInUse):
         run_lock = runlock.acquire(run_dir)
 
@@ -320,11 +356,10 @@ def main() -> None:
         cfg.early_stop_mode,
         log=monitor.info,
     )
-    # What a checkpoint holds: every entry has state_dict() and load_state_dict(). An
-    # algorithm with state of its own (EMA weights, say) adds an entry at OPTIMIZER.
+    # What a checkpoint holds: entries with state_dict() and load_state_dict(). An
+    # algorithm with state of its own (EMA weights) adds one at OPTIMIZER, and may name
+    # the entry `scaffold export` writes out for inference (by default "model").
     state = dict(model=model, optimizer=optimizer, progress=progress, stopper=stopper)
-    # Checkpoints of this run; the `state` entry whose weights `scaffold export` writes
-    # out for inference is "model" unless an algorithm says otherwise at OPTIMIZER.
     checkpointer = checkpoint.Checkpointer(
         cfg.save_folder or run_dir / "checkpoints",
         keep=cfg.save_num_checkpoints_to_keep,
@@ -350,8 +385,7 @@ def main() -> None:
         env.device, env.world_size, cfg.precision, flops_per_token=flops_per_token
     )
     monitor.open_trackers(cfg.trackers, config.to_toml(cfg))  # rank 0 writes them
-    monitor.info(f"data: {tokens.source}")
-    monitor.info(tokens.sizes())
+    monitor.info(f"data: {tokens.source}; {tokens.sizes()}")
     monitor.info(f"model: {cfg.model}, {num_params:,} parameters")
     monitor.info(f"parallelism: {parallel.parallelism}, {env.world_size} process(es)")
     for line in resumed.describe() if resumed else []:
@@ -383,7 +417,9 @@ def main() -> None:
             # and short steps are cheaper (Li et al. 2022). Truncate the batch to a
             # length that grows linearly to seq_len over seq_length_warmup_duration.
             warmup_done = progress.fraction(cfg.max_duration) / as_fraction(
-                cfg.seq_length_warmup_duration, cfg.max_duration
+                cfg.seq_length_warmup_duration,
+                cfg.max_duration,
+                progress.batches_per_epoch,
             )
             seq_len = seq_length_warmup_len(
                 warmup_done, cfg.seq_length_warmup_min_len, cfg.seq_len
@@ -391,15 +427,27 @@ def main() -> None:
             batch = batch[:, : seq_len + 1]
             # end algorithm: seq_length_warmup
 
+            # algorithm: alibi
+            # ALiBi extrapolates to longer sequences than it trained on (Press et al.
+            # 2022), so train on short rows and evaluate at full length: split each row
+            # into 1/alibi_train_sequence_length_scaling shorter rows (Composer's
+            # reshape). The same tokens and targets per step; each row's context is its
+            # own piece.
+            batch = alibi_split_rows(
+                batch, round(1 / cfg.alibi_train_sequence_length_scaling)
+            )
+            # end algorithm: alibi
+
             inputs, targets = batch[:, :-1], batch[:, 1:]
-            lr = lr_at(progress.fraction(cfg.max_duration), cfg)
+            fraction = progress.fraction(cfg.max_duration)
+            lr = lr_at(fraction, cfg, progress.batches_per_epoch)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             # Gradient accumulation: each microbatch's summed token loss is divided by
             # the number of target tokens in the global batch (all ranks), so gradients
             # are the global-batch mean whatever the microbatch size and world size.
             # DDP and FSDP average gradients over ranks: hence the factor world_size.
-            num_tokens = cfg.global_batch_size * targets.shape[1]
+            num_tokens = env.world_size * targets.numel()  # ranks' shares are equal
             loss_scale = env.world_size / num_tokens
             loss_sum = forward_backward(
                 model, inputs, targets, cfg.device_microbatch_size, loss_scale, cfg
@@ -444,7 +492,7 @@ def main() -> None:
                 # end algorithm: gradient_clipping
 
                 # algorithm: seq_length_warmup
-                metrics["seq_len"] = inputs.shape[1]
+                metrics["seq_len"] = seq_len  # the warmup's length this step
                 # end algorithm: seq_length_warmup
 
                 monitor.log(progress, **metrics)
@@ -466,6 +514,8 @@ def main() -> None:
         outcome = (
             f"stopped by {preemption.stopped_by} after step {progress.batch}, saved"
         )
+    if env.world_size == 1 and not stopping:  # what it learned (sample.py: more)
+        monitor.info(sample.preview(fsdp.unwrap(model), cfg))
     monitor.info(f"{outcome}; outputs in {run_dir}")
     monitor.close()
     preemption.close()  # the previous signal handlers again
@@ -475,7 +525,10 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except checkpoint.StorageError as error:  # a full disk, a refusing store: one line
-        config.fail(str(error), status=1)
+    except RuntimeError as error:
+        dist.exit_if_peer_lost(error)  # another rank died or hangs: one line, status 1
+        if isinstance(error, checkpoint.StorageError):  # a full disk, a refusing store
+            config.fail(str(error), status=1)
+        raise
     finally:
         dist.shutdown()  # leave the process group, also after an error

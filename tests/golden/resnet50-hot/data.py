@@ -15,7 +15,9 @@ package ships, without importing it. A fixed 20% of it is held out for validatio
   (seed, epoch, batch index) on any number of ranks.
 
 Augmentation: random-resized crop and horizontal flip for ImageFolder data (evaluation:
-resize the short side to eval_resize, centre crop); pad-and-crop and flip for
+resize the short side to eval_resize, centre crop), or with crop="pad" CIFAR's: the
+whole image resized to image_size, padded by 4, cropped back and flipped (evaluation:
+the whole image at image_size); pad-and-crop and flip for
 CIFAR; pad-and-crop (no flip: a mirrored digit is another digit) for the digits; then
 the per-sample augmentations train.py passes in (`augment`, in order). Every random
 choice is drawn from a generator seeded by (seed, epoch, sample index), and epoch e
@@ -427,8 +429,11 @@ def progressive_resize(
 # algorithm: randaugment
 # ---------------------------------------------------------------- image operations
 # AugMix's operations (Hendrycks et al. 2020), which Composer's RandAugment and AugMix
-# both draw from, on uint8 tensors (C, H, W). "safe" leaves out the four colour
-# operations, which overlap the corruptions of the ImageNet-C benchmark.
+# both draw from, on uint8 tensors (C, H, W), in Composer's three sets
+# (composer/algorithms/utils/augmentation_primitives.py, augmentation_sets): "safe"
+# leaves out the four colour operations, which overlap the corruptions of the
+# ImageNet-C benchmark; "all" draws their factors as Composer does by default,
+# "original" as AugMix's code did (see random_operation).
 SAFE_OPERATIONS = (
     "autocontrast equalize posterize rotate solarize shear_x shear_y translate_x "
     "translate_y"
@@ -436,6 +441,8 @@ SAFE_OPERATIONS = (
 AUGMENTATION_SETS = {
     "safe": SAFE_OPERATIONS,
     "all": SAFE_OPERATIONS + ["color", "contrast", "brightness", "sharpness"],
+    "original": SAFE_OPERATIONS
+    + [f"{name}_original" for name in ("color", "contrast", "brightness", "sharpness")],
 }
 
 
@@ -570,7 +577,8 @@ def random_operation(
     image: torch.Tensor, name: str, severity: float, rng: np.random.Generator
 ) -> torch.Tensor:
     """Operation `name` at a strength drawn uniformly from 0.1..severity out of 10, in
-    a random direction for the geometric ones (AugMix's augmentations.py)."""
+    a random direction for the geometric ones (AugMix's augmentations.py); the colour
+    ones as Composer's sets draw them."""
     level = rng.uniform(0.1, severity) / 10  # a fraction of each operation's maximum
     sign = 1 if rng.random() < 0.5 else -1
     if name == "autocontrast":
@@ -593,7 +601,12 @@ def random_operation(
         )  # up to a third
     enhance = {"color": color, "contrast": contrast, "brightness": brightness}
     enhance["sharpness"] = sharpness
-    return enhance[name](image, level * 1.8 + 0.1)  # factor 0.1..1.9
+    if name.endswith("_original"):  # AugMix's factor, 0.1..1.9 ("original")
+        return enhance[name.removesuffix("_original")](image, level * 1.8 + 0.1)
+    # Composer's default ("all", _symmetric_sample): as likely to weaken, by a factor
+    # in 1 - 0.09 severity..1, as to strengthen, in 1..severity (1: unchanged).
+    low, high = (1.0, severity) if sign > 0 else (1 - 0.09 * severity, 1.0)
+    return enhance[name](image, rng.uniform(low, high))
 
 
 def randaugment(
@@ -633,6 +646,7 @@ class Batches(torch.utils.data.Dataset):
         batch_size: int,
         seed: int,
         image_size: int,
+        crop: str = "inception",
         epoch: int = 0,
         rank: int = 0,
         world_size: int = 1,
@@ -642,6 +656,7 @@ class Batches(torch.utils.data.Dataset):
         self.data, self.split, self.train = data, getattr(data, split), split == "train"
         self.augment = augment  # training only, after the crop
         self.batch_size, self.seed, self.image_size = batch_size, seed, image_size
+        self.crop = crop  # ImageFolder: inception (ImageNet's) or pad (CIFAR's)
         self.resize = resize or round(image_size / 0.875)  # evaluation's short side
         self.epoch, self.rank, self.world_size = epoch, rank, world_size
         if self.train:
@@ -687,15 +702,18 @@ class Batches(torch.utils.data.Dataset):
     def transform(self, image: np.ndarray | Image.Image, i: int) -> np.ndarray:
         """Sample i; training: augmented by a generator seeded with (seed, epoch, i)."""
         kind = self.data.kind
+        if kind == "folder" and self.crop == "pad":  # CIFAR's, at image_size
+            size = (self.image_size, self.image_size)
+            image = np.asarray(image.resize(size, Image.BILINEAR))
         if not self.train:
-            return (
-                center_crop(image, self.image_size, self.resize)
-                if kind == "folder"
-                else image
-            )
+            if kind == "folder" and self.crop == "inception":
+                return center_crop(image, self.image_size, self.resize)
+            return image
         rng = np.random.default_rng([self.seed, self.epoch, i])
-        if kind == "folder":
+        if kind == "folder" and self.crop == "inception":
             image = random_resized_crop(image, self.image_size, rng)
+        elif kind == "folder":
+            image = pad_crop_flip(image, pad=4, flip=True, rng=rng)
         else:
             image = pad_crop_flip(
                 image, pad=1 if kind == "digits" else 4, flip=kind == "cifar", rng=rng

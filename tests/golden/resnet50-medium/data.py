@@ -15,7 +15,9 @@ package ships, without importing it. A fixed 20% of it is held out for validatio
   (seed, epoch, batch index) on any number of ranks.
 
 Augmentation: random-resized crop and horizontal flip for ImageFolder data (evaluation:
-resize the short side to eval_resize, centre crop); pad-and-crop and flip for
+resize the short side to eval_resize, centre crop), or with crop="pad" CIFAR's: the
+whole image resized to image_size, padded by 4, cropped back and flipped (evaluation:
+the whole image at image_size); pad-and-crop and flip for
 CIFAR; pad-and-crop (no flip: a mirrored digit is another digit) for the digits; then
 the per-sample augmentations train.py passes in (`augment`, in order). Every random
 choice is drawn from a generator seeded by (seed, epoch, sample index), and epoch e
@@ -422,6 +424,7 @@ class Batches(torch.utils.data.Dataset):
         batch_size: int,
         seed: int,
         image_size: int,
+        crop: str = "inception",
         epoch: int = 0,
         rank: int = 0,
         world_size: int = 1,
@@ -431,6 +434,7 @@ class Batches(torch.utils.data.Dataset):
         self.data, self.split, self.train = data, getattr(data, split), split == "train"
         self.augment = augment  # training only, after the crop
         self.batch_size, self.seed, self.image_size = batch_size, seed, image_size
+        self.crop = crop  # ImageFolder: inception (ImageNet's) or pad (CIFAR's)
         self.resize = resize or round(image_size / 0.875)  # evaluation's short side
         self.epoch, self.rank, self.world_size = epoch, rank, world_size
         if self.train:
@@ -476,15 +480,18 @@ class Batches(torch.utils.data.Dataset):
     def transform(self, image: np.ndarray | Image.Image, i: int) -> np.ndarray:
         """Sample i; training: augmented by a generator seeded with (seed, epoch, i)."""
         kind = self.data.kind
+        if kind == "folder" and self.crop == "pad":  # CIFAR's, at image_size
+            size = (self.image_size, self.image_size)
+            image = np.asarray(image.resize(size, Image.BILINEAR))
         if not self.train:
-            return (
-                center_crop(image, self.image_size, self.resize)
-                if kind == "folder"
-                else image
-            )
+            if kind == "folder" and self.crop == "inception":
+                return center_crop(image, self.image_size, self.resize)
+            return image
         rng = np.random.default_rng([self.seed, self.epoch, i])
-        if kind == "folder":
+        if kind == "folder" and self.crop == "inception":
             image = random_resized_crop(image, self.image_size, rng)
+        elif kind == "folder":
+            image = pad_crop_flip(image, pad=4, flip=True, rng=rng)
         else:
             image = pad_crop_flip(
                 image, pad=1 if kind == "digits" else 4, flip=kind == "cifar", rng=rng

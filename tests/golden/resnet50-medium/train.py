@@ -38,7 +38,7 @@ from model import (
 from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, preempt
 from runtime import profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum, training_flops
-from runtime.time import Progress, Time, as_fraction
+from runtime.time import Progress, Time, as_fraction, check_fraction
 
 # algorithm: ema
 import copy
@@ -54,7 +54,11 @@ class Config:
     # ImageFolder sizes (CIFAR and the digits keep their 32 and 8 pixels). Training at a
     # smaller crop than evaluation matches the apparent object size of the two (Touvron
     # et al. 2019, "FixRes"): Composer's ResNet recipes train at 176, evaluate at 224.
-    image_size: int = 176  # training: random-resized crops of this size
+    image_size: int = 176  # training crops (inception), whole images (pad)
+    # inception: ImageNet's random-resized crops and flips, evaluated resized and
+    # centre-cropped; pad: CIFAR's (Composer's CIFAR recipe), the whole image at
+    # image_size padded by 4, cropped back and flipped, evaluated whole
+    train_crop: Literal["inception", "pad"] = "inception"
     eval_image_size: int = 224  # evaluation: centre crop; 0: image_size
     eval_resize: int = 232  # short side resized first; 0: crop / 0.875
     num_workers: int = 8  # processes decoding images from disk (in-memory data: none)
@@ -77,7 +81,7 @@ class Config:
     device_microbatch_size: int | Literal["auto"] = 256
     optimizer: Literal["sgd", "adamw"] = "sgd"
     lr: float = 2.048  # peak learning rate
-    lr_warmup: Time = Time.parse("0.0889dur")  # linear from 0, then cosine decay
+    lr_warmup: Time = Time.parse("8ep")  # linear from 0, then cosine decay
     min_lr_ratio: float = 0.0  # the cosine ends at min_lr_ratio * lr
     # decoupled weight decay on conv and linear weights (BatchNorm and biases exempt):
     # sgd shrinks weights by weight_decay * lr / peak lr per step (Composer's
@@ -211,7 +215,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
                 f"{cfg.bn_group_size}; BatchNorm groups must not be split: change one"
             )
     with config.failing(ValueError, prefix="lr_warmup: "):
-        as_fraction(cfg.lr_warmup, cfg.max_duration)
+        check_fraction(cfg.lr_warmup, cfg.max_duration)
 
     # algorithm: sam
     config.check_ranges(cfg, sam_rho="(0, inf)", sam_interval="[1, inf)")
@@ -257,9 +261,9 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     return env, parallel
 
 
-def lr_at(fraction: float, cfg: Config) -> float:
+def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
     """Learning rate after `fraction` of training: linear warmup, then cosine decay."""
-    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration)
+    warmup = as_fraction(cfg.lr_warmup, cfg.max_duration, batches_per_epoch)
     if fraction < warmup:
         return cfg.lr * fraction / warmup
     decayed = (fraction - warmup) / max(1.0 - warmup, 1e-9)
@@ -506,6 +510,7 @@ def main() -> None:
             batch_size=cfg.global_batch_size,
             seed=cfg.seed,
             image_size=cfg.image_size,
+            crop=cfg.train_crop,
             rank=env.rank,
             world_size=env.world_size,
             augment=augmentations(cfg),
@@ -533,9 +538,8 @@ def main() -> None:
     model = model.to(env.device)
     num_params = model.num_params()
 
-    # One live start per run (a requeue racing a dying job is refused): an OS lock the
-    # kernel drops even after kill -9. Taken after all input is read: a bad one leaves
-    # no run folder behind.
+    # One live start per run (a requeue racing a dying job is refused): an OS lock that
+    # kill -9 releases, taken after all input is read (bad input leaves no run folder).
     with config.failing(runlock.RunInUse):
         run_lock = runlock.acquire(run_dir)
 
@@ -596,11 +600,10 @@ def main() -> None:
         cfg.early_stop_mode,
         log=monitor.info,
     )
-    # What a checkpoint holds: every entry has state_dict() and load_state_dict(). An
-    # algorithm with state of its own (EMA weights, say) adds an entry at OPTIMIZER.
+    # What a checkpoint holds: entries with state_dict() and load_state_dict(). An
+    # algorithm with state of its own (EMA weights) adds one at OPTIMIZER, and may name
+    # the entry `scaffold export` writes out for inference (by default "model").
     state = dict(model=model, optimizer=optimizer, progress=progress, stopper=stopper)
-    # Checkpoints of this run; the `state` entry whose weights `scaffold export` writes
-    # out for inference is "model" unless an algorithm says otherwise at OPTIMIZER.
     checkpointer = checkpoint.Checkpointer(
         cfg.save_folder or run_dir / "checkpoints",
         keep=cfg.save_num_checkpoints_to_keep,
@@ -705,7 +708,11 @@ def main() -> None:
             ):
                 rng = data.step_rng(cfg.seed, progress.batch, "mixup")
                 mixup_lambda = float(rng.beta(cfg.mixup_alpha, cfg.mixup_alpha))
-                partner = torch.from_numpy(rng.permutation(cfg.global_batch_size))
+                # Over this step's global rows: fewer than global_batch_size after a
+                # selection (selective backprop); every rank holds as many.
+                partner = torch.from_numpy(
+                    rng.permutation(len(inputs) * env.world_size)
+                )
                 inputs, targets = mixup_batch(
                     inputs,
                     targets,
@@ -738,7 +745,8 @@ def main() -> None:
             inputs = inputs.contiguous(memory_format=torch.channels_last)
             # end algorithm: channels_last
 
-            lr = lr_at(progress.fraction(cfg.max_duration), cfg)
+            fraction = progress.fraction(cfg.max_duration)
+            lr = lr_at(fraction, cfg, progress.batches_per_epoch)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             # Gradient accumulation: each microbatch's summed loss is divided by the
@@ -852,7 +860,10 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except checkpoint.StorageError as error:  # a full disk, a refusing store: one line
-        config.fail(str(error), status=1)
+    except RuntimeError as error:
+        dist.exit_if_peer_lost(error)  # another rank died or hangs: one line, status 1
+        if isinstance(error, checkpoint.StorageError):  # a full disk, a refusing store
+            config.fail(str(error), status=1)
+        raise
     finally:
         dist.shutdown()  # leave the process group, also after an error

@@ -1,0 +1,366 @@
+"""Training data: token streams, their held-out split, and a resumable batch order.
+
+The default data is real text every machine has offline: the Python standard
+library's own source files, read from the running interpreter and tokenized as bytes
+(vocabulary 256). `--data=PATH` takes a text file, a folder of text files (bytes
+again), or a `.bin` file of uint16 token ids (nanoGPT's format: a `val.bin` beside it
+is the validation split, a `meta.pkl` beside it gives the vocabulary size), or a
+streaming dataset: litdata shards in a folder or at a URL (`s3://bucket/data`), written
+by `python data.py convert OUT --data=...` (see `convert` and runtime/shards.py).
+
+A sample is a window of seq_len + 1 tokens (inputs plus next-token targets); windows
+do not overlap. Epoch e visits the windows in a permutation seeded by (seed, e), so
+any batch is a pure function of (seed, epoch, batch index): resuming jumps straight
+to it, never replaying the loader, and the order is the same on any number of ranks.
+Streaming data keeps that contract with a chunk-aware order (runtime/shards.py): a
+window is litdata's block of seq_len + 1 tokens, and the chunks are shuffled, then the
+windows within a few chunks at a time, so a rank streams chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import json
+import pickle
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from runtime import shards
+
+BYTE_VOCAB_SIZE = 256
+# GPT-2's 50257 BPE tokens, padded to a multiple of 64 so the output layer runs faster.
+GPT2_VOCAB_SIZE = 50304
+# Held-out share of the tokens when the data has no separate validation file.
+VAL_FRACTION = 0.02
+# Tokens per item written to streaming shards (`convert`); chunks hold several.
+PIECE_TOKENS = 1 << 14
+# Standard-library folders that are not library source (tests, demos, packages).
+STDLIB_SKIP = {"test", "tests", "idlelib", "turtledemo", "site-packages", "__pycache__"}
+
+
+@dataclass
+class TokenData:
+    train: np.ndarray | shards.Shards  # 1-D token ids, or shards of windows
+    val: np.ndarray | shards.Shards
+    vocab_size: int
+    source: str  # where the tokens came from, for the log
+
+    def sizes(self) -> str:
+        """How much data there is, for the log."""
+        if isinstance(self.train, shards.Shards):
+            return f"windows: {len(self.train):,} train, {len(self.val):,} validation"
+        return f"tokens: {len(self.train):,} train, {len(self.val):,} validation"
+
+
+def load_tokens(data: str, vocab_size: int = 0, seq_len: int = 0) -> TokenData:
+    """The tokens named by `--data` ("" for the embedded standard-library source).
+
+    `vocab_size` > 0 overrides the vocabulary size the data implies; it must exceed
+    every token id. `seq_len`: streaming data is read in windows of seq_len + 1.
+    """
+    if shards.is_shards(data):
+        return shard_tokens(data, vocab_size, seq_len)
+    tokens = find_tokens(data, vocab_size)
+    if vocab_size:
+        top = max_token(tokens.train, tokens.val)
+        if vocab_size <= top:
+            raise ValueError(
+                f"--vocab_size={vocab_size} but the data holds token id {top}; use "
+                f"--vocab_size={top + 1} or more, or 0 to take it from the data"
+            )
+        tokens.vocab_size = vocab_size
+    return tokens
+
+
+def find_tokens(data: str, vocab_size: int) -> TokenData:
+    """The tokens and the vocabulary size their source implies."""
+    if not data:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = [
+            path
+            for path in root.rglob("*.py")
+            if not STDLIB_SKIP.intersection(path.relative_to(root).parts)
+        ]
+        return byte_tokens(root, files, f"Python standard library source ({root})")
+    path = Path(data).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"--data={data}: no such file or folder; pass a text file, a folder of "
+            "text files or a .bin of uint16 tokens, or leave it empty for the default"
+        )
+    if path.suffix == ".bin":
+        return uint16_tokens(path, read_meta=not vocab_size)
+    if path.is_dir():
+        files = [
+            p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
+        ]
+        return byte_tokens(path, files, f"text files under {path}")
+    return byte_tokens(path.parent, [path], f"text file {path}")
+
+
+def byte_tokens(root: Path, files: list[Path], source: str) -> TokenData:
+    """Concatenate files as bytes in a fixed shuffled order; hold out the tail.
+
+    Sorting by a hash of each relative path mixes the files, so the held-out tail is a
+    random sample of them rather than whatever sorts last alphabetically.
+    """
+    files = sorted(
+        files,
+        key=lambda p: hashlib.sha1(p.relative_to(root).as_posix().encode()).digest(),
+    )
+    if not files:
+        raise ValueError(f"no files found for {source}; check the --data path")
+    tokens = np.frombuffer(b"\n".join(p.read_bytes() for p in files), dtype=np.uint8)
+    split = int(len(tokens) * (1 - VAL_FRACTION))
+    return TokenData(tokens[:split], tokens[split:], BYTE_VOCAB_SIZE, source)
+
+
+def uint16_tokens(path: Path, read_meta: bool = True) -> TokenData:
+    """nanoGPT-style uint16 tokens, memory-mapped; validation: val.bin, or the tail.
+
+    The vocabulary: `vocab_size` in a meta.pkl beside the .bin (nanoGPT's character
+    data: 65 tokens for Shakespeare), else GPT-2's (the .bin is assumed to hold GPT-2
+    BPE ids). `read_meta=False` (--vocab_size given) leaves meta.pkl unread. A 65-token
+    model with a 50,304-row output layer trains many times slower.
+    """
+    if path.stat().st_size % 2:
+        raise ValueError(
+            f"{path} has an odd number of bytes; a .bin must hold uint16 tokens"
+        )
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    val_path = path.with_name("val.bin")
+    if val_path.exists() and val_path != path:
+        val = np.memmap(val_path, dtype=np.uint16, mode="r")
+    else:
+        split = int(len(tokens) * (1 - VAL_FRACTION))
+        tokens, val = tokens[:split], tokens[split:]
+    top = max_token(tokens, val)
+    meta_path = path.with_name("meta.pkl")
+    if read_meta and meta_path.exists():
+        vocab_size = read_meta_vocab_size(meta_path)
+        if vocab_size <= top:
+            raise ValueError(
+                f"{meta_path} says vocab_size={vocab_size} but the data holds token id "
+                f"{top}; fix meta.pkl or pass --vocab_size={top + 1}"
+            )
+        source = f"uint16 tokens in {path}, vocabulary from {meta_path}"
+    else:
+        # Ids beyond GPT-2's: the next multiple of 64 that holds them.
+        vocab_size = max(GPT2_VOCAB_SIZE, (top + 64) // 64 * 64)
+        source = f"uint16 tokens in {path} (no meta.pkl: GPT-2's vocabulary)"
+    return TokenData(tokens, val, vocab_size, source)
+
+
+def shard_tokens(root: str, vocab_size: int, seq_len: int) -> TokenData:
+    """A streaming dataset's windows; the vocabulary from its meta.json."""
+    meta_size = shards.read_meta(root).get("vocab_size")
+    if not isinstance(meta_size, int) or meta_size < 1:
+        raise shards.ShardError(
+            f"--data={root}: meta.json has no positive integer vocab_size; add one"
+        )
+    if vocab_size and vocab_size < meta_size:
+        raise ValueError(
+            f"--vocab_size={vocab_size} but {root} has a vocabulary of {meta_size}; "
+            f"use {meta_size} or more, or 0 to take it from meta.json"
+        )
+    train = shards.open_split(root, "train", block_size=seq_len + 1)
+    val = shards.open_split(root, "val", block_size=seq_len + 1)
+    source = f"streaming dataset {root} (litdata shards)"
+    return TokenData(train, val, vocab_size or meta_size, source)
+
+
+def convert(data: str, output: str, chunk_bytes: str = "64MB") -> None:
+    """Write the tokens `--data` names as a streaming dataset in folder `output`:
+    litdata shards (its `optimize`) of train/ and val/, and meta.json. Upload the folder
+    as it is (`aws s3 sync OUT s3://bucket/data`), train with --data=s3://bucket/data.
+    """
+    import litdata
+
+    tokens = load_tokens(data)
+    dtype = np.uint16 if tokens.vocab_size <= 1 << 16 else np.int32
+    for split, ids in (("train", tokens.train), ("val", tokens.val)):
+        # Pieces of 16Ki tokens; litdata packs them into chunks of `chunk_bytes`.
+        litdata.optimize(
+            fn=functools.partial(token_piece, ids=ids, dtype=dtype),
+            inputs=list(range(0, len(ids), PIECE_TOKENS)),
+            output_dir=str(Path(output) / split),
+            chunk_bytes=chunk_bytes,
+            item_loader=litdata.TokensLoader(),
+            num_workers=1,
+            start_method="fork",  # the worker inherits the tokens (no pickling)
+            mode="overwrite",
+            verbose=False,
+        )
+    meta = {"vocab_size": tokens.vocab_size, "source": tokens.source}
+    (Path(output) / shards.META).write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def token_piece(start: int, ids: np.ndarray, dtype: type) -> np.ndarray:
+    """Tokens start .. start + PIECE_TOKENS of an array, as one shard item."""
+    return np.asarray(ids[start : start + PIECE_TOKENS], dtype=dtype)
+
+
+def max_token(*arrays: np.ndarray) -> int:
+    """The largest token id in the arrays (-1 if all are empty)."""
+    return max((int(array.max()) for array in arrays if len(array)), default=-1)
+
+
+class PlainUnpickler(pickle.Unpickler):
+    """Unpickles plain data only: dicts, lists, tuples, strings, numbers.
+
+    Any class or function a pickle names is refused, so a crafted meta.pkl cannot run
+    code (a normal pickle.load would call whatever it names).
+    """
+
+    def find_class(self, module: str, name: str) -> object:
+        raise pickle.UnpicklingError(f"it names {module}.{name}")
+
+
+def read_meta_vocab_size(path: Path) -> int:
+    """`vocab_size` from nanoGPT's meta.pkl, read with PlainUnpickler."""
+    try:
+        with open(path, "rb") as file:
+            meta = PlainUnpickler(file).load()
+    except Exception as error:  # whatever a crafted or truncated file raises
+        raise ValueError(
+            f"{path}: refused ({error}); a meta.pkl may hold only plain dicts, strings "
+            "and numbers: pass --vocab_size instead (meta.pkl is then not read)"
+        ) from None
+    vocab_size = meta.get("vocab_size") if isinstance(meta, dict) else None
+    if (
+        not isinstance(vocab_size, int)
+        or isinstance(vocab_size, bool)
+        or vocab_size < 1
+    ):
+        raise ValueError(
+            f"{path} has no positive integer vocab_size; fix it, or pass --vocab_size "
+            "(meta.pkl is then not read)"
+        )
+    return vocab_size
+
+
+class Batches:
+    """Global batches of windows in a seeded, resumable order (no partial batch)."""
+
+    def __init__(
+        self,
+        tokens: np.ndarray | shards.Shards,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        pin_memory: bool = False,
+    ):
+        self.tokens = tokens
+        # Page-locked batches: asynchronous copies to a GPU.
+        self.pin_memory = pin_memory
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.seed = seed
+        self.num_samples = num_windows(tokens, seq_len)
+        self.batches_per_epoch = self.num_samples // batch_size
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"the data holds {self.num_samples} windows of {seq_len + 1} tokens, "
+                f"fewer than one global batch of {batch_size}; use more data or a "
+                "smaller global_batch_size or seq_len"
+            )
+        self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The permutation of window indices for one epoch (computed once per epoch)."""
+        if epoch != self._order_epoch:
+            if isinstance(self.tokens, shards.Shards):  # chunk by chunk, see above
+                order = self.tokens.order(self.seed, epoch)
+            else:
+                order = np.random.default_rng([self.seed, epoch]).permutation(
+                    self.num_samples
+                )
+            self._order_epoch, self._order = epoch, order
+        return self._order
+
+    def get(
+        self, epoch: int, index: int, rank: int = 0, world_size: int = 1
+    ) -> torch.Tensor:
+        """This rank's share of batch `index` of `epoch`: (batch/world, seq_len + 1)."""
+        share = self.batch_size // world_size
+        start = index * self.batch_size + rank * share
+        ids = self.order(epoch)[start : start + share]
+        return windows(self.tokens, ids, self.seq_len, self.pin_memory)
+
+
+def num_windows(tokens: np.ndarray | shards.Shards, seq_len: int) -> int:
+    """Windows of seq_len + 1 tokens (arrays: overlapping by one token)."""
+    if isinstance(tokens, shards.Shards):
+        return len(tokens)
+    return (len(tokens) - 1) // seq_len
+
+
+def windows(
+    tokens: np.ndarray | shards.Shards,
+    ids: np.ndarray,
+    seq_len: int,
+    pin_memory: bool = False,
+) -> torch.Tensor:
+    """Stack windows `ids` (each seq_len + 1 tokens) into an int64 tensor."""
+    if isinstance(tokens, shards.Shards):
+        rows = [np.asarray(row) for row in tokens.take(ids)]
+    else:
+        rows = [tokens[i * seq_len : i * seq_len + seq_len + 1] for i in ids]
+    if not pin_memory:
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+    batch = torch.empty((len(ids), seq_len + 1), dtype=torch.int64, pin_memory=True)
+    np.stack(rows, out=batch.numpy())  # straight into page-locked memory
+    return batch
+
+
+def val_batches(
+    tokens: np.ndarray | shards.Shards, seq_len: int, batch_size: int, max_batches: int
+) -> list[torch.Tensor]:
+    """The first `max_batches` batches of validation windows, in a fixed order."""
+    num_samples = min(num_windows(tokens, seq_len), batch_size * max_batches)
+    if num_samples == 0:
+        raise ValueError(
+            f"the validation split holds fewer than {seq_len + 1} tokens; use more "
+            "data or a smaller seq_len"
+        )
+    ids = np.arange(num_samples)
+    return [
+        windows(tokens, ids[i : i + batch_size], seq_len)
+        for i in range(0, num_samples, batch_size)
+    ]
+
+
+def main() -> None:
+    """`python data.py convert OUT --data=...`: write a streaming dataset."""
+    parser = argparse.ArgumentParser(description=convert.__doc__)
+    parser.add_argument("command", choices=["convert"])
+    parser.add_argument("output", help="the folder to write (train/, val/, meta.json)")
+    parser.add_argument(
+        "--data", default="", help="as train.py's --data; '': the default"
+    )
+    parser.add_argument(
+        "--chunk_bytes", default="64MB", help="the size of one chunk file"
+    )
+    args = parser.parse_args()
+    try:
+        convert(args.data, args.output, args.chunk_bytes)
+    except ImportError:
+        print(
+            f"error: streaming datasets need litdata: {shards.INSTALL}", file=sys.stderr
+        )
+        sys.exit(2)
+    except (OSError, ValueError) as error:  # a missing path, too little data
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote a streaming dataset to {args.output}")
+
+
+if __name__ == "__main__":
+    main()
