@@ -32,8 +32,18 @@ timm = real_library("timm")
 
 RECIPE = "cifar-resnet56-baseline"
 STOP_AFTER = Path(__file__).resolve().parent / "stop_after.py"
-# 4 steps of 12 digits, checkpoints at 2 and 4.
-FOUR = ["--max_duration=4ba", "--eval_interval=2ba", "--save_interval=2ba"]
+# 4 steps of 12 digits, checkpoints at 2 and 4. ResNet-18's last stage sees the 8x8 digits
+# as 1x1 pixels, so a BatchNorm group of 2 normalizes 2 values: rounding (another number of
+# threads under torchrun, one rank's microbatches) then moves the loss by ~2% and SGD at
+# lr 0.2 diverges. Groups of 6 (one microbatch per rank) and lr 0.02 keep runs comparable.
+FOUR = [
+    "--max_duration=4ba",
+    "--eval_interval=2ba",
+    "--save_interval=2ba",
+    "--bn_group_size=6",
+    "--device_microbatch_size=6",
+    "--lr=0.02",
+]
 # Seconds a run of those may take: ResNet-18 (11.7M parameters, two checkpoints) on a busy
 # 2-core machine (300 s ran out under a load average of 22).
 SLOW = 900
@@ -174,7 +184,7 @@ def test_torchvision_model_shards_and_resumes_elastically_after_kill_9(
 ) -> None:
     """FSDP2 on 2 ranks equals one process; killed (-9) while saving step 4 it resumes on
     one process from step 2 (elastic) and the run ends as the uninterrupted one."""
-    common = [*small("--model=torchvision:resnet18"), *FOUR]
+    common = [*small("--model=torchvision:resnet18", *FOUR)]
     result = ok(run_train(project, tmp_path, *common, "--run_name=ref", timeout=SLOW))
     assert "model: torchvision:resnet18" in result.stdout
     reference = trajectory(tmp_path, "ref")
@@ -201,7 +211,7 @@ def test_torchvision_model_shards_and_resumes_elastically_after_kill_9(
 def test_timm_model_resumes_bitwise_after_kill_9_and_ddp_equals_one_process(
     project: Path, tmp_path: Path
 ) -> None:
-    common = [*small("--model=timm:resnet18"), *FOUR]
+    common = [*small("--model=timm:resnet18", *FOUR)]
     ok(run_train(project, tmp_path, *common, "--run_name=ref", timeout=SLOW))
     reference = trajectory(tmp_path, "ref")
     killed = subprocess.run(
