@@ -1,5 +1,6 @@
-"""`--model=torchvision:NAME` and `--model=timm:NAME` in an image-classification project
-(model.py's `check_model`, `hub_model` and `HubNet`), against the real torchvision and timm.
+"""`--model=torchvision:NAME`, `--model=timm:NAME` and `--model=hf:FOLDER` in an
+image-classification project (model.py's `check_model`, `hub_model` and `HubNet`), against
+the real torchvision, timm and transformers (a tiny ViT saved by save_pretrained).
 
 No stand-in: CI installs both (.ci/run, the README's test command); where one is missing
 these tests are skipped outside CI and fail in CI (`real_library`). The models are the
@@ -293,3 +294,105 @@ def test_blurpool_and_squeeze_excite_change_hub_models_in_place(
         "error: stochastic_depth drops the branches of model.py's residual blocks"
     )
     assert "drop_path_rate" in line
+
+
+# ------------------------------------------------- Hugging Face: --model=hf:FOLDER
+
+
+def tiny_vit(folder: Path, seed: int) -> Path:
+    """A tiny ViT for the 8x8 digits (4 patches of 4x4, 2 layers, 10 classes), saved
+    by transformers' save_pretrained: the folder a user downloads or fine-tuned."""
+    transformers = real_library("transformers")
+    config = transformers.ViTConfig(
+        image_size=8,
+        patch_size=4,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=10,
+    )
+    torch.manual_seed(seed)
+    transformers.ViTForImageClassification(config).save_pretrained(folder)
+    return folder
+
+
+def test_bad_hf_models_are_one_line_exit_2(project: Path, tmp_path: Path) -> None:
+    transformers = real_library("transformers")
+
+    def line(*args: str) -> str:
+        return one_error_line(run_train(project, tmp_path, *small(*args)), tmp_path)
+
+    assert "no readable config.json" in line(f"--model=hf:{tmp_path / 'none'}")
+    text = tmp_path / "bert"
+    transformers.BertConfig(
+        hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8
+    ).save_pretrained(text)
+    assert "BertConfig is not an image classifier" in line(f"--model=hf:{text}")
+    vit = tiny_vit(tmp_path / "vit", seed=7)
+    refused = line(f"--model=hf:{vit}", f"--weights={vit}/model.safetensors")
+    assert "(hf:FOLDER: the folder's)" in refused
+
+
+def test_hf_vit_trains_from_its_folder_with_its_weights(
+    project: Path, tmp_path: Path
+) -> None:
+    """`--model=hf:FOLDER`: transformers' own model read by from_pretrained(FOLDER). The
+    first loss equals that model's on batch 0, not a random ViT's; the FSDP units are
+    its encoder layers; the output object's logits are what the loop trains on."""
+    transformers = real_library("transformers")
+    folder = tiny_vit(tmp_path / "vit", seed=7)
+    name = f"hf:{folder}"
+    args = small(
+        "--global_batch_size=8", "--device_microbatch_size=8", f"--model={name}"
+    )
+    result = ok(
+        run_train(project, tmp_path, *args, "--max_duration=1ba", "--run_name=ft")
+    )
+    assert f"model: {name}" in result.stdout
+    first = read_metrics(tmp_path, "ft")[0]
+    with project_modules(project) as found:
+        data, model_module = found["data"], found["model"]
+        assert model_module.check_model(name) is None
+        images = data.load_images("")
+        pixels, labels, _ = data.Batches(images, "train", 8, seed=42, image_size=8)[0]
+        model = model_module.HubNet(name, 10, bn_group_size=2)
+        assert model.blocks == list(model.net.vit.layers)
+    x = data.normalize(pixels, images).expand(-1, 3, -1, -1)
+    reference = transformers.AutoModelForImageClassification.from_pretrained(folder)
+    torch.manual_seed(42)
+    random = transformers.ViTForImageClassification(reference.config)
+    with torch.no_grad():
+        loss = F.cross_entropy(reference.train()(x).logits, labels).item()
+        other = F.cross_entropy(random.train()(x).logits, labels).item()
+    assert first["step"] == 1 and abs(first["loss"] - loss) <= 1e-5 * loss, (
+        first["loss"],
+        loss,
+    )
+    assert abs(other - loss) > 1e-3
+
+
+def test_hf_vit_resumes_bitwise_after_kill_9_and_fsdp_equals_one_process(
+    project: Path, tmp_path: Path
+) -> None:
+    name = f"hf:{tiny_vit(tmp_path / 'vit', seed=7)}"
+    common = small(f"--model={name}", *FOUR)
+    ok(run_train(project, tmp_path, *common, "--run_name=ref"))
+    reference = trajectory(tmp_path, "ref")
+    assert [row[0] for row in reference] == [1, 2, 3, 4]
+    killed = subprocess.run(
+        [sys.executable, str(STOP_AFTER), "kill:4", str(project / "train.py")]
+        + ["--device=cpu", *common, "--run_name=cut"],
+        cwd=tmp_path,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=SLOW,
+    )
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = ok(run_train(project, tmp_path, *common, "--run_name=cut"))
+    assert "resumed from" in resumed.stdout
+    assert trajectory(tmp_path, "cut") == reference  # bitwise
+    sharded = [*common, "--parallelism=fsdp", "--run_name=fsdp"]
+    ok(torchrun(2, project / "train.py", *sharded, cwd=tmp_path, timeout=SLOW))
+    assert_close(trajectory(tmp_path, "fsdp"), reference)
