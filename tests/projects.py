@@ -70,6 +70,39 @@ def run_train(
     )
 
 
+STOP_AFTER = Path(__file__).resolve().parent / "stop_after.py"
+
+
+def run_killed(
+    project: Path, workdir: Path, step: int, *args: str, timeout: int = 300
+) -> subprocess.CompletedProcess[str]:
+    """`python train.py ARGS` on the CPU, killed (-9) inside its save of `step`
+    (tests/stop_after.py): files on disk, no COMPLETE marker."""
+    command = [
+        sys.executable,
+        str(STOP_AFTER),
+        f"kill:{step}",
+        str(project / "train.py"),
+    ]
+    return subprocess.run(
+        [*command, "--device=cpu", *args],
+        cwd=workdir,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def one_error_line(result: subprocess.CompletedProcess[str], workdir: Path) -> str:
+    """Exit 2, a single `error:` line on stderr, and no run folder written."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert not (workdir / "runs").exists()
+    return lines[0]
+
+
 def read_metrics(workdir: Path, run_name: str) -> list[dict]:
     path = workdir / "runs" / run_name / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]

@@ -10,8 +10,6 @@ CPU).
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from projects import (
-    checkout_env,
+    STOP_AFTER,
+    one_error_line,
+    run_killed,
     project_modules,
     read_metrics,
     real_library,
@@ -32,7 +32,6 @@ torchvision_models = real_library("torchvision.models")
 timm = real_library("timm")
 
 RECIPE = "cifar-resnet56-baseline"
-STOP_AFTER = Path(__file__).resolve().parent / "stop_after.py"
 # 4 steps of 12 digits, checkpoints at 2 and 4. ResNet-18's last stage sees the 8x8 digits
 # as 1x1 pixels, so a BatchNorm group of 2 normalizes 2 values: rounding (another number of
 # threads under torchrun, one rank's microbatches) then moves the loss by ~2% and SGD at
@@ -70,15 +69,6 @@ def library_model(name: str, weights: str = "") -> torch.nn.Module:
     if weights:
         net.load_state_dict(torch.load(weights, weights_only=True))
     return net
-
-
-def one_error_line(result: subprocess.CompletedProcess[str], workdir: Path) -> str:
-    """Exit 2, a single `error:` line on stderr, and no run folder written."""
-    assert result.returncode == 2, result.stderr[-3000:]
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert not (workdir / "runs").exists()
-    return lines[0]
 
 
 def test_bad_hub_models_and_weights_are_one_line_exit_2(
@@ -229,15 +219,7 @@ def test_timm_model_resumes_bitwise_after_kill_9_and_ddp_equals_one_process(
     common = [*small("--model=timm:resnet18", *FOUR)]
     ok(run_train(project, tmp_path, *common, "--run_name=ref", timeout=SLOW))
     reference = trajectory(tmp_path, "ref")
-    killed = subprocess.run(
-        [sys.executable, str(STOP_AFTER), "kill:4", str(project / "train.py")]
-        + ["--device=cpu", *common, "--run_name=cut"],
-        cwd=tmp_path,
-        env=checkout_env(),
-        capture_output=True,
-        text=True,
-        timeout=SLOW,
-    )
+    killed = run_killed(project, tmp_path, 4, *common, "--run_name=cut", timeout=SLOW)
     assert killed.returncode == -9, killed.stderr[-3000:]
     resumed = ok(run_train(project, tmp_path, *common, "--run_name=cut", timeout=SLOW))
     assert "resumed from" in resumed.stdout
@@ -380,15 +362,7 @@ def test_hf_vit_resumes_bitwise_after_kill_9_and_fsdp_equals_one_process(
     ok(run_train(project, tmp_path, *common, "--run_name=ref"))
     reference = trajectory(tmp_path, "ref")
     assert [row[0] for row in reference] == [1, 2, 3, 4]
-    killed = subprocess.run(
-        [sys.executable, str(STOP_AFTER), "kill:4", str(project / "train.py")]
-        + ["--device=cpu", *common, "--run_name=cut"],
-        cwd=tmp_path,
-        env=checkout_env(),
-        capture_output=True,
-        text=True,
-        timeout=SLOW,
-    )
+    killed = run_killed(project, tmp_path, 4, *common, "--run_name=cut", timeout=SLOW)
     assert killed.returncode == -9, killed.stderr[-3000:]
     resumed = ok(run_train(project, tmp_path, *common, "--run_name=cut"))
     assert "resumed from" in resumed.stdout

@@ -1,0 +1,156 @@
+"""MDS shards (mosaicml-streaming's `MDSWriter`, the format of Composer's data) as `--data`
+of an image-classification project: read through the real
+`streaming.StreamingDataset`, in our order (runtime/shards.py), so a run killed with -9
+resumes bitwise and a run killed on 2 ranks resumes on one (elastic). A bad shard folder is
+one error line, exit 2.
+
+The image shards hold the digits as mosaicml-streaming's vision datasets hold CIFAR-10:
+columns `x` (a PIL image, png) and `y` (the class index). zstd-compressed, many small
+shards.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from projects import (
+    STOP_AFTER,
+    one_error_line,
+    run_killed,
+    project_modules,
+    real_library,
+    run_train,
+)
+from test_image import assert_close, ok, small, torchrun, trajectory
+
+streaming = real_library("streaming")
+
+RECIPE = "cifar-resnet56-baseline"
+# 4 steps of 12 digits at their own size, checkpoints at 2 and 4.
+FOUR = [
+    "--image_size=8",
+    "--eval_resize=8",
+    "--max_duration=4ba",
+    "--eval_interval=2ba",
+    "--save_interval=2ba",
+]
+
+
+@pytest.fixture(scope="module")
+def project(generated: dict[str, Path]) -> Path:
+    return generated[RECIPE]
+
+
+@pytest.fixture(scope="module")
+def digit_shards(project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The digits' train and val splits written by MDSWriter (x: png, y: int)."""
+    root = tmp_path_factory.mktemp("mds")
+    with project_modules(project) as found:
+        images = found["data"].load_images("")
+    for split in ("train", "val"):
+        part = getattr(images, split)
+        with streaming.MDSWriter(
+            out=str(root / split),
+            columns={"x": "png", "y": "int"},
+            compression="zstd",
+            size_limit=8000,  # ~60 samples a shard: an epoch spans many shards
+        ) as writer:
+            for pixels, label in zip(part.pixels, part.labels, strict=True):
+                writer.write({"x": Image.fromarray(pixels[:, :, 0]), "y": int(label)})
+    return root
+
+
+@pytest.fixture
+def shard_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Compressed shards expand into this run's own cache."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SCAFFOLD_SHARD_CACHE", str(cache))
+    return cache
+
+
+def test_mds_samples_are_the_written_images_in_our_order(
+    project: Path, digit_shards: Path, shard_cache: Path
+) -> None:
+    """Sample i is the i-th image written (RGB, as ImageFolder images) with its label;
+    an epoch visits every sample once, shard by shard, in an order seeded by (seed,
+    epoch): the same order for the same seed, another for the next epoch."""
+    with project_modules(project) as found:
+        data = found["data"]
+        digits = data.load_images("")
+        mds = data.load_images(str(digit_shards))
+        assert mds.classes == [str(c) for c in range(10)] and mds.kind == "folder"
+        assert len(mds.train) == len(digits.train) and len(mds.val) == len(digits.val)
+        assert len(mds.train.shards.chunk_sizes) > 10
+        for i in (0, 77, len(mds.train) - 1):
+            image, label = mds.train.sample(i)
+            assert label == digits.train.labels[i]
+            rgb = np.repeat(digits.train.pixels[i], 3, axis=-1)
+            assert np.array_equal(np.asarray(image), rgb)
+        order = data.Batches(mds, "train", 12, seed=42, image_size=8).order
+        assert sorted(order) == list(range(len(mds.train)))
+        again = data.Batches(mds, "train", 12, seed=42, image_size=8).order
+        other = data.Batches(mds, "train", 12, seed=42, image_size=8, epoch=1).order
+        assert np.array_equal(order, again) and not np.array_equal(order, other)
+
+
+def test_mds_run_resumes_bitwise_after_kill_9_and_elastically_from_2_ranks(
+    project: Path, digit_shards: Path, shard_cache: Path, tmp_path: Path
+) -> None:
+    common = [*small(), f"--data={digit_shards}", *FOUR]
+    result = ok(run_train(project, tmp_path, *common, "--run_name=ref"))
+    assert "MDS shards" in result.stdout
+    reference = trajectory(tmp_path, "ref")
+    assert [row[0] for row in reference] == [1, 2, 3, 4]
+    killed = run_killed(project, tmp_path, 4, *common, "--run_name=cut", timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = ok(run_train(project, tmp_path, *common, "--run_name=cut"))
+    assert "resumed from" in resumed.stdout
+    assert trajectory(tmp_path, "cut") == reference  # bitwise
+    # Two ranks (each reading its share of every batch through StreamingDataset), killed
+    # inside save 4; one process resumes from step 2 and ends as the one-process run.
+    replicated = [*common, "--parallelism=ddp", "--run_name=two"]
+    killed = torchrun(
+        2, STOP_AFTER, "kill:4", project / "train.py", *replicated, cwd=tmp_path
+    )
+    assert killed.returncode != 0, killed.stdout[-2000:] + killed.stderr[-3000:]
+    resumed = ok(run_train(project, tmp_path, *common, "--run_name=two"))
+    assert "resumed from" in resumed.stdout
+    assert_close(trajectory(tmp_path, "two"), reference)
+
+
+def test_bad_mds_folders_are_one_line_exit_2(
+    project: Path, digit_shards: Path, shard_cache: Path, tmp_path: Path
+) -> None:
+    def line(data: Path) -> str:
+        result = run_train(project, tmp_path, *small(), f"--data={data}", *FOUR)
+        return one_error_line(result, tmp_path)
+
+    missing = tmp_path / "missing"
+    shutil.copytree(digit_shards, missing)
+    (missing / "val" / "shard.00001.mds.zstd").unlink()
+    assert line(missing) == (
+        f"error: --data={missing}: val/index.json names 1 shard file(s) that are not "
+        "there (shard.00001.mds.zstd, ...); copy the whole folder again"
+    )
+    text = tmp_path / "text"
+    for split in ("train", "val"):
+        with streaming.MDSWriter(out=str(text / split), columns={"text": "str"}) as out:
+            out.write({"text": "not an image"})
+    assert line(text) == (
+        f"error: --data={text}: train/ has columns text; image MDS shards need x (the "
+        "image) and y (its class index)"
+    )
+    broken = tmp_path / "broken"
+    shutil.copytree(digit_shards, broken)
+    index = json.loads((broken / "train" / "index.json").read_text())
+    del index["shards"][0]["samples"]
+    (broken / "train" / "index.json").write_text(json.dumps(index))
+    assert line(broken).startswith(
+        f"error: --data={broken}: train/index.json is not an MDS index (KeyError: "
+    )
