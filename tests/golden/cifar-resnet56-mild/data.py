@@ -12,7 +12,10 @@ package ships, without importing it. A fixed 20% of it is held out for validatio
   encoded images and labels, written by `python data.py convert OUT --data=...` from any
   of the above (see `convert` and runtime/shards.py). Its meta.json names the classes
   and the augmentation; the order is shuffled chunk by chunk, still a pure function of
-  (seed, epoch, batch index) on any number of ranks.
+  (seed, epoch, batch index) on any number of ranks;
+- MDS shards (train/ and val/) written by mosaicml-streaming's MDSWriter with columns
+  `x` (image) and `y` (class index), as Composer's vision datasets are (`mds_images`),
+  in the same order.
 
 Augmentation: random-resized crop and horizontal flip for ImageFolder data (evaluation:
 resize the short side to eval_resize, centre crop), or with crop="pad" CIFAR's: the
@@ -77,11 +80,15 @@ class Split:
         if self.shards is None:
             return self.image(i), int(self.labels[i])
         item = self.shards[i]
-        with Image.open(io.BytesIO(item["image"])) as image:
+        if "x" in item:  # MDS shards of mosaicml-streaming's vision datasets
+            image, label = item["x"], int(item["y"])
+        else:  # ours: the image file's bytes
+            image, label = Image.open(io.BytesIO(item["image"])), int(item["label"])
+        with image:
             if self.pixels is None:  # decoded like files: RGB, any size
-                return image.convert("RGB"), int(item["label"])
+                return image.convert("RGB"), label
             pixels = np.asarray(image)  # like arrays: H x W x C uint8
-        return pixels.reshape(*pixels.shape[:2], -1), int(item["label"])
+        return pixels.reshape(*pixels.shape[:2], -1), label
 
     def image(self, i: int) -> np.ndarray | Image.Image:
         if self.pixels is not None:
@@ -254,8 +261,11 @@ def image_folder(root: Path) -> ImageData:
 
 
 def shard_images(root: str) -> ImageData:
-    """A streaming dataset of encoded images; classes, augmentation from meta.json."""
-    meta = shards.read_meta(root)
+    """A streaming dataset of encoded images; classes, augmentation from meta.json (MDS
+    shards without one: `mds_images`)."""
+    meta = shards.read_meta(root, optional=True)
+    if not meta:  # else read_meta refused its absence
+        return mds_images(root)
     try:
         kind, classes = meta["kind"], [str(name) for name in meta["classes"]]
         channels, mean, std = int(meta["channels"]), meta["mean"], meta["std"]
@@ -280,6 +290,34 @@ def shard_images(root: str) -> ImageData:
         mean=tuple(mean),
         std=tuple(std),
         source=f"streaming dataset {root} (litdata shards)",
+    )
+
+
+def mds_images(root: str) -> ImageData:
+    """MDS shards as mosaicml-streaming's vision datasets write them (columns `x`: an
+    image, `y`: its class index), without meta.json: trained like ImageFolder data (RGB,
+    ImageNet's statistics and augmentation); the classes are 0 .. the largest label in
+    val/ (read once at start-up; a meta.json with `classes` names them instead)."""
+    splits = [
+        Split(None, shards=shards.open_split(root, split)) for split in ("train", "val")
+    ]
+    for split, name in zip(splits, ("train", "val")):
+        if not split.shards.columns:  # litdata's: they need our meta.json
+            shards.read_meta(root)  # raises: there is none
+        if not {"x", "y"} <= set(split.shards.columns):
+            raise shards.ShardError(
+                f"--data={root}: {name}/ has columns {', '.join(split.shards.columns)}; "
+                "image MDS shards need x (the image) and y (its class index)"
+            )
+    labels = [int(split.shards[i]["y"]) for i in range(len(splits[1]))]
+    return ImageData(
+        *splits,
+        classes=[str(label) for label in range(max(labels, default=0) + 1)],
+        channels=3,
+        kind="folder",
+        mean=IMAGENET_STATS[0],
+        std=IMAGENET_STATS[1],
+        source=f"MDS shards {root}",
     )
 
 

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 import data
 from model import (
-    HUBS,
     PRESETS,
     HubNet,
     Preset,
@@ -63,8 +62,8 @@ class Config:
     eval_resize: int = 232  # short side resized first; 0: crop / 0.875
     num_workers: int = 8  # processes decoding images from disk (in-memory data: none)
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
-    # model: a preset (PRESETS in model.py); torchvision:NAME or timm:NAME, any
-    # classifier of those libraries (BatchNorm made ghost: HubNet in model.py);
+    # model: a preset (PRESETS in model.py); torchvision:NAME, timm:NAME or hf:FOLDER,
+    # any classifier of those libraries (BatchNorm made ghost: HubNet in model.py);
     # auto: resnet50 with --data, `tiny` on the embedded digits (a CPU demo)
     model: Preset | Literal["auto"] | str = "auto"  # or torchvision:NAME, timm:NAME
     # torchvision:/timm: models: a local state dict of pretrained weights to fine-tune
@@ -176,10 +175,10 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     problem = problem or microbatch.check(cfg.device_microbatch_size, auto=False)
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
     problem = problem or check_model(cfg.model)  # a preset, or a hub model importable
-    if cfg.weights and cfg.model.partition(":")[0] not in HUBS:
+    if cfg.weights and cfg.model.partition(":")[0] not in ("torchvision", "timm"):
         problem = problem or (
             f"weights={cfg.weights}: pretrained weights are read for torchvision:NAME "
-            "and timm:NAME models; remove it or pick one"
+            "and timm:NAME models (hf:FOLDER: the folder's); remove it or pick one"
         )
     problem = problem or early_stop.check(
         cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_min_delta
@@ -521,7 +520,7 @@ def main() -> None:
     # Decoding images from disk happens in worker processes while the model trains.
     num_workers = cfg.num_workers if images.on_disk else 0
     if cfg.model not in PRESETS:
-        # A torchvision or timm model, fitted to this loop (see HubNet); BatchNorm
+        # A torchvision, timm or HF model, fitted to this loop (see HubNet); BatchNorm
         # layers that cannot be made ghost are refused, as are unreadable weights.
         with config.failing(ValueError, OSError, RuntimeError):
             model = HubNet(

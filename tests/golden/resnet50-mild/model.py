@@ -66,10 +66,10 @@ PRESETS: dict[Preset, dict] = {
     "resnet50": dict(block="bottleneck", layers=(3, 4, 6, 3)),  # 25.6M
     "resnet101": dict(block="bottleneck", layers=(3, 4, 23, 3)),  # 44.5M
 }
-# `--model=torchvision:NAME`, `--model=timm:NAME`: a model from a hub, by the module
-# that builds it (any torchvision.models classification builder, any timm.create_model
-# name).
-HUBS = {"torchvision": "torchvision.models", "timm": "timm"}
+# `--model=torchvision:NAME`, `--model=timm:NAME`, `--model=hf:FOLDER`: a model from a
+# hub, by the module that builds it (any torchvision.models classification builder, any
+# timm.create_model name, any Hugging Face AutoModelForImageClassification).
+HUBS = {"torchvision": "torchvision.models", "timm": "timm", "hf": "transformers"}
 
 
 # algorithm: blurpool
@@ -439,15 +439,18 @@ class ResNet(nn.Module):
 
 
 def check_model(name: str) -> str | None:
-    """None if `name` is a preset or a hub model (torchvision:NAME, timm:NAME) that can
-    be built here, else the problem in one line (checked at start-up, before anything is
-    written)."""
+    """None if `name` is a preset or a hub model (torchvision:NAME, timm:NAME, hf:FOLDER)
+    that can be built here, else the problem in one line (checked at start-up, before
+    anything is written)."""
     if name in PRESETS:
         return None
     hub, _, arch = name.partition(":")
     if hub not in HUBS:
         presets = ", ".join(PRESETS)
-        return f"model={name!r} is not a preset ({presets}), torchvision:NAME nor timm:NAME"
+        return (
+            f"model={name!r} is not a preset ({presets}), torchvision:NAME, timm:NAME "
+            "nor hf:FOLDER"
+        )
     try:  # optional: only hub models need their library
         library = importlib.import_module(HUBS[hub])
     except Exception as error:  # not installed, or built for another torch
@@ -469,6 +472,29 @@ def check_model(name: str) -> str | None:
             f"model={name}: timm has no model {arch!r}; list them with "
             "python -c 'import timm; print(timm.list_models())'"
         )
+    if hub == "hf":
+        return check_hf_model(name, arch)
+    return None
+
+
+def check_hf_model(name: str, folder: str) -> str | None:
+    """None if `folder` (or a Hub id already in the local cache) holds the config of an
+    AutoModelForImageClassification, else the problem in one line."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as error:
+        reason = (str(error).splitlines() or [type(error).__name__])[0]
+        return (
+            f"model={name}: no readable config.json in {folder!r} ({reason}); pass a "
+            "folder written by save_pretrained"
+        )
+    if type(config) not in transformers.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING:
+        return (
+            f"model={name}: a {type(config).__name__} is not an image classifier "
+            "(AutoModelForImageClassification); pass a ViT, ConvNeXt, ResNet... folder"
+        )
     return None
 
 
@@ -482,9 +508,21 @@ def hub_model(name: str, num_classes: int, weights: str) -> nn.Module:
       new initialisation, as timm does;
     - timm: create_model(NAME, pretrained=True, pretrained_cfg_overlay=dict(file=...)):
       timm adapts the first convolution and drops the classifier when num_classes
-      differs from the pretrained config's (1000 for ImageNet weights).
+      differs from the pretrained config's (1000 for ImageNet weights);
+    - hf:FOLDER: AutoModelForImageClassification.from_pretrained(FOLDER): the folder
+      holds the weights (`weights` is not used); a classifier of another number of
+      classes is initialised anew (ignore_mismatched_sizes).
     """
     hub, _, arch = name.partition(":")
+    if hub == "hf":
+        import transformers  # checked by check_model at start-up
+
+        return transformers.AutoModelForImageClassification.from_pretrained(
+            arch,
+            id2label={i: str(i) for i in range(num_classes)},
+            ignore_mismatched_sizes=True,
+            dtype=torch.float32,  # our precision settings cast it, as they do ours
+        )
     if hub == "timm":
         import timm  # checked importable by check_model at start-up
 
@@ -525,9 +563,10 @@ def use_ghost_batchnorm(module: nn.Module, group_size: int) -> None:
 
 
 class HubNet(nn.Module):
-    """A torchvision or timm classification model (`--model=torchvision:resnet50`,
-    `--model=timm:resnet18`), built by its library (`hub_model`; pretrained weights
-    from a local file, or random ones) and fitted to this loop:
+    """A torchvision, timm or Hugging Face classification model
+    (`--model=torchvision:resnet50`, `--model=timm:resnet18`, `--model=hf:FOLDER`),
+    built by its library (`hub_model`; pretrained weights from a local file or the
+    folder, or random ones) and fitted to this loop:
     - its BatchNorm2d layers become ghost BatchNorm (`use_ghost_batchnorm`), so a step
       does not depend on the microbatch size or the number of ranks, as with ResNet;
       a model with other BatchNorm layers (1d, 3d, timm's BatchNormAct2d, no running
@@ -536,8 +575,10 @@ class HubNet(nn.Module):
     - `blocks` (FSDP2 units, activation checkpointing, compilation): the children of
       its top-level containers (torchvision ResNet's and timm ResNet's layer1..4
       blocks, the stages of `features` in VGG, MobileNet, EfficientNet, ConvNeXt, a
-      ViT's `blocks`) and its other top-level children with parameters; what is in
-      none of them stays with the root.
+      ViT's `blocks`) and its other top-level children with parameters; a Hugging
+      Face model's: its first layer list (ViT's `vit.layers`, ResNet's
+      `resnet.encoder.stages`); what is in none of them stays with the root;
+    - a Hugging Face model returns its output object: `forward` returns its logits.
     Its weights are under `net.` in the state dict: `model.net` is the library's model.
     """
 
@@ -546,6 +587,7 @@ class HubNet(nn.Module):
     ) -> None:
         super().__init__()
         self.net = hub_model(name, num_classes, weights)
+        self.hf = name.startswith("hf:")
         use_ghost_batchnorm(self.net, bn_group_size)
         plain = {
             type(m).__name__
@@ -567,6 +609,9 @@ class HubNet(nn.Module):
 
     @property
     def blocks(self) -> list[nn.Module]:
+        if self.hf:
+            layers = (m for m in self.net.modules() if isinstance(m, nn.ModuleList))
+            return list(next(layers, [self.net]))
         units = []
         for child in self.net.children():
             containers = (nn.Sequential, nn.ModuleList)
@@ -578,7 +623,7 @@ class HubNet(nn.Module):
         """Class logits (batch, classes) for images (batch, channels, height, width)."""
         if images.shape[1] == 1:  # grey: the same image in red, green and blue
             images = images.expand(-1, 3, -1, -1)
-        return self.net(images)
+        return self.net(images).logits if self.hf else self.net(images)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
