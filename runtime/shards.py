@@ -16,8 +16,9 @@ and endpoints come from the store's usual environment and config files (AWS_ENDP
 MDS shards, as mosaicml-streaming's `MDSWriter` writes them (Composer's and llm-foundry's
 data), have the same layout without meta.json (ROOT/train/index.json, ROOT/val/index.json,
 ROOT/*/shard.*.mds[.zstd]); their samples are read by index through
-`streaming.StreamingDataset` (shards fetched and decompressed into its local folder: the
-data folder itself when the shards are local and uncompressed, else a cache folder).
+`streaming.StreamingDataset`, which fetches and expands the shards a job reads into a cache
+folder of that job's own ($SCAFFOLD_SHARD_CACHE, else the temporary folder: delete old
+`mds-*` folders there).
 
 Order: the samples are read by index, in an order this module computes, never in litdata's
 own iteration order, which assigns chunks to ranks and so changes with the world size. An
@@ -203,7 +204,6 @@ def open_mds(root: str, split: str, entries: list[dict[str, Any]]) -> Shards:
         counts = [int(entry["samples"]) for entry in entries]
         formats = {entry["format"] for entry in entries}
         columns = {tuple(entry["column_names"]) for entry in entries}
-        compressed = any(entry["zip_data"] for entry in entries)
     except (KeyError, TypeError, ValueError) as error:
         raise ShardError(
             f"--data={root}: {split}/{INDEX} is not an MDS index ({type(error).__name__}: "
@@ -219,15 +219,19 @@ def open_mds(root: str, split: str, entries: list[dict[str, Any]]) -> Shards:
         import streaming
     except ImportError:
         raise ShardError(f"--data={root} holds MDS shards: {MDS_INSTALL}") from None
-    if "://" in url or compressed:  # fetched or expanded into a cache, not next to them
-        cache = os.environ.get("SCAFFOLD_SHARD_CACHE") or tempfile.gettempdir()
-        key = hashlib.sha1(url.encode()).hexdigest()[:16]
-        where = dict(remote=url, local=str(Path(cache) / f"mds-{key}"))
-    else:  # read where they are
-        where = dict(local=url)
+    # Shards are fetched (and expanded) into a folder of this job's own: streaming refuses
+    # a local folder that another job's dataset uses (its shared memory is keyed by it),
+    # so two runs on one machine, or a test beside a run, would collide. The ranks of a
+    # job share it (torchrun's run id; one process: its pid).
+    cache = os.environ.get("SCAFFOLD_SHARD_CACHE") or tempfile.gettempdir()
+    job = os.environ.get("TORCHELASTIC_RUN_ID") or str(os.getpid())
+    key = hashlib.sha1(f"{url} {job}".encode()).hexdigest()[:16]
+    local = str(Path(cache) / f"mds-{key}")
     try:
-        dataset = streaming.StreamingDataset(**where, batch_size=1, shuffle=False)
-    except Exception as error:  # a refusing store, or a cache in use by another run
+        dataset = streaming.StreamingDataset(
+            remote=url, local=local, batch_size=1, shuffle=False
+        )
+    except Exception as error:  # a refusing store
         raise ShardError(
             f"--data={root}: cannot open {split}/ ({type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''})"
