@@ -52,7 +52,9 @@ INSTALL = (
 )
 
 MDS_INSTALL = (
-    "pip install 'scaffold[mds]' && pip install --no-deps mosaicml-streaming==0.13.0"
+    "pip install 'scaffold[mds]' && pip install --no-deps mosaicml-streaming==0.13.0 "
+    "(it imports torchvision: with a CPU torch, pip install torch==2.14.1 "
+    "torchvision==0.29.1 first)"
 )
 
 
@@ -98,6 +100,15 @@ def read_meta(root: str, optional: bool = False) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise ShardError(f"--data={root}: {META} must hold a JSON object")
     return meta
+
+
+def is_mds(root: str) -> bool:
+    """ROOT/train/index.json is an MDS index (mosaicml-streaming's: a `shards` list)."""
+    try:
+        index = json.loads(_read_text(f"{root.rstrip('/')}/train/{INDEX}"))
+    except (OSError, ValueError, ImportError):
+        return False
+    return isinstance(index, dict) and "shards" in index
 
 
 @dataclass

@@ -94,6 +94,20 @@ def run_killed(
     )
 
 
+def convert_data(project: Path, output: Path, *args: str) -> None:
+    """`python data.py convert OUTPUT ARGS` in a generated project: it succeeds."""
+    result = subprocess.run(
+        [sys.executable, "data.py", "convert", str(output), *args],
+        cwd=project,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith(f"wrote a streaming dataset to {output}")
+
+
 def one_error_line(result: subprocess.CompletedProcess[str], workdir: Path) -> str:
     """Exit 2, a single `error:` line on stderr, and no run folder written."""
     assert result.returncode == 2, result.stderr[-3000:]

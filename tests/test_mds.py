@@ -22,6 +22,7 @@ from PIL import Image
 
 from projects import (
     STOP_AFTER,
+    convert_data,
     one_error_line,
     run_killed,
     project_modules,
@@ -29,6 +30,7 @@ from projects import (
     run_train,
 )
 from test_image import assert_close, ok, small, torchrun, trajectory
+from test_storage import s3, s3_env  # noqa: F401 (fixtures: the S3 server, its env)
 
 streaming = real_library("streaming")
 
@@ -121,6 +123,32 @@ def test_mds_samples_are_the_written_images_in_our_order(
         assert np.array_equal(order, again) and not np.array_equal(order, other)
 
 
+def test_convert_writes_mds_shards_of_the_same_images(
+    project: Path, shard_cache: Path, tmp_path: Path
+) -> None:
+    """`python data.py convert OUT --format mds`: MDSWriter's shards (x: the PNG's bytes,
+    y: the label) and meta.json; read back, the digits are the same arrays in the same
+    order, augmented as digits (meta.json's kind), and a run trains on them."""
+    shards = tmp_path / "shards"
+    convert_data(project, shards, "--format=mds", "--chunk_bytes=16kB")
+    index = json.loads((shards / "train" / "index.json").read_text())
+    assert len(index["shards"]) > 4
+    assert index["shards"][0]["column_names"] == ["x", "y"]
+    with project_modules(project) as found:
+        data = found["data"]
+        digits, mds = data.load_images(""), data.load_images(str(shards))
+        assert (mds.kind, mds.classes, mds.channels) == ("digits", digits.classes, 1)
+        assert len(mds.train) == len(digits.train) and len(mds.val) == len(digits.val)
+        for i in (0, 200, len(mds.val) - 1):
+            pixels, label = mds.val.sample(i)
+            assert np.array_equal(pixels, digits.val.pixels[i])
+            assert label == digits.val.labels[i]
+    run = [*small(), f"--data={shards}", "--max_duration=2ba", "--eval_interval=2ba"]
+    result = ok(run_train(project, tmp_path, *run, "--run_name=converted"))
+    assert f"data: streaming dataset {shards} (MDS shards)" in result.stdout
+    assert [row[0] for row in trajectory(tmp_path, "converted")] == [1, 2]
+
+
 def test_mds_run_resumes_bitwise_after_kill_9_and_elastically_from_2_ranks(
     project: Path, digit_shards: Path, shard_cache: Path, tmp_path: Path
 ) -> None:
@@ -150,6 +178,28 @@ def killed_and_resumed(project: Path, tmp_path: Path, common: list[str]) -> None
     resumed = ok(run_train(project, tmp_path, *common, "--run_name=two"))
     assert "resumed from" in resumed.stdout
     assert_close(trajectory(tmp_path, "two"), reference)
+
+
+def test_mds_image_shards_train_from_s3(
+    project: Path, digit_shards: Path, shard_cache: Path, s3_env: dict, tmp_path: Path
+) -> None:
+    """The same shards uploaded to a bucket (moto): StreamingDataset fetches them with
+    the store's usual credentials and endpoint (AWS_ENDPOINT_URL), and the run takes
+    the same steps as from the folder, bitwise."""
+    import s3fs
+
+    env = s3_env["env"]
+    bucket = s3fs.S3FileSystem(
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        key=env["AWS_ACCESS_KEY_ID"],
+        secret=env["AWS_SECRET_ACCESS_KEY"],
+    )
+    bucket.put(str(digit_shards), "ckpt/data/mds-digits", recursive=True)
+    run = [*small(), *FOUR[:2], "--max_duration=2ba", "--eval_interval=2ba"]
+    ok(run_train(project, tmp_path, *run, f"--data={digit_shards}", "--run_name=here"))
+    url = "s3://ckpt/data/mds-digits"
+    ok(run_train(project, tmp_path, *run, f"--data={url}", "--run_name=s3"))
+    assert trajectory(tmp_path, "s3") == trajectory(tmp_path, "here")
 
 
 def test_bad_mds_folders_are_one_line_exit_2(

@@ -18,15 +18,14 @@ litdata these tests are skipped, except in CI, where they fail (`real_library`).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from projects import checkout_env, project_modules, read_metrics, real_library
+from projects import convert_data as convert
+from projects import project_modules, read_metrics, real_library
 from runtime import shards
 from test_storage import (
     s3,
@@ -65,19 +64,6 @@ def losses(workdir: Path, run_name: str) -> dict[int, float]:
     return {
         r["step"]: r["loss"] for r in read_metrics(workdir, run_name) if "loss" in r
     }
-
-
-def convert(project: Path, output: Path, *args: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "data.py", "convert", str(output), *args],
-        cwd=project,
-        env=checkout_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().endswith(f"wrote a streaming dataset to {output}")
 
 
 @pytest.fixture(scope="module")
