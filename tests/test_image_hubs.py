@@ -354,9 +354,13 @@ def test_hf_vit_trains_from_its_folder_with_its_weights(
     assert abs(other - loss) > 1e-3
 
 
-def test_hf_vit_resumes_bitwise_after_kill_9_and_fsdp_equals_one_process(
-    project: Path, tmp_path: Path
+def test_hf_vit_resumes_bitwise_after_kill_9_and_fsdp_auto_equals_one_process(
+    project: Path, generated_auto: dict[str, Path], tmp_path: Path
 ) -> None:
+    """Killed (-9) inside save 4 and resumed: bitwise. FSDP2 on 2 ranks with
+    auto-microbatching (the project generated with it) under an injected out-of-memory
+    error halves the microbatch 6 -> 4 -> 2 and equals the one-process run (a ViT has
+    no BatchNorm: its steps do not depend on the split)."""
     name = f"hf:{tiny_vit(tmp_path / 'vit', seed=7)}"
     common = small(f"--model={name}", *FOUR)
     ok(run_train(project, tmp_path, *common, "--run_name=ref"))
@@ -367,6 +371,23 @@ def test_hf_vit_resumes_bitwise_after_kill_9_and_fsdp_equals_one_process(
     resumed = ok(run_train(project, tmp_path, *common, "--run_name=cut"))
     assert "resumed from" in resumed.stdout
     assert trajectory(tmp_path, "cut") == reference  # bitwise
-    sharded = [*common, "--parallelism=fsdp", "--run_name=fsdp"]
-    ok(torchrun(2, project / "train.py", *sharded, cwd=tmp_path, timeout=SLOW))
+    # The search halves through multiples of bn_group_size: groups of 2 (no BatchNorm
+    # here to use them) let it reach 2.
+    auto = {"--device_microbatch_size=6": "--device_microbatch_size=auto"}
+    auto["--bn_group_size=6"] = "--bn_group_size=2"
+    searched = [auto.get(arg, arg) for arg in FOUR]
+    sharded = small(f"--model={name}", *searched, "--parallelism=fsdp")
+    result = ok(
+        torchrun(
+            2,
+            generated_auto[RECIPE] / "train.py",
+            *sharded,
+            "--run_name=fsdp",
+            cwd=tmp_path,
+            env={"SCAFFOLD_INJECT_OOM": "ranks=1;above=2;phase=backward"},
+            timeout=SLOW,
+        )
+    )
+    assert "retrying the batch at 2" in result.stdout
+    assert {r["microbatch_size"] for r in read_metrics(tmp_path, "fsdp")} == {2}
     assert_close(trajectory(tmp_path, "fsdp"), reference)
