@@ -1,4 +1,4 @@
-"""Streaming datasets: litdata shards in a local folder or at an object-store URL.
+"""Streaming datasets: litdata or MDS shards in a local folder or at an object-store URL.
 
 A streaming dataset is what litdata's `optimize` writes, one folder per split, plus a small
 `meta.json` at the root that says what a model needs before it sees any sample (a
@@ -13,18 +13,28 @@ run touches into its cache (`$SCAFFOLD_SHARD_CACHE`, else litdata's default). Cr
 and endpoints come from the store's usual environment and config files (AWS_ENDPOINT_URL,
 ~/.aws/...), never from the run's config.
 
+MDS shards, as mosaicml-streaming's `MDSWriter` writes them (Composer's and llm-foundry's
+data), have the same layout without meta.json (ROOT/train/index.json, ROOT/val/index.json,
+ROOT/*/shard.*.mds[.zstd]); their samples are read by index through
+`streaming.StreamingDataset`, which fetches and expands the shards a job reads into a cache
+folder of that job's own ($SCAFFOLD_SHARD_CACHE, else the temporary folder: delete old
+`mds-*` folders there).
+
 Order: the samples are read by index, in an order this module computes, never in litdata's
 own iteration order, which assigns chunks to ranks and so changes with the world size. An
 epoch visits the chunks in a permutation seeded by (seed, epoch) and shuffles the samples
 within each group of `group` consecutive chunks of that permutation: global batch b is a
 pure function of (seed, epoch, b) and the shard layout, the same on any number of ranks and
-after any resume, and a rank reads from at most `group` + 1 chunks at a time.
+after any resume, and a rank reads from at most `group` + 1 chunks at a time. An MDS shard
+is a chunk here.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,14 +51,26 @@ INSTALL = (
     "'scaffold[stream-cpu]' && pip install --no-deps litdata==0.2.76"
 )
 
+MDS_INSTALL = (
+    "pip install 'scaffold[mds]' && pip install --no-deps mosaicml-streaming==0.13.0 "
+    "(it imports torchvision: with a CPU torch, pip install torch==2.14.1 "
+    "torchvision==0.29.1 first)"
+)
+
 
 class ShardError(ValueError):
     """A streaming dataset that cannot be used; the message names it and the fix."""
 
 
 def is_shards(data: str) -> bool:
-    """`--data` names a streaming dataset: a URL, or a folder with a `meta.json`."""
-    return "://" in data or (Path(data).expanduser() / META).is_file()
+    """`--data` names a streaming dataset: a URL, or a folder with a `meta.json` or with
+    `train/index.json` (MDS shards)."""
+    folder = Path(data).expanduser()
+    return (
+        "://" in data
+        or (folder / META).is_file()
+        or (folder / "train" / INDEX).is_file()
+    )
 
 
 def _read_text(url: str) -> str:
@@ -61,12 +83,15 @@ def _read_text(url: str) -> str:
         return file.read()
 
 
-def read_meta(root: str) -> dict[str, Any]:
-    """ROOT/meta.json as a dict; a missing or unreadable one is a ShardError."""
+def read_meta(root: str, optional: bool = False) -> dict[str, Any]:
+    """ROOT/meta.json as a dict; a missing (unless `optional`: then {}) or unreadable one
+    is a ShardError."""
     root = root.rstrip("/")
     try:
         meta = json.loads(_read_text(f"{root}/{META}"))
     except (OSError, ValueError, ImportError) as error:
+        if optional and isinstance(error, FileNotFoundError):
+            return {}
         raise ShardError(
             f"--data={root}: cannot read {META} ({type(error).__name__}: {error}); a "
             "streaming dataset is a folder or URL holding meta.json, train/ and val/ "
@@ -77,13 +102,23 @@ def read_meta(root: str) -> dict[str, Any]:
     return meta
 
 
+def is_mds(root: str) -> bool:
+    """ROOT/train/index.json is an MDS index (mosaicml-streaming's: a `shards` list)."""
+    try:
+        index = json.loads(_read_text(f"{root.rstrip('/')}/train/{INDEX}"))
+    except (OSError, ValueError, ImportError):
+        return False
+    return isinstance(index, dict) and "shards" in index
+
+
 @dataclass
 class Shards:
     """One split of a streaming dataset: `len`, `shards[i]`, and the epoch order."""
 
     url: str
-    dataset: Any  # litdata.StreamingDataset, read by index
-    chunk_sizes: list[int]  # samples per chunk, in the index's chunk order
+    dataset: Any  # litdata's or mosaicml-streaming's StreamingDataset, read by index
+    chunk_sizes: list[int]  # samples per chunk (MDS: shard), in the index's order
+    columns: tuple[str, ...] = ()  # MDS: the shards' column names (litdata: unknown)
 
     def __len__(self) -> int:
         return sum(self.chunk_sizes)
@@ -123,23 +158,27 @@ def open_split(root: str, split: str, block_size: int = 0) -> Shards:
     url = f"{root.rstrip('/')}/{split}"
     try:
         index = json.loads(_read_text(f"{url}/{INDEX}"))
+    except (OSError, ValueError, ImportError) as error:
+        raise ShardError(
+            f"--data={root}: no readable {split}/{INDEX} ({type(error).__name__}: {error}); "
+            "write the dataset with `python data.py convert` (litdata's optimize) or "
+            "mosaicml-streaming's MDSWriter"
+        ) from None
+    if isinstance(index, dict) and "shards" in index:
+        return open_mds(root, split, index["shards"])
+    try:
         chunks = index["chunks"]
         names = [chunk["filename"] for chunk in chunks]
         counts = [
             chunk["dim"] // block_size if block_size else chunk["chunk_size"]
             for chunk in chunks
         ]
-    except (OSError, ValueError, KeyError, TypeError, ImportError) as error:
+    except (ValueError, KeyError, TypeError) as error:
         raise ShardError(
-            f"--data={root}: no readable {split}/{INDEX} ({type(error).__name__}: {error}); "
-            "write the dataset with `python data.py convert` (litdata's optimize)"
+            f"--data={root}: {split}/{INDEX} is not litdata's ({type(error).__name__}: "
+            f"{error}); write the dataset with `python data.py convert` (litdata's optimize)"
         ) from None
-    missing = sorted(set(names) - set(_listing(url)))
-    if missing:
-        raise ShardError(
-            f"--data={root}: {split}/{INDEX} names {len(missing)} chunk file(s) that are "
-            f"not there ({missing[0]}, ...); copy the whole folder again"
-        )
+    check_present(root, split, names, "chunk")
     try:
         import litdata
     except ImportError:
@@ -162,6 +201,63 @@ def open_split(root: str, split: str, block_size: int = 0) -> Shards:
                 ) from None
             time.sleep(wait)
     return Shards(url, dataset, counts)
+
+
+def open_mds(root: str, split: str, entries: list[dict[str, Any]]) -> Shards:
+    """ROOT/split holding MDS shards (mosaicml-streaming's index.json `shards`) as Shards,
+    read through streaming.StreamingDataset. Every shard file must be present."""
+    url = f"{root.rstrip('/')}/{split}"
+    try:
+        # A compressed shard is stored as its zip_data (raw_data is what it expands to).
+        names = [
+            (entry["zip_data"] or entry["raw_data"])["basename"] for entry in entries
+        ]
+        counts = [int(entry["samples"]) for entry in entries]
+        formats = {entry["format"] for entry in entries}
+        columns = {tuple(entry["column_names"]) for entry in entries}
+    except (KeyError, TypeError, ValueError) as error:
+        raise ShardError(
+            f"--data={root}: {split}/{INDEX} is not an MDS index ({type(error).__name__}: "
+            f"{error}); write the shards with mosaicml-streaming's MDSWriter"
+        ) from None
+    if formats != {"mds"} or len(columns) != 1:
+        raise ShardError(
+            f"--data={root}: {split}/ holds {', '.join(sorted(formats))} shards with "
+            f"{len(columns)} column layouts; one MDS layout is read (MDSWriter's)"
+        )
+    check_present(root, split, names, "shard")
+    try:
+        import streaming
+    except ImportError:
+        raise ShardError(f"--data={root} holds MDS shards: {MDS_INSTALL}") from None
+    # Shards are fetched (and expanded) into a folder of this job's own: streaming refuses
+    # a local folder that another job's dataset uses (its shared memory is keyed by it),
+    # so two runs on one machine, or a test beside a run, would collide. The ranks of a
+    # job share it (torchrun's run id; one process: its pid).
+    cache = os.environ.get("SCAFFOLD_SHARD_CACHE") or tempfile.gettempdir()
+    job = os.environ.get("TORCHELASTIC_RUN_ID") or str(os.getpid())
+    key = hashlib.sha1(f"{url} {job}".encode()).hexdigest()[:16]
+    local = str(Path(cache) / f"mds-{key}")
+    try:
+        dataset = streaming.StreamingDataset(
+            remote=url, local=local, batch_size=1, shuffle=False
+        )
+    except Exception as error:  # a refusing store
+        raise ShardError(
+            f"--data={root}: cannot open {split}/ ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''})"
+        ) from None
+    return Shards(url, dataset, counts, columns=columns.pop())
+
+
+def check_present(root: str, split: str, names: list[str], kind: str) -> None:
+    """Every file the index names (`kind`: chunk, shard) is in ROOT/split."""
+    missing = sorted(set(names) - set(_listing(f"{root.rstrip('/')}/{split}")))
+    if missing:
+        raise ShardError(
+            f"--data={root}: {split}/{INDEX} names {len(missing)} {kind} file(s) that are "
+            f"not there ({missing[0]}, ...); copy the whole folder again"
+        )
 
 
 def _listing(url: str) -> list[str]:

@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 PROJECT_MODULES = ("train", "model", "data", "sample")
 REPO = Path(__file__).resolve().parent.parent
 
@@ -44,6 +46,16 @@ def project_modules(project: Path) -> Iterator[dict[str, ModuleType]]:
         sys.modules.update(saved)
 
 
+def real_library(name: str) -> ModuleType:
+    """The real library `name` (no stand-in). CI installs every one (.ci/run), so there a
+    missing one fails the test module; elsewhere its tests are skipped, saying why."""
+    if os.environ.get("CI"):
+        return importlib.import_module(name)
+    return pytest.importorskip(
+        name, reason=f"{name} is not installed here: README's test command installs it"
+    )
+
+
 def run_train(
     project: Path, workdir: Path, *args: str, timeout: int = 300
 ) -> subprocess.CompletedProcess[str]:
@@ -56,6 +68,53 @@ def run_train(
         text=True,
         timeout=timeout,
     )
+
+
+STOP_AFTER = Path(__file__).resolve().parent / "stop_after.py"
+
+
+def run_killed(
+    project: Path, workdir: Path, step: int, *args: str, timeout: int = 300
+) -> subprocess.CompletedProcess[str]:
+    """`python train.py ARGS` on the CPU, killed (-9) inside its save of `step`
+    (tests/stop_after.py): files on disk, no COMPLETE marker."""
+    command = [
+        sys.executable,
+        str(STOP_AFTER),
+        f"kill:{step}",
+        str(project / "train.py"),
+    ]
+    return subprocess.run(
+        [*command, "--device=cpu", *args],
+        cwd=workdir,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def convert_data(project: Path, output: Path, *args: str) -> None:
+    """`python data.py convert OUTPUT ARGS` in a generated project: it succeeds."""
+    result = subprocess.run(
+        [sys.executable, "data.py", "convert", str(output), *args],
+        cwd=project,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith(f"wrote a streaming dataset to {output}")
+
+
+def one_error_line(result: subprocess.CompletedProcess[str], workdir: Path) -> str:
+    """Exit 2, a single `error:` line on stderr, and no run folder written."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert not (workdir / "runs").exists()
+    return lines[0]
 
 
 def read_metrics(workdir: Path, run_name: str) -> list[dict]:

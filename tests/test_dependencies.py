@@ -17,6 +17,8 @@ import tomllib
 from importlib import metadata
 from pathlib import Path
 
+from projects import real_library
+
 REPO = Path(__file__).resolve().parent.parent
 FIRST_PARTY = {"scaffold", "runtime"}
 
@@ -117,3 +119,21 @@ def test_the_check_sees_nested_and_from_imports(tmp_path: Path) -> None:
         ("yaml", False, 7),
     ]
     assert distribution("yaml") == "pyyaml"
+
+
+def test_the_integrations_are_the_real_libraries_beside_this_torch() -> None:
+    """CI's environment (README's test command) has the real torchvision, timm, litdata and
+    mosaicml-streaming, importable together with this torch and transformers: nothing
+    fakes a library."""
+    installed = {
+        "torchvision.models": "torchvision",
+        "timm": "timm",
+        "litdata": "litdata",
+        "streaming": "mosaicml-streaming",
+        "transformers": "transformers",
+    }
+    for name, dist in installed.items():
+        module = real_library(name)  # imports beside this torch (CI: or fails)
+        # an installed distribution's files, not a package put on the path
+        top = module.__name__.split(".")[0]
+        assert dist in distributions(top), (name, distributions(top))

@@ -13,12 +13,14 @@ BatchNorm here is "ghost" BatchNorm (see `BatchNorm2d`): statistics over fixed g
 `bn_group_size` samples, so a training step does not depend on how the global batch is
 split over ranks and microbatches.
 
-`--model=torchvision:NAME` trains a torchvision classification model instead (see
-`TorchvisionNet`; torchvision is optional and checked at start-up by `check_model`).
+`--model=torchvision:NAME` and `--model=timm:NAME` train a model of those libraries
+instead (see `HubNet`; each library is optional and checked at start-up by
+`check_model`).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -64,8 +66,10 @@ PRESETS: dict[Preset, dict] = {
     "resnet50": dict(block="bottleneck", layers=(3, 4, 6, 3)),  # 25.6M
     "resnet101": dict(block="bottleneck", layers=(3, 4, 23, 3)),  # 44.5M
 }
-# `--model=torchvision:NAME`: any of torchvision.models' classification builders.
-TORCHVISION = "torchvision:"
+# `--model=torchvision:NAME`, `--model=timm:NAME`, `--model=hf:FOLDER`: a model from a
+# hub, by the module that builds it (any torchvision.models classification builder, any
+# timm.create_model name, any Hugging Face AutoModelForImageClassification).
+HUBS = {"torchvision": "torchvision.models", "timm": "timm", "hf": "transformers"}
 
 
 def conv(
@@ -329,32 +333,111 @@ class ResNet(nn.Module):
 
 
 def check_model(name: str) -> str | None:
-    """None if `name` is a preset or a torchvision model that can be built here, else
-    the problem in one line (checked at start-up, before anything is written)."""
+    """None if `name` is a preset or a hub model (torchvision:NAME, timm:NAME, hf:FOLDER)
+    that can be built here, else the problem in one line (checked at start-up, before
+    anything is written)."""
     if name in PRESETS:
         return None
-    if not name.startswith(TORCHVISION):
+    hub, _, arch = name.partition(":")
+    if hub not in HUBS:
         presets = ", ".join(PRESETS)
-        return f"model={name!r} is not a preset ({presets}) nor torchvision:NAME"
-    try:
-        import torchvision.models  # optional: only torchvision:NAME needs it
+        return (
+            f"model={name!r} is not a preset ({presets}), torchvision:NAME, timm:NAME "
+            "nor hf:FOLDER"
+        )
+    try:  # optional: only hub models need their library
+        library = importlib.import_module(HUBS[hub])
     except Exception as error:  # not installed, or built for another torch
         reason = (str(error).splitlines() or [type(error).__name__])[0]
         return (
-            f"model={name} needs torchvision, which fails to import ({reason}); "
-            f"install a torchvision built for this torch ({torch.__version__}) or a "
-            "pair that imports together (CPU: e.g. pip install torch==2.14.1 "
-            "torchvision==0.29.1; CUDA: the pair for your CUDA from pytorch.org), or "
-            "use a preset"
+            f"model={name} needs {hub}, which fails to import ({reason}); install "
+            f"{hub} built for this torch ({torch.__version__}) (CPU: e.g. pip install "
+            "torch==2.14.1 torchvision==0.29.1 timm; CUDA: the pair for your CUDA from "
+            "pytorch.org), or use a preset"
         )
-    arch = name.removeprefix(TORCHVISION)
-    if arch not in torchvision.models.list_models(module=torchvision.models):
+    if hub == "torchvision" and arch not in library.list_models(module=library):
         return (
             f"model={name}: torchvision has no classification model {arch!r}; list "
             "them with python -c 'import torchvision.models as m; "
             "print(m.list_models(m))'"
         )
+    if hub == "timm" and not library.is_model(arch):
+        return (
+            f"model={name}: timm has no model {arch!r}; list them with "
+            "python -c 'import timm; print(timm.list_models())'"
+        )
+    if hub == "hf":
+        return check_hf_model(name, arch)
     return None
+
+
+def check_hf_model(name: str, folder: str) -> str | None:
+    """None if `folder` (or a Hub id already in the local cache) holds the config of an
+    AutoModelForImageClassification, else the problem in one line."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as error:
+        reason = (str(error).splitlines() or [type(error).__name__])[0]
+        return (
+            f"model={name}: no readable config.json in {folder!r} ({reason}); pass a "
+            "folder written by save_pretrained"
+        )
+    if type(config) not in transformers.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING:
+        return (
+            f"model={name}: a {type(config).__name__} is not an image classifier "
+            "(AutoModelForImageClassification); pass a ViT, ConvNeXt, ResNet... folder"
+        )
+    return None
+
+
+def hub_model(name: str, num_classes: int, weights: str) -> nn.Module:
+    """The library's own model for `torchvision:NAME` or `timm:NAME`, with `num_classes`
+    outputs; pretrained weights from the local file `weights` (a state dict: "" for
+    random ones), read through each library's own loading path, nothing downloaded:
+    - torchvision: get_model(NAME, weights=None, num_classes=...), then its state dict
+      loaded as torchvision's `weights=` does (torch.load, load_state_dict); tensors
+      whose shape differs from the model's (an ImageNet head on 10 classes) keep their
+      new initialisation, as timm does;
+    - timm: create_model(NAME, pretrained=True, pretrained_cfg_overlay=dict(file=...)):
+      timm adapts the first convolution and drops the classifier when num_classes
+      differs from the pretrained config's (1000 for ImageNet weights);
+    - hf:FOLDER: AutoModelForImageClassification.from_pretrained(FOLDER): the folder
+      holds the weights (`weights` is not used); a classifier of another number of
+      classes is initialised anew (ignore_mismatched_sizes).
+    """
+    hub, _, arch = name.partition(":")
+    if hub == "hf":
+        import transformers  # checked by check_model at start-up
+
+        return transformers.AutoModelForImageClassification.from_pretrained(
+            arch,
+            id2label={i: str(i) for i in range(num_classes)},
+            ignore_mismatched_sizes=True,
+            dtype=torch.float32,  # our precision settings cast it, as they do ours
+        )
+    if hub == "timm":
+        import timm  # checked importable by check_model at start-up
+
+        overlay = dict(file=weights) if weights else None
+        return timm.create_model(
+            arch,
+            pretrained=bool(weights),
+            pretrained_cfg_overlay=overlay,
+            num_classes=num_classes,
+        )
+    import torchvision.models
+
+    net = torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+    if weights:
+        state = torch.load(weights, map_location="cpu", weights_only=True)
+        ours = net.state_dict()
+        new = [k for k, v in state.items() if k in ours and v.shape != ours[k].shape]
+        net.load_state_dict(
+            {k: v for k, v in state.items() if k not in new}, strict=not new
+        )
+    return net
 
 
 def use_ghost_batchnorm(module: nn.Module, group_size: int) -> None:
@@ -373,28 +456,32 @@ def use_ghost_batchnorm(module: nn.Module, group_size: int) -> None:
             use_ghost_batchnorm(child, group_size)
 
 
-class TorchvisionNet(nn.Module):
-    """A torchvision classification model (`--model=torchvision:resnet50`), built by
-    torchvision.models.get_model with random weights (weights=None: nothing is
-    downloaded) and fitted to this loop:
+class HubNet(nn.Module):
+    """A torchvision, timm or Hugging Face classification model
+    (`--model=torchvision:resnet50`, `--model=timm:resnet18`, `--model=hf:FOLDER`),
+    built by its library (`hub_model`; pretrained weights from a local file or the
+    folder, or random ones) and fitted to this loop:
     - its BatchNorm2d layers become ghost BatchNorm (`use_ghost_batchnorm`), so a step
       does not depend on the microbatch size or the number of ranks, as with ResNet;
-      a model with other BatchNorm layers (1d, 3d, no running statistics) is refused;
-    - grey images (the digits) are repeated into the 3 channels torchvision expects;
+      a model with other BatchNorm layers (1d, 3d, timm's BatchNormAct2d, no running
+      statistics) is refused;
+    - grey images (the digits) are repeated into the 3 channels the hubs expect;
     - `blocks` (FSDP2 units, activation checkpointing, compilation): the children of
-      its top-level containers (torchvision ResNet's layer1..4 blocks, the stages of
-      `features` in VGG, MobileNet, EfficientNet, ConvNeXt) and its other top-level
-      children with parameters; what is in none of them stays with the root.
-    Its weights are under `net.` in the state dict: `model.net` is torchvision's model.
+      its top-level containers (torchvision ResNet's and timm ResNet's layer1..4
+      blocks, the stages of `features` in VGG, MobileNet, EfficientNet, ConvNeXt, a
+      ViT's `blocks`) and its other top-level children with parameters; a Hugging
+      Face model's: its first layer list (ViT's `vit.layers`, ResNet's
+      `resnet.encoder.stages`); what is in none of them stays with the root;
+    - a Hugging Face model returns its output object: `forward` returns its logits.
+    Its weights are under `net.` in the state dict: `model.net` is the library's model.
     """
 
-    def __init__(self, arch: str, num_classes: int, bn_group_size: int) -> None:
+    def __init__(
+        self, name: str, num_classes: int, bn_group_size: int, weights: str = ""
+    ) -> None:
         super().__init__()
-        import torchvision.models  # checked importable by check_model at start-up
-
-        self.net = torchvision.models.get_model(
-            arch, weights=None, num_classes=num_classes
-        )
+        self.net = hub_model(name, num_classes, weights)
+        self.hf = name.startswith("hf:")
         use_ghost_batchnorm(self.net, bn_group_size)
         plain = {
             type(m).__name__
@@ -404,13 +491,16 @@ class TorchvisionNet(nn.Module):
         }
         if plain:
             raise ValueError(
-                f"torchvision:{arch} has {', '.join(sorted(plain))} layers whose "
+                f"{name} has {', '.join(sorted(plain))} layers whose "
                 "statistics would depend on the microbatch size and the number of "
-                "ranks; pick another model or edit TorchvisionNet in model.py"
+                "ranks; pick another model or edit HubNet in model.py"
             )
 
     @property
     def blocks(self) -> list[nn.Module]:
+        if self.hf:
+            layers = (m for m in self.net.modules() if isinstance(m, nn.ModuleList))
+            return list(next(layers, [self.net]))
         units = []
         for child in self.net.children():
             containers = (nn.Sequential, nn.ModuleList)
@@ -422,7 +512,7 @@ class TorchvisionNet(nn.Module):
         """Class logits (batch, classes) for images (batch, channels, height, width)."""
         if images.shape[1] == 1:  # grey: the same image in red, green and blue
             images = images.expand(-1, 3, -1, -1)
-        return self.net(images)
+        return self.net(images).logits if self.hf else self.net(images)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

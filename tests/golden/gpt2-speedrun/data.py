@@ -6,7 +6,9 @@ library's own source files, read from the running interpreter and tokenized as b
 again), or a `.bin` file of uint16 token ids (nanoGPT's format: a `val.bin` beside it
 is the validation split, a `meta.pkl` beside it gives the vocabulary size), or a
 streaming dataset: litdata shards in a folder or at a URL (`s3://bucket/data`), written
-by `python data.py convert OUT --data=...` (see `convert` and runtime/shards.py).
+by `python data.py convert OUT --data=...` (see `convert` and runtime/shards.py), or
+MDS shards (train/, val/) of pre-tokenized rows written by mosaicml-streaming's
+MDSWriter, as llm-foundry's are (`mds_tokens`).
 
 A sample is a window of seq_len + 1 tokens (inputs plus next-token targets); windows
 do not overlap. Epoch e visits the windows in a permutation seeded by (seed, e), so
@@ -159,8 +161,12 @@ def uint16_tokens(path: Path, read_meta: bool = True) -> TokenData:
 
 
 def shard_tokens(root: str, vocab_size: int, seq_len: int) -> TokenData:
-    """A streaming dataset's windows; the vocabulary from its meta.json."""
-    meta_size = shards.read_meta(root).get("vocab_size")
+    """A streaming dataset's windows; the vocabulary from its meta.json (MDS shards
+    without one: `mds_tokens`)."""
+    meta = shards.read_meta(root, optional=shards.is_mds(root))
+    if not meta:  # MDS shards without one
+        return mds_tokens(root, vocab_size, seq_len)
+    meta_size = meta.get("vocab_size")
     if not isinstance(meta_size, int) or meta_size < 1:
         raise shards.ShardError(
             f"--data={root}: meta.json has no positive integer vocab_size; add one"
@@ -174,6 +180,42 @@ def shard_tokens(root: str, vocab_size: int, seq_len: int) -> TokenData:
     val = shards.open_split(root, "val", block_size=seq_len + 1)
     source = f"streaming dataset {root} (litdata shards)"
     return TokenData(train, val, vocab_size or meta_size, source)
+
+
+def mds_tokens(root: str, vocab_size: int, seq_len: int) -> TokenData:
+    """MDS shards of pre-tokenized rows as llm-foundry writes them (column `tokens`: an
+    ndarray, or int64 bytes), without meta.json: a window is a row's first seq_len + 1
+    tokens (`window`), so rows need at least that many; --vocab_size is required (the
+    tokenizer's, which the shards do not record)."""
+    train, val = (shards.open_split(root, split) for split in ("train", "val"))
+    if "tokens" not in train.columns or train.columns != val.columns:
+        raise shards.ShardError(
+            f"--data={root}: train/ has columns {', '.join(train.columns)}; language "
+            "MDS shards need pre-tokenized rows in a tokens column (llm-foundry's "
+            "convert_dataset_hf --concat_tokens writes them)"
+        )
+    if vocab_size < 1:
+        raise shards.ShardError(
+            f"--data={root}: MDS shards do not record their vocabulary; pass "
+            "--vocab_size (the tokenizer's) or add a meta.json with vocab_size"
+        )
+    length = len(window(train[0], 1 << 62))
+    if length < seq_len + 1:
+        raise shards.ShardError(
+            f"--data={root}: rows of {length} tokens are shorter than a window of "
+            f"seq_len + 1 = {seq_len + 1}; use --seq_len={length - 1} or less"
+        )
+    return TokenData(train, val, vocab_size, f"MDS shards {root} (tokens)")
+
+
+def window(row: np.ndarray | dict, seq_len: int) -> np.ndarray:
+    """A streaming window: litdata's array, or an MDS row's first seq_len + 1 tokens."""
+    if not isinstance(row, dict):
+        return np.asarray(row)
+    tokens = row["tokens"]  # llm-foundry's: ndarray, or int64 bytes in older versions
+    if isinstance(tokens, bytes):
+        tokens = np.frombuffer(tokens, dtype=np.int64)
+    return np.asarray(tokens)[: seq_len + 1]
 
 
 def convert(data: str, output: str, chunk_bytes: str = "64MB") -> None:
@@ -310,7 +352,7 @@ def windows(
 ) -> torch.Tensor:
     """Stack windows `ids` (each seq_len + 1 tokens) into an int64 tensor."""
     if isinstance(tokens, shards.Shards):
-        rows = [np.asarray(row) for row in tokens.take(ids)]
+        rows = [window(row, seq_len) for row in tokens.take(ids)]
     else:
         rows = [tokens[i * seq_len : i * seq_len + seq_len + 1] for i in ids]
     if not pin_memory:

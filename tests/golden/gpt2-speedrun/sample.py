@@ -82,7 +82,10 @@ def load_codec(data: str, tokenizer: str) -> Codec:
         return hf_tokenizer.encode, hf_tokenizer.decode
     path = Path(data).expanduser()
     if data and shards.is_shards(data):
-        if shards.read_meta(data).get("vocab_size") == 256:
+        if (
+            shards.read_meta(data, optional=shards.is_mds(data)).get("vocab_size")
+            == 256
+        ):
             return byte_codec()
     elif path.suffix == ".bin":
         meta = path.with_name("meta.pkl")

@@ -12,7 +12,10 @@ package ships, without importing it. A fixed 20% of it is held out for validatio
   encoded images and labels, written by `python data.py convert OUT --data=...` from any
   of the above (see `convert` and runtime/shards.py). Its meta.json names the classes
   and the augmentation; the order is shuffled chunk by chunk, still a pure function of
-  (seed, epoch, batch index) on any number of ranks.
+  (seed, epoch, batch index) on any number of ranks;
+- MDS shards (train/ and val/) written by mosaicml-streaming's MDSWriter with columns
+  `x` (image) and `y` (class index), as Composer's vision datasets are (`mds_images`),
+  in the same order.
 
 Augmentation: random-resized crop and horizontal flip for ImageFolder data (evaluation:
 resize the short side to eval_resize, centre crop), or with crop="pad" CIFAR's: the
@@ -77,11 +80,17 @@ class Split:
         if self.shards is None:
             return self.image(i), int(self.labels[i])
         item = self.shards[i]
-        with Image.open(io.BytesIO(item["image"])) as image:
+        if "x" in item:  # MDS: streaming's vision datasets (an image), ours (bytes)
+            image, label = item["x"], int(item["y"])
+        else:  # litdata: the image file's bytes
+            image, label = item["image"], int(item["label"])
+        if isinstance(image, bytes):
+            image = Image.open(io.BytesIO(image))
+        with image:
             if self.pixels is None:  # decoded like files: RGB, any size
-                return image.convert("RGB"), int(item["label"])
+                return image.convert("RGB"), label
             pixels = np.asarray(image)  # like arrays: H x W x C uint8
-        return pixels.reshape(*pixels.shape[:2], -1), int(item["label"])
+        return pixels.reshape(*pixels.shape[:2], -1), label
 
     def image(self, i: int) -> np.ndarray | Image.Image:
         if self.pixels is not None:
@@ -254,8 +263,11 @@ def image_folder(root: Path) -> ImageData:
 
 
 def shard_images(root: str) -> ImageData:
-    """A streaming dataset of encoded images; classes, augmentation from meta.json."""
-    meta = shards.read_meta(root)
+    """A streaming dataset of encoded images; classes, augmentation from meta.json (MDS
+    shards without one: `mds_images`)."""
+    meta = shards.read_meta(root, optional=shards.is_mds(root))
+    if not meta:  # MDS shards without one
+        return mds_images(root)
     try:
         kind, classes = meta["kind"], [str(name) for name in meta["classes"]]
         channels, mean, std = int(meta["channels"]), meta["mean"], meta["std"]
@@ -272,6 +284,7 @@ def shard_images(root: str) -> ImageData:
         Split(None, pixels=in_memory, shards=shards.open_split(root, split))
         for split in ("train", "val")
     ]
+    writer = "MDS" if splits[0].shards.columns else "litdata"  # MDS: columns known
     return ImageData(
         *splits,
         classes=classes,
@@ -279,19 +292,79 @@ def shard_images(root: str) -> ImageData:
         kind=kind,
         mean=tuple(mean),
         std=tuple(std),
-        source=f"streaming dataset {root} (litdata shards)",
+        source=f"streaming dataset {root} ({writer} shards)",
     )
 
 
-def convert(data: str, output: str, chunk_bytes: str = "64MB") -> None:
+def mds_images(root: str) -> ImageData:
+    """MDS shards as mosaicml-streaming's vision datasets write them (columns `x`: an
+    image, `y`: its class index), without meta.json: trained like ImageFolder data (RGB,
+    ImageNet's statistics and augmentation); the classes are 0 .. the largest label in
+    val/ (read once at start-up; a meta.json with `classes` names them instead)."""
+    splits = [
+        Split(None, shards=shards.open_split(root, split)) for split in ("train", "val")
+    ]
+    for split, name in zip(splits, ("train", "val")):
+        if not {"x", "y"} <= set(split.shards.columns):
+            raise shards.ShardError(
+                f"--data={root}: {name}/ has columns {', '.join(split.shards.columns)}; "
+                "image MDS shards need x (the image) and y (its class index)"
+            )
+    labels = [int(split.shards[i]["y"]) for i in range(len(splits[1]))]
+    return ImageData(
+        *splits,
+        classes=[str(label) for label in range(max(labels, default=0) + 1)],
+        channels=3,
+        kind="folder",
+        mean=IMAGENET_STATS[0],
+        std=IMAGENET_STATS[1],
+        source=f"MDS shards {root}",
+    )
+
+
+def convert(
+    data: str, output: str, chunk_bytes: str = "64MB", format: str = "litdata"
+) -> None:
     """Write the images `--data` names as a streaming dataset in folder `output`:
     litdata shards (its `optimize`) of train/ and val/ holding each image encoded (files
     as they are, arrays as PNG) with its label, and meta.json. Upload the folder as it
     is (`aws s3 sync OUT s3://bucket/data`) and train with --data=s3://bucket/data.
+    `format` mds: MDS shards instead (mosaicml-streaming's MDSWriter, zstd), columns x
+    (the encoded image's bytes) and y (its label), readable by Composer's users too.
     """
+    images = load_images(data)
+    if format == "mds":
+        import streaming
+
+        for split in ("train", "val"):
+            part = getattr(images, split)
+            with streaming.MDSWriter(
+                out=str(Path(output) / split),
+                columns={"x": "bytes", "y": "int"},
+                compression="zstd",
+                size_limit=chunk_bytes,
+                exist_ok=True,  # overwrite, as litdata's mode="overwrite"
+            ) as writer:
+                for i in range(len(part)):
+                    item = encoded(i, part)
+                    writer.write({"x": item["image"], "y": item["label"]})
+    else:
+        write_litdata(images, output, chunk_bytes)
+    meta = {
+        "kind": images.kind,
+        "classes": images.classes,
+        "channels": images.channels,
+        "mean": list(images.mean),
+        "std": list(images.std),
+        "source": images.source,
+    }
+    (Path(output) / shards.META).write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def write_litdata(images: ImageData, output: str, chunk_bytes: str) -> None:
+    """train/ and val/ as litdata shards of `encoded` items."""
     import litdata
 
-    images = load_images(data)
     for split in ("train", "val"):
         litdata.optimize(
             fn=functools.partial(encoded, split=getattr(images, split)),
@@ -303,15 +376,6 @@ def convert(data: str, output: str, chunk_bytes: str = "64MB") -> None:
             mode="overwrite",
             verbose=False,
         )
-    meta = {
-        "kind": images.kind,
-        "classes": images.classes,
-        "channels": images.channels,
-        "mean": list(images.mean),
-        "std": list(images.std),
-        "source": images.source,
-    }
-    (Path(output) / shards.META).write_text(json.dumps(meta, indent=1) + "\n")
 
 
 def encoded(i: int, split: Split) -> dict[str, bytes | int]:
@@ -765,13 +829,20 @@ def main() -> None:
     parser.add_argument(
         "--chunk_bytes", default="64MB", help="the size of one chunk file"
     )
+    parser.add_argument(
+        "--format",
+        choices=["litdata", "mds"],
+        default="litdata",
+        help="litdata shards, or MDS shards (mosaicml-streaming's, as Composer's data)",
+    )
     args = parser.parse_args()
     try:
-        convert(args.data, args.output, args.chunk_bytes)
+        convert(args.data, args.output, args.chunk_bytes, args.format)
     except ImportError:
-        print(
-            f"error: streaming datasets need litdata: {shards.INSTALL}", file=sys.stderr
-        )
+        need = "litdata: " + shards.INSTALL
+        if args.format == "mds":
+            need = "mosaicml-streaming: " + shards.MDS_INSTALL
+        print(f"error: streaming datasets need {need}", file=sys.stderr)
         sys.exit(2)
     except (OSError, ValueError) as error:  # a missing path, an undecodable image
         print(f"error: {error}", file=sys.stderr)

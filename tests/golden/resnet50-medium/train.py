@@ -26,11 +26,10 @@ import torch.nn.functional as F
 import data
 from model import (
     PRESETS,
-    TORCHVISION,
+    HubNet,
     Preset,
     ResNet,
     ResNetConfig,
-    TorchvisionNet,
     check_model,
     clear_step_stats,
     update_running_stats,
@@ -63,10 +62,13 @@ class Config:
     eval_resize: int = 232  # short side resized first; 0: crop / 0.875
     num_workers: int = 8  # processes decoding images from disk (in-memory data: none)
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
-    # model: a preset (PRESETS in model.py); torchvision:NAME, any torchvision
-    # classifier (random weights, BatchNorm made ghost: TorchvisionNet in model.py);
+    # model: a preset (PRESETS in model.py); torchvision:NAME, timm:NAME or hf:FOLDER,
+    # any classifier of those libraries (BatchNorm made ghost: HubNet in model.py);
     # auto: resnet50 with --data, `tiny` on the embedded digits (a CPU demo)
-    model: Preset | Literal["auto"] | str = "auto"  # auto, a preset, torchvision:NAME
+    model: Preset | Literal["auto"] | str = "auto"  # or torchvision:NAME, timm:NAME
+    # torchvision:/timm: models: a local state dict of pretrained weights to fine-tune
+    # from ("": random weights; read by the library's own loading path: hub_model)
+    weights: str = ""
     # BatchNorm statistics are taken over groups of this many samples ("ghost"
     # BatchNorm), so a step does not depend on the microbatch size or the number of
     # ranks: both the per-rank batch and device_microbatch_size must be multiples of it
@@ -172,7 +174,12 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     problem = fsdp.check(parallel, env)
     problem = problem or microbatch.check(cfg.device_microbatch_size, auto=False)
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
-    problem = problem or check_model(cfg.model)  # a preset, or torchvision importable
+    problem = problem or check_model(cfg.model)  # a preset, or a hub model importable
+    if cfg.weights and cfg.model.partition(":")[0] not in ("torchvision", "timm"):
+        problem = problem or (
+            f"weights={cfg.weights}: pretrained weights are read for torchvision:NAME "
+            "and timm:NAME models (hf:FOLDER: the folder's); remove it or pick one"
+        )
     problem = problem or early_stop.check(
         cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_min_delta
     )
@@ -512,12 +519,13 @@ def main() -> None:
         val = data.Batches(images, "val", **(batches | val_sizes))
     # Decoding images from disk happens in worker processes while the model trains.
     num_workers = cfg.num_workers if images.on_disk else 0
-    if cfg.model.startswith(TORCHVISION):
-        # A torchvision model, fitted to this loop (see TorchvisionNet); BatchNorm
-        # layers that cannot be made ghost are refused.
-        name = cfg.model.removeprefix(TORCHVISION)
-        with config.failing(ValueError):
-            model = TorchvisionNet(name, len(images.classes), cfg.bn_group_size)
+    if cfg.model not in PRESETS:
+        # A torchvision, timm or HF model, fitted to this loop (see HubNet); BatchNorm
+        # layers that cannot be made ghost are refused, as are unreadable weights.
+        with config.failing(ValueError, OSError, RuntimeError):
+            model = HubNet(
+                cfg.model, len(images.classes), cfg.bn_group_size, cfg.weights
+            )
     else:
         model_config = ResNetConfig(
             num_classes=len(images.classes),

@@ -1,0 +1,300 @@
+"""MDS shards (mosaicml-streaming's `MDSWriter`, the format of Composer's data) as `--data`
+of an image-classification and a causal-LM project: read through the real
+`streaming.StreamingDataset`, in our order (runtime/shards.py), so a run killed with -9
+resumes bitwise and a run killed on 2 ranks resumes on one (elastic). A bad shard folder is
+one error line, exit 2.
+
+The image shards hold the digits as mosaicml-streaming's vision datasets hold CIFAR-10:
+columns `x` (a PIL image, png) and `y` (the class index). The LM shards hold the default
+data's tokens as llm-foundry's concat_tokens shards do: rows of 64 tokens in a `tokens`
+column (ndarray:uint32). Both zstd-compressed, many small shards.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from projects import (
+    STOP_AFTER,
+    convert_data,
+    one_error_line,
+    run_killed,
+    project_modules,
+    real_library,
+    run_train,
+)
+from test_image import assert_close, ok, small, torchrun, trajectory
+from test_storage import s3, s3_env  # noqa: F401 (fixtures: the S3 server, its env)
+
+streaming = real_library("streaming")
+
+RECIPE = "cifar-resnet56-baseline"
+LM_RECIPE = "gpt2-baseline"
+ROW = 64  # tokens per LM row (llm-foundry's max_seq_len)
+LM = [
+    "--model=tiny",
+    "--seq_len=32",
+    "--global_batch_size=4",
+    "--device_microbatch_size=2",
+    "--eval_batches=1",
+    "--dist_timeout=120",
+    "--max_duration=4ba",
+    "--eval_interval=2ba",
+    "--save_interval=2ba",
+]
+# 4 steps of 12 digits at their own size, checkpoints at 2 and 4.
+FOUR = [
+    "--image_size=8",
+    "--eval_resize=8",
+    "--max_duration=4ba",
+    "--eval_interval=2ba",
+    "--save_interval=2ba",
+]
+
+
+@pytest.fixture(scope="module")
+def project(generated: dict[str, Path]) -> Path:
+    return generated[RECIPE]
+
+
+@pytest.fixture(scope="module")
+def digit_shards(project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The digits' train and val splits written by MDSWriter (x: png, y: int)."""
+    root = tmp_path_factory.mktemp("mds")
+    with project_modules(project) as found:
+        images = found["data"].load_images("")
+    for split in ("train", "val"):
+        part = getattr(images, split)
+        with streaming.MDSWriter(
+            out=str(root / split),
+            columns={"x": "png", "y": "int"},
+            compression="zstd",
+            size_limit=8000,  # ~60 samples a shard: an epoch spans many shards
+        ) as writer:
+            for pixels, label in zip(part.pixels, part.labels, strict=True):
+                writer.write({"x": Image.fromarray(pixels[:, :, 0]), "y": int(label)})
+    return root
+
+
+def text_shards(root: Path) -> Path:
+    """MDS shards of one `text` string per split: neither images nor tokens."""
+    for split in ("train", "val"):
+        with streaming.MDSWriter(out=str(root / split), columns={"text": "str"}) as out:
+            out.write({"text": "no image, no tokens"})
+    return root
+
+
+@pytest.fixture
+def shard_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Compressed shards expand into this run's own cache."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SCAFFOLD_SHARD_CACHE", str(cache))
+    return cache
+
+
+def test_mds_samples_are_the_written_images_in_our_order(
+    project: Path, digit_shards: Path, shard_cache: Path
+) -> None:
+    """Sample i is the i-th image written (RGB, as ImageFolder images) with its label;
+    an epoch visits every sample once, shard by shard, in an order seeded by (seed,
+    epoch): the same order for the same seed, another for the next epoch."""
+    with project_modules(project) as found:
+        data = found["data"]
+        digits = data.load_images("")
+        mds = data.load_images(str(digit_shards))
+        assert mds.classes == [str(c) for c in range(10)] and mds.kind == "folder"
+        assert len(mds.train) == len(digits.train) and len(mds.val) == len(digits.val)
+        assert len(mds.train.shards.chunk_sizes) > 10
+        for i in (0, 77, len(mds.train) - 1):
+            image, label = mds.train.sample(i)
+            assert label == digits.train.labels[i]
+            rgb = np.repeat(digits.train.pixels[i], 3, axis=-1)
+            assert np.array_equal(np.asarray(image), rgb)
+        order = data.Batches(mds, "train", 12, seed=42, image_size=8).order
+        assert sorted(order) == list(range(len(mds.train)))
+        again = data.Batches(mds, "train", 12, seed=42, image_size=8).order
+        other = data.Batches(mds, "train", 12, seed=42, image_size=8, epoch=1).order
+        assert np.array_equal(order, again) and not np.array_equal(order, other)
+
+
+def test_convert_writes_mds_shards_of_the_same_images(
+    project: Path, shard_cache: Path, tmp_path: Path
+) -> None:
+    """`python data.py convert OUT --format mds`: MDSWriter's shards (x: the PNG's bytes,
+    y: the label) and meta.json; read back, the digits are the same arrays in the same
+    order, augmented as digits (meta.json's kind), and a run trains on them."""
+    shards = tmp_path / "shards"
+    convert_data(project, shards, "--format=mds", "--chunk_bytes=16kB")
+    index = json.loads((shards / "train" / "index.json").read_text())
+    assert len(index["shards"]) > 4
+    assert index["shards"][0]["column_names"] == ["x", "y"]
+    with project_modules(project) as found:
+        data = found["data"]
+        digits, mds = data.load_images(""), data.load_images(str(shards))
+        assert (mds.kind, mds.classes, mds.channels) == ("digits", digits.classes, 1)
+        assert len(mds.train) == len(digits.train) and len(mds.val) == len(digits.val)
+        for i in (0, 200, len(mds.val) - 1):
+            pixels, label = mds.val.sample(i)
+            assert np.array_equal(pixels, digits.val.pixels[i])
+            assert label == digits.val.labels[i]
+    run = [*small(), f"--data={shards}", "--max_duration=2ba", "--eval_interval=2ba"]
+    result = ok(run_train(project, tmp_path, *run, "--run_name=converted"))
+    assert f"data: streaming dataset {shards} (MDS shards)" in result.stdout
+    assert [row[0] for row in trajectory(tmp_path, "converted")] == [1, 2]
+
+
+def test_mds_run_resumes_bitwise_after_kill_9_and_elastically_from_2_ranks(
+    project: Path, digit_shards: Path, shard_cache: Path, tmp_path: Path
+) -> None:
+    common = [*small(), f"--data={digit_shards}", *FOUR]
+    killed_and_resumed(project, tmp_path, common)
+
+
+def killed_and_resumed(project: Path, tmp_path: Path, common: list[str]) -> None:
+    """4 steps from MDS shards, checkpoints at 2 and 4: killed (-9) inside save 4 and
+    resumed, bitwise the uninterrupted run; on 2 ranks (each reading its share of every
+    batch through StreamingDataset) killed inside save 4, resumed on one process from
+    step 2, equal to it up to rounding (elastic)."""
+    result = ok(run_train(project, tmp_path, *common, "--run_name=ref"))
+    assert "MDS shards" in result.stdout
+    reference = trajectory(tmp_path, "ref")
+    assert [row[0] for row in reference] == [1, 2, 3, 4]
+    killed = run_killed(project, tmp_path, 4, *common, "--run_name=cut")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = ok(run_train(project, tmp_path, *common, "--run_name=cut"))
+    assert "resumed from" in resumed.stdout
+    assert trajectory(tmp_path, "cut") == reference  # bitwise
+    replicated = [*common, "--parallelism=ddp", "--run_name=two"]
+    killed = torchrun(
+        2, STOP_AFTER, "kill:4", project / "train.py", *replicated, cwd=tmp_path
+    )
+    assert killed.returncode != 0, killed.stdout[-2000:] + killed.stderr[-3000:]
+    resumed = ok(run_train(project, tmp_path, *common, "--run_name=two"))
+    assert "resumed from" in resumed.stdout
+    assert_close(trajectory(tmp_path, "two"), reference)
+
+
+def test_mds_image_shards_train_from_s3(
+    project: Path, digit_shards: Path, shard_cache: Path, s3_env: dict, tmp_path: Path
+) -> None:
+    """The same shards uploaded to a bucket (moto): StreamingDataset fetches them with
+    the store's usual credentials and endpoint (AWS_ENDPOINT_URL), and the run takes
+    the same steps as from the folder, bitwise."""
+    import s3fs
+
+    env = s3_env["env"]
+    bucket = s3fs.S3FileSystem(
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        key=env["AWS_ACCESS_KEY_ID"],
+        secret=env["AWS_SECRET_ACCESS_KEY"],
+    )
+    bucket.put(str(digit_shards), "ckpt/data/mds-digits", recursive=True)
+    run = [*small(), *FOUR[:2], "--max_duration=2ba", "--eval_interval=2ba"]
+    ok(run_train(project, tmp_path, *run, f"--data={digit_shards}", "--run_name=here"))
+    url = "s3://ckpt/data/mds-digits"
+    ok(run_train(project, tmp_path, *run, f"--data={url}", "--run_name=s3"))
+    assert trajectory(tmp_path, "s3") == trajectory(tmp_path, "here")
+
+
+def test_bad_mds_folders_are_one_line_exit_2(
+    project: Path, digit_shards: Path, shard_cache: Path, tmp_path: Path
+) -> None:
+    def line(data: Path) -> str:
+        result = run_train(project, tmp_path, *small(), f"--data={data}", *FOUR)
+        return one_error_line(result, tmp_path)
+
+    missing = tmp_path / "missing"
+    shutil.copytree(digit_shards, missing)
+    (missing / "val" / "shard.00001.mds.zstd").unlink()
+    assert line(missing) == (
+        f"error: --data={missing}: val/index.json names 1 shard file(s) that are not "
+        "there (shard.00001.mds.zstd, ...); copy the whole folder again"
+    )
+    text = text_shards(tmp_path / "text")
+    assert line(text) == (
+        f"error: --data={text}: train/ has columns text; image MDS shards need x (the "
+        "image) and y (its class index)"
+    )
+    broken = tmp_path / "broken"
+    shutil.copytree(digit_shards, broken)
+    index = json.loads((broken / "train" / "index.json").read_text())
+    del index["shards"][0]["samples"]
+    (broken / "train" / "index.json").write_text(json.dumps(index))
+    assert line(broken).startswith(
+        f"error: --data={broken}: train/index.json is not an MDS index (KeyError: "
+    )
+
+
+# ------------------------------------------------------------- causal LM: tokens rows
+
+
+@pytest.fixture(scope="module")
+def lm_project(generated: dict[str, Path]) -> Path:
+    return generated[LM_RECIPE]
+
+
+@pytest.fixture(scope="module")
+def token_shards(
+    lm_project: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, np.ndarray, int]:
+    """The default data's first tokens as MDS rows of ROW tokens; (folder, the train
+    tokens written, the vocabulary size)."""
+    root = tmp_path_factory.mktemp("mds-lm")
+    with project_modules(lm_project) as found:
+        tokens = found["data"].load_tokens("")
+    for split, rows in (("train", 200), ("val", 8)):
+        ids = getattr(tokens, split)[: rows * ROW].astype(np.uint32)
+        with streaming.MDSWriter(
+            out=str(root / split),
+            columns={"tokens": "ndarray:uint32"},
+            compression="zstd",
+            size_limit=4000,  # ~15 rows a shard
+        ) as writer:
+            for row in ids.reshape(rows, ROW):
+                writer.write({"tokens": row})
+    return root, tokens.train[: 200 * ROW], tokens.vocab_size
+
+
+def test_mds_token_rows_train_resume_bitwise_and_elastically(
+    lm_project: Path, token_shards: tuple, shard_cache: Path, tmp_path: Path
+) -> None:
+    """A window is a row's first seq_len + 1 tokens; runs killed (-9) on 1 process
+    resume bitwise, on 2 ranks resume on 1 as the uninterrupted run."""
+    root, written, vocab_size = token_shards
+    with project_modules(lm_project) as found:
+        data = found["data"]
+        tokens = data.load_tokens(str(root), vocab_size, seq_len=32)
+        assert len(tokens.train) == 200 and len(tokens.val) == 8
+        batch = data.windows(tokens.train, np.array([5, 0]), 32)
+        assert batch.tolist() == [
+            written[5 * ROW : 5 * ROW + 33].tolist(),
+            written[:33].tolist(),
+        ]
+    common = [*LM, f"--data={root}", f"--vocab_size={vocab_size}"]
+    killed_and_resumed(lm_project, tmp_path, common)
+
+
+def test_bad_mds_token_shards_are_one_line_exit_2(
+    lm_project: Path, token_shards: tuple, shard_cache: Path, tmp_path: Path
+) -> None:
+    root, _, vocab_size = token_shards
+
+    def line(*args: str, lm: list[str] = LM) -> str:
+        return one_error_line(run_train(lm_project, tmp_path, *lm, *args), tmp_path)
+
+    assert "pass --vocab_size" in line(f"--data={root}")
+    windows_of_65 = [arg.replace("--seq_len=32", "--seq_len=64") for arg in LM]
+    assert line(f"--data={root}", f"--vocab_size={vocab_size}", lm=windows_of_65) == (
+        f"error: --data={root}: rows of 64 tokens are shorter than a window of "
+        "seq_len + 1 = 65; use --seq_len=63 or less"
+    )
+    text = text_shards(tmp_path / "text")
+    assert "need pre-tokenized rows in a tokens column" in line(
+        f"--data={text}", "--vocab_size=256"
+    )
