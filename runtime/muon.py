@@ -12,7 +12,7 @@ only moves matrices to where that function runs:
   collectives per matrix, and each rank runs 1/world of the Newton–Schulz work.
   `torch.optim.Muon` cannot step these DTensors: in torch 2.13 its step raises
   `aten.add_.Tensor: in-place operations that require placement changes are not supported`
-  (tests/muon_worker.py records the error on 2 ranks).
+  (`tests/muon_worker.py OUT.json --torch-muon` records the error on 2 ranks).
 
 `cautious=True` decays only the entries whose update has the parameter's sign (cautious weight
 decay, Chen et al. 2025, arXiv 2510.12402; modded-nanogpt record 43); the default is

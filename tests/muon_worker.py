@@ -1,7 +1,12 @@
 """A torchrun worker for tests/test_modern.py: `runtime.muon.Muon` on FSDP2 (N ranks) against
-one process, and the collectives of one optimizer step, ours and `torch.optim.Muon`'s.
+one process, and the collectives of one optimizer step: ours, and with `--torch-muon`
+`torch.optim.Muon`'s (or the error its step raises on these DTensors).
 
-Usage: torchrun --nproc_per_node=N tests/muon_worker.py OUT.json
+Usage: torchrun --nproc_per_node=N tests/muon_worker.py OUT.json [--torch-muon]
+
+The torch.optim.Muon probe is asked for, not run by the test: its step raises part-way
+through on one rank, which can leave a gloo collective pending and abort both processes at
+exit ("terminate called without an active exception", 1 run in 4 on torch 2.13).
 """
 
 from __future__ import annotations
@@ -147,17 +152,19 @@ def main() -> None:
         for p in sharded.parameters()
     ]
     ours = collectives(sharded, optimizer)
-    theirs_model = build()
-    for layer in theirs_model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(theirs_model)
-    try:
-        theirs: dict[str, int] | str = collectives(
-            theirs_model, torch.optim.Muon(theirs_model.parameters(), lr=LR)
-        )
-    except RuntimeError as error:  # torch 2.13: an in-place add across placements
-        theirs = str(error).splitlines()[0][:200]
+    theirs: dict[str, int] | str = "not run (pass --torch-muon)"
+    if "--torch-muon" in sys.argv[2:]:
+        theirs_model = build()
+        for layer in theirs_model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(theirs_model)
+        try:
+            theirs = collectives(
+                theirs_model, torch.optim.Muon(theirs_model.parameters(), lr=LR)
+            )
+        except RuntimeError as error:  # torch 2.13: an in-place add across placements
+            theirs = str(error).splitlines()[0][:200]
     ns_per_rank = [0] * world
     dist.all_gather_object(ns_per_rank, ours_calls)
     if rank == 0:
