@@ -28,6 +28,7 @@ from scaffold.catalog import (
     ModelFamily,
     RecipeError,
     add_algorithm,
+    load_algorithms,
     remove_algorithm,
 )
 from scaffold.history import (
@@ -987,3 +988,32 @@ def test_an_image_classification_project_upgrades_keeping_hand_edits_and_trains(
     assert "finished: step 2" in trained.stdout and [
         r["step"] for r in read_metrics(tmp_path, "up")
     ] == [1, 2]
+
+
+def test_upgrade_records_the_values_older_projects_trained_with() -> None:
+    """Options whose default changed in 0.3.0 get, for an older project whose answers lack
+    them, the value it trained with (`earlier`); a recorded value and a 0.3.0 project stay.
+    """
+    from scaffold.upgrade import ProjectState, _earlier_values
+
+    catalog = load_algorithms(template_dir())
+    recorded = {
+        "selective_backprop": {"keep": 0.5},
+        "alibi": {"train_sequence_length_scaling": 0.5},
+        "randaugment": {},
+        "gradient_clipping": {"max_norm": 1.0},
+    }
+    old = ProjectState(Path("p"), {"algorithms": recorded}, "0.2.0", __version__)
+    assert _earlier_values(old, catalog) == {
+        "algorithms": {
+            "selective_backprop": {"keep": 0.5, "sampling": "top"},
+            "alibi": {"train_sequence_length_scaling": 0.5},
+            "randaugment": {"augmentation_set": "original"},
+            "gradient_clipping": {"max_norm": 1.0},
+        }
+    }
+    assert (
+        recorded["randaugment"] == {}
+    )  # the project's answers are not changed in place
+    current = ProjectState(Path("p"), {"algorithms": recorded}, "0.3.0", __version__)
+    assert _earlier_values(current, catalog) == {}
