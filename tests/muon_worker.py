@@ -4,14 +4,14 @@ one process, and the collectives of one optimizer step: ours, and with `--torch-
 
 Usage: torchrun --nproc_per_node=N tests/muon_worker.py OUT.json [--torch-muon]
 
-The torch.optim.Muon probe is asked for, not run by the test: its step raises part-way
-through on one rank, which can leave a gloo collective pending and abort both processes at
-exit ("terminate called without an active exception", 1 run in 4 on torch 2.13).
+The torch.optim.Muon probe is asked for, not run by the test: the test does not read it,
+and its step raises part-way through.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from datetime import timedelta
 
@@ -182,6 +182,13 @@ def main() -> None:
             json.dump(result, out)
     dist.barrier()
     dist.destroy_process_group()
+    # The result is written and every rank passed the barrier. Interpreter teardown after
+    # gloo's async gathers and scatters aborts the process now and then ("terminate called
+    # without an active exception", on torch 2.13.0 and 2.14.1, with or without the probe
+    # above): leave without it, so the test reads the numbers, not that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
