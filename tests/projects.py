@@ -117,6 +117,19 @@ def one_error_line(result: subprocess.CompletedProcess[str], workdir: Path) -> s
     return lines[0]
 
 
+def assert_same_series(ours: list, theirs: list, rel: float, what: str = "") -> None:
+    """`ours` equals `theirs` within `rel`, with None (not logged at that step) in the same
+    places: pytest.approx refuses None as an expected value (pytest >= 9.2)."""
+    assert [v is None for v in ours] == [v is None for v in theirs], (
+        what,
+        ours,
+        theirs,
+    )
+    assert [v for v in ours if v is not None] == pytest.approx(
+        [v for v in theirs if v is not None], rel=rel
+    ), what
+
+
 def read_metrics(workdir: Path, run_name: str) -> list[dict]:
     path = workdir / "runs" / run_name / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]

@@ -11,16 +11,30 @@ two or three torchrun launches.
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 from projects import checkout_env
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import faults  # noqa: E402
+
+def bench_module(name: str) -> ModuleType:
+    """bench/NAME.py, imported with bench/ on the path only meanwhile: a bench script's
+    name (bench/streaming.py once) must not shadow a library for the rest of the session.
+    """
+    saved = list(sys.path)  # the bench scripts put bench/ and tests/ on it themselves
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path[:] = saved
+
+
+faults = bench_module("faults")
 
 STEPS, AT = 10, 5
 _references: dict[str, list[dict]] = {}

@@ -25,7 +25,13 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from projects import checkout_env, children, read_metrics, run_train  # noqa: E402
+from projects import (  # noqa: E402
+    assert_same_series,
+    checkout_env,
+    children,
+    read_metrics,
+    run_train,
+)
 from test_text_classification import pretrained_bert, toy_rows, write_csv  # noqa: E402
 
 SMALL = [
@@ -98,8 +104,8 @@ def same_run(metrics: list[dict], reference: list[dict]) -> None:
         [m["loss"] for m in reference], rel=1e-5
     )
     for key in ("val_loss", "accuracy", "f1"):
-        assert [m.get(key) for m in metrics] == pytest.approx(
-            [m.get(key) for m in reference], rel=1e-5
+        assert_same_series(
+            [m.get(key) for m in metrics], [m.get(key) for m in reference], 1e-5, key
         )
 
 

@@ -22,6 +22,7 @@ tokenizers = pytest.importorskip("tokenizers")
 import torch  # noqa: E402
 
 from projects import (  # noqa: E402
+    assert_same_series,
     checkout_env,
     hand_counted_forward_flops,
     project_modules,
@@ -536,9 +537,9 @@ def test_compile_matches_eager_with_a_hugging_face_model(
     reference = read_metrics(tmp_path, "eager")
     ours = read_metrics(tmp_path, "compiled")
     for key in ("loss", "val_loss", "accuracy"):
-        assert [r.get(key) for r in ours] == pytest.approx(
-            [r.get(key) for r in reference], rel=1e-4
-        ), key
+        assert_same_series(
+            [r.get(key) for r in ours], [r.get(key) for r in reference], 1e-4, key
+        )
     a = transformers.AutoModelForSequenceClassification.from_pretrained(
         tmp_path / "runs" / "compiled" / "hf"
     )

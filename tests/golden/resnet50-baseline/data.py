@@ -306,9 +306,10 @@ def mds_images(root: str) -> ImageData:
     ]
     for split, name in zip(splits, ("train", "val")):
         if not {"x", "y"} <= set(split.shards.columns):
+            columns = ", ".join(split.shards.columns)
             raise shards.ShardError(
-                f"--data={root}: {name}/ has columns {', '.join(split.shards.columns)}; "
-                "image MDS shards need x (the image) and y (its class index)"
+                f"--data={root}: {name}/ has columns {columns}; image MDS shards need "
+                "x (the image) and y (its class index)"
             )
     labels = [int(split.shards[i]["y"]) for i in range(len(splits[1]))]
     return ImageData(

@@ -333,9 +333,9 @@ class ResNet(nn.Module):
 
 
 def check_model(name: str) -> str | None:
-    """None if `name` is a preset or a hub model (torchvision:NAME, timm:NAME, hf:FOLDER)
-    that can be built here, else the problem in one line (checked at start-up, before
-    anything is written)."""
+    """None if `name` is a preset or a hub model (torchvision:NAME, timm:NAME,
+    hf:FOLDER) that can be built here, else the problem in one line (checked at
+    start-up, before anything is written)."""
     if name in PRESETS:
         return None
     hub, _, arch = name.partition(":")

@@ -537,9 +537,9 @@ class ResNet(nn.Module):
 
 
 def check_model(name: str) -> str | None:
-    """None if `name` is a preset or a hub model (torchvision:NAME, timm:NAME, hf:FOLDER)
-    that can be built here, else the problem in one line (checked at start-up, before
-    anything is written)."""
+    """None if `name` is a preset or a hub model (torchvision:NAME, timm:NAME,
+    hf:FOLDER) that can be built here, else the problem in one line (checked at
+    start-up, before anything is written)."""
     if name in PRESETS:
         return None
     hub, _, arch = name.partition(":")
@@ -701,7 +701,7 @@ class HubNet(nn.Module):
             )
 
         # algorithm: blurpool
-        # BlurPool: torchvision or timm built the layers; they become their blurring kind.
+        # BlurPool: the hub built these layers; swap them for their blurring kind.
         use_blurpool(self.net)
         # end algorithm: blurpool
 

@@ -1,7 +1,7 @@
 """Streaming data vs in-memory tokens: the cost of reading a causal LM's batches, same run.
 
-    python bench/streaming.py                      # 8 MB of text, 40 batches of 64 x 257 tokens
-    python bench/streaming.py --megabytes 32 --batches 100
+    python bench/streamed_batches.py                      # 8 MB of text, 40 batches of 64 x 257 tokens
+    python bench/streamed_batches.py --megabytes 32 --batches 100
 
 Renders a gpt2-baseline project, writes the first --megabytes of the Python standard library's
 source as a text file, converts it with the project's `python data.py convert` (litdata shards,
