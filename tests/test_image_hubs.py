@@ -281,12 +281,12 @@ def test_blurpool_and_squeeze_excite_change_hub_models_in_place(
 # ------------------------------------------------- Hugging Face: --model=hf:FOLDER
 
 
-def tiny_vit(folder: Path, seed: int) -> Path:
+def tiny_vit(folder: Path, seed: int, image_size: int = 8) -> Path:
     """A tiny ViT for the 8x8 digits (4 patches of 4x4, 2 layers, 10 classes), saved
     by transformers' save_pretrained: the folder a user downloads or fine-tuned."""
     transformers = real_library("transformers")
     config = transformers.ViTConfig(
-        image_size=8,
+        image_size=image_size,
         patch_size=4,
         hidden_size=32,
         num_hidden_layers=2,
@@ -314,6 +314,12 @@ def test_bad_hf_models_are_one_line_exit_2(project: Path, tmp_path: Path) -> Non
     vit = tiny_vit(tmp_path / "vit", seed=7)
     refused = line(f"--model=hf:{vit}", f"--weights={vit}/model.safetensors")
     assert "(hf:FOLDER: the folder's)" in refused
+    # A ViT for 16-pixel images on the 8-pixel digits: refused before the first step
+    # (transformers would raise at the first forward), naming the size and the fix.
+    vit16 = tiny_vit(tmp_path / "vit16", seed=7, image_size=16)
+    wrong_size = line(f"--model=hf:{vit16}")
+    assert "does not take the data's 8-pixel images" in wrong_size
+    assert "pass the --image_size" in wrong_size
 
 
 def test_hf_vit_trains_from_its_folder_with_its_weights(

@@ -411,6 +411,9 @@ def hub_model(name: str, num_classes: int, weights: str) -> nn.Module:
     if hub == "hf":
         import transformers  # checked by check_model at start-up
 
+        # The loop's log says what happens: no progress bars, no load reports.
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
         return transformers.AutoModelForImageClassification.from_pretrained(
             arch,
             id2label={i: str(i) for i in range(num_classes)},
@@ -456,6 +459,25 @@ def use_ghost_batchnorm(module: nn.Module, group_size: int) -> None:
             use_ghost_batchnorm(child, group_size)
 
 
+def check_image_side(name: str, net: nn.Module, side: int) -> None:
+    """Raises ValueError (one line) if `net` refuses side x side images: a model built
+    for one input size (a ViT's position embeddings) would otherwise stop the run with
+    a traceback at its first step. One image's forward in eval mode: nothing changes."""
+    training = net.training
+    try:
+        with torch.no_grad():
+            net.eval()(torch.zeros(1, 3, side, side))
+    except (RuntimeError, ValueError, AssertionError) as error:
+        reason = (str(error).splitlines() or [type(error).__name__])[0]
+        raise ValueError(
+            f"model={name} does not take the data's {side}-pixel images ({reason}); "
+            "pass the --image_size (and --eval_image_size) it was built for, or "
+            "another model"
+        ) from None
+    finally:
+        net.train(training)
+
+
 class HubNet(nn.Module):
     """A torchvision, timm or Hugging Face classification model
     (`--model=torchvision:resnet50`, `--model=timm:resnet18`, `--model=hf:FOLDER`),
@@ -477,11 +499,18 @@ class HubNet(nn.Module):
     """
 
     def __init__(
-        self, name: str, num_classes: int, bn_group_size: int, weights: str = ""
+        self,
+        name: str,
+        num_classes: int,
+        bn_group_size: int,
+        weights: str = "",
+        image_sides: tuple[int, ...] = (),
     ) -> None:
         super().__init__()
         self.net = hub_model(name, num_classes, weights)
         self.hf = name.startswith("hf:")
+        for side in sorted(set(image_sides)):
+            check_image_side(name, self.net, side)
         use_ghost_batchnorm(self.net, bn_group_size)
         plain = {
             type(m).__name__

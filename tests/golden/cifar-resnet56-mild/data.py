@@ -523,6 +523,12 @@ class Batches(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.batches_per_epoch
 
+    @property
+    def image_side(self) -> int:
+        """The side of the square images this yields: image_size for ImageFolder data,
+        the images' own size for the digits and CIFAR (one sample transformed)."""
+        return np.asarray(self.transform(self.split.sample(0)[0], 0)).shape[-2]
+
     def __getitem__(
         self, index: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -317,10 +317,12 @@ def main() -> None:
     num_workers = cfg.num_workers if images.on_disk else 0
     if cfg.model not in PRESETS:
         # A torchvision, timm or HF model, fitted to this loop (see HubNet); BatchNorm
-        # layers that cannot be made ghost are refused, as are unreadable weights.
+        # layers that cannot be made ghost are refused, as are unreadable weights and
+        # a model built for other image sizes (a ViT).
+        sides = (train_batches.image_side, val.image_side)
         with config.failing(ValueError, OSError, RuntimeError):
             model = HubNet(
-                cfg.model, len(images.classes), cfg.bn_group_size, cfg.weights
+                cfg.model, len(images.classes), cfg.bn_group_size, cfg.weights, sides
             )
     else:
         model_config = ResNetConfig(
