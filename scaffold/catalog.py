@@ -66,6 +66,16 @@ class RecipeError(ValueError):
     """A recipe, an algorithm choice or a `--set` override is wrong; the message says how to fix it."""
 
 
+# What an image algorithm does to a hub model (`--model=torchvision:NAME`, `timm:NAME`,
+# `hf:FOLDER`), declared in its algorithm.toml as `hub_models` and shown by
+# `scaffold catalog`; each kind is checked against the folder's snippets.
+HUB_MODELS = {
+    "any": "acts on the data, the loss, the optimizer or the weights: any model",
+    "surgery": "changes the library's layers by type, in place (a model.resnet.hub snippet)",
+    "refused": "needs model.py's own architecture: one error line at start-up (train.checks)",
+}
+
+
 class CatalogError(RuntimeError):
     """A pack in the template is malformed (a template bug, never user input)."""
 
@@ -136,6 +146,9 @@ class Algorithm:
     # What it makes of the model, for model.py's docstring, formatted with its
     # hyperparameters ("ReLU² MLP", "logits soft-capped at {cap}"); "": no change to describe.
     architecture: str = ""
+    # Image algorithms: what they do to a torchvision/timm/HF model (`--model=hub:NAME`),
+    # one of HUB_MODELS; empty for the other tasks' algorithms.
+    hub_models: str = ""
 
     @property
     def events(self) -> tuple[str, ...]:
@@ -333,6 +346,18 @@ def load_algorithms(template: Path) -> dict[str, Algorithm]:
         snippets = {
             _spot_of(path) for path in meta_path.parent.glob(f"*{SNIPPET_SUFFIX}")
         }
+        hub_models = str(meta.get("hub_models", ""))
+        needs = {"surgery": "model.resnet.hub", "refused": "train.checks"}
+        if hub_models and (
+            hub_models not in HUB_MODELS
+            or "image_classification" not in meta.get("tasks", ())
+            or needs.get(hub_models, "") not in snippets | {""}
+        ):
+            raise CatalogError(
+                f"{meta_path}: hub_models = {hub_models!r}; an image_classification "
+                f"algorithm declares one of {', '.join(HUB_MODELS)} ({needs['surgery']} "
+                f"snippet for surgery, {needs['refused']} for refused)"
+            )
         replaces = tuple(meta.get("replaces", ()))
         for spot in replaces:
             if (
@@ -374,6 +399,7 @@ def load_algorithms(template: Path) -> dict[str, Algorithm]:
             paper=str(meta.get("paper", "")),
             replaces=replaces,
             architecture=str(meta.get("architecture", "")),
+            hub_models=hub_models,
         )
     return {name: algorithms[name] for name in catalog_order(algorithms)}
 

@@ -325,6 +325,7 @@ def algorithms(
         "events",
         "tasks",
         "hyperparameters",
+        "hub models",
         "summary",
         box=None,
         show_edge=False,
@@ -343,6 +344,7 @@ def algorithms(
             ", ".join(algorithm.events),
             ", ".join(algorithm.tasks),
             params or "-",
+            algorithm.hub_models or "-",
             algorithm.summary,
         )
     out.print(table)

@@ -159,6 +159,9 @@ def test_every_algorithm_is_complete() -> None:
     for algorithm in load_algorithms(TEMPLATE).values():
         assert algorithm.summary and algorithm.paper and algorithm.tasks, algorithm.name
         assert algorithm.spots and set(algorithm.events) <= set(EVENTS), algorithm.name
+        # an image algorithm says what it does to torchvision/timm/HF models
+        image = "image_classification" in algorithm.tasks
+        assert bool(algorithm.hub_models) == image, algorithm.name
         for hp in algorithm.hyperparameters.values():
             assert hp.type in ("int", "float", "bool", "str", "time") and hp.help, (
                 algorithm.name,
@@ -175,6 +178,11 @@ def test_cli_lists_recipes_and_algorithms() -> None:
     assert "gpt2-speedup" in recipes.stdout and "gpt2-baseline" in recipes.stdout
     algorithms = scaffold_cli("algorithms")
     assert algorithms.returncode == 0
+    image = scaffold_cli("algorithms", "--task", "image_classification")
+    rows = {line.split()[0]: line for line in image.stdout.splitlines() if line.strip()}
+    assert "hub models" in image.stdout
+    assert " surgery " in rows["blurpool"] and " refused " in rows["stochastic_depth"]
+    assert " any " in rows["mixup"]
     for name in (
         "alibi",
         "seq_length_warmup",
@@ -328,6 +336,25 @@ def test_user_strings_are_escaped_not_pasted(tmp_path: Path) -> None:
             'earlier = { until = "0.3.0", value = "original" }',
             'earlier = { until = "0.3.0", value = "first" }',
             "has earlier value 'first'",
+        ),
+        # hub_models: one of the kinds, backed by the snippet that does or refuses it
+        (
+            "mixup",
+            'hub_models = "any"',
+            'hub_models = "all"',
+            "hub_models = 'all'; an image_classification algorithm declares one of",
+        ),
+        (
+            "channels_last",
+            'hub_models = "any"',
+            'hub_models = "surgery"',
+            "hub_models = 'surgery'",  # no model.resnet.hub snippet
+        ),
+        (
+            "label_smoothing",
+            'hub_models = "any"',
+            'hub_models = "refused"',
+            "hub_models = 'refused'",  # no train.checks snippet refuses them
         ),
     ],
 )
