@@ -563,7 +563,7 @@ def main() -> None:
     # Training FLOPs per image, for MFU (GPUs only): one forward at the training size
     # (ImageFolder crops to image_size; CIFAR and the digits keep their own), counted by
     # torch, x3 for the backward. Counted here, after any model surgery.
-    size = cfg.image_size if images.kind == "folder" else len(images.val.sample(0)[0])
+    size = train_batches.image_side
     example = torch.zeros(1, images.channels, size, size, device=env.device)
     flops_per_sample = training_flops(model, example)
     # Shard or replicate for the launch: FSDP2 per residual block then the root, DDP,
