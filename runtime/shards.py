@@ -119,6 +119,7 @@ class Shards:
     dataset: Any  # litdata's or mosaicml-streaming's StreamingDataset, read by index
     chunk_sizes: list[int]  # samples per chunk (MDS: shard), in the index's order
     columns: tuple[str, ...] = ()  # MDS: the shards' column names (litdata: unknown)
+    fingerprint: str = ""  # a hash of the split's index.json: names this version of it
 
     def __len__(self) -> int:
         return sum(self.chunk_sizes)
@@ -157,15 +158,17 @@ def open_split(root: str, split: str, block_size: int = 0) -> Shards:
     tokens (litdata's TokensLoader). Every chunk the index names must be present."""
     url = f"{root.rstrip('/')}/{split}"
     try:
-        index = json.loads(_read_text(f"{url}/{INDEX}"))
+        text = _read_text(f"{url}/{INDEX}")
+        index = json.loads(text)
     except (OSError, ValueError, ImportError) as error:
         raise ShardError(
             f"--data={root}: no readable {split}/{INDEX} ({type(error).__name__}: {error}); "
             "write the dataset with `python data.py convert` (litdata's optimize) or "
             "mosaicml-streaming's MDSWriter"
         ) from None
+    fingerprint = hashlib.sha1(text.encode()).hexdigest()[:16]
     if isinstance(index, dict) and "shards" in index:
-        return open_mds(root, split, index["shards"])
+        return open_mds(root, split, index["shards"], fingerprint)
     try:
         chunks = index["chunks"]
         names = [chunk["filename"] for chunk in chunks]
@@ -200,10 +203,12 @@ def open_split(root: str, split: str, block_size: int = 0) -> Shards:
                     f"{str(error).splitlines()[0] if str(error) else ''})"
                 ) from None
             time.sleep(wait)
-    return Shards(url, dataset, counts)
+    return Shards(url, dataset, counts, fingerprint=fingerprint)
 
 
-def open_mds(root: str, split: str, entries: list[dict[str, Any]]) -> Shards:
+def open_mds(
+    root: str, split: str, entries: list[dict[str, Any]], fingerprint: str = ""
+) -> Shards:
     """ROOT/split holding MDS shards (mosaicml-streaming's index.json `shards`) as Shards,
     read through streaming.StreamingDataset. Every shard file must be present."""
     url = f"{root.rstrip('/')}/{split}"
@@ -247,7 +252,7 @@ def open_mds(root: str, split: str, entries: list[dict[str, Any]]) -> Shards:
             f"--data={root}: cannot open {split}/ ({type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''})"
         ) from None
-    return Shards(url, dataset, counts, columns=columns.pop())
+    return Shards(url, dataset, counts, columns=columns.pop(), fingerprint=fingerprint)
 
 
 def check_present(root: str, split: str, names: list[str], kind: str) -> None:

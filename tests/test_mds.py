@@ -26,6 +26,7 @@ from projects import (
     one_error_line,
     run_killed,
     project_modules,
+    read_metrics,
     real_library,
     run_train,
 )
@@ -294,7 +295,111 @@ def test_bad_mds_token_shards_are_one_line_exit_2(
         f"error: --data={root}: rows of 64 tokens are shorter than a window of "
         "seq_len + 1 = 65; use --seq_len=63 or less"
     )
-    text = text_shards(tmp_path / "text")
-    assert "need pre-tokenized rows in a tokens column" in line(
-        f"--data={text}", "--vocab_size=256"
+    labels = tmp_path / "labels"
+    for split in ("train", "val"):
+        with streaming.MDSWriter(out=str(labels / split), columns={"y": "int"}) as out:
+            out.write({"y": 1})
+    assert "with pre-tokenized rows in `tokens` (llm-foundry's" in line(
+        f"--data={labels}", "--vocab_size=256"
     )
+    text = text_shards(tmp_path / "text")
+    assert "holds text, read as bytes; use 256 or more" in line(
+        f"--data={text}", "--vocab_size=100"
+    )
+
+
+def test_mds_text_rows_are_the_texts_bytes(
+    lm_project: Path, shard_cache: Path, tmp_path: Path
+) -> None:
+    """llm-foundry's text shards (a `text` column): each split is its rows' UTF-8 bytes
+    joined by newlines, in the written order (byte tokens, vocabulary 256, as a text
+    file); a run trains on them."""
+    root = tmp_path / "text"
+    with project_modules(lm_project) as found:
+        source = bytes(found["data"].load_tokens("").train[:40_000])
+    lines = source.decode(errors="replace").splitlines()
+    texts = {"train": lines[:-40], "val": lines[-40:]}
+    for split, rows in texts.items():
+        with streaming.MDSWriter(
+            out=str(root / split), columns={"text": "str"}, size_limit=3000
+        ) as writer:
+            for row in rows:
+                writer.write({"text": row})
+    assert len(json.loads((root / "train" / "index.json").read_text())["shards"]) > 2
+    with project_modules(lm_project) as found:
+        tokens = found["data"].load_tokens(str(root), seq_len=32)
+    assert tokens.vocab_size == 256 and "(text, as bytes)" in tokens.source
+    for split, rows in texts.items():
+        expected = "\n".join(rows).encode()
+        assert bytes(getattr(tokens, split)) == expected
+    result = ok(run_train(lm_project, tmp_path, *LM, f"--data={root}"))
+    assert "(text, as bytes)" in result.stdout
+
+
+# ------------------------------------------------ text classification: MDS rows
+
+
+def write_text_shards(root: Path, rows: list[dict], split: str) -> None:
+    """Rows as MDSWriter writes a labelled text set: a str column and an int label
+    (numbered as the CSV's string labels are: neg 0, pos 1)."""
+    with streaming.MDSWriter(
+        out=str(root / split),
+        columns={"sentence": "str", "label": "int"},
+        compression="zstd",
+        size_limit=600,  # a few rows a shard
+    ) as writer:
+        for row in rows:
+            writer.write({**row, "label": ["neg", "pos"].index(row["label"])})
+
+
+def test_mds_text_rows_train_as_the_same_rows_in_csv_files(
+    generated: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bert-sst2 with --data=MDS shards (train/, val/: sentence, label) trains exactly
+    as with the same rows as --data/--val_data CSV files: the same losses and
+    accuracies, step by step. A --val_data beside shards, and shards that are not MDS,
+    are one error line each."""
+    from test_text_classification import pretrained_bert, toy_rows, write_csv
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    project = generated["bert-sst2"]
+    rows = toy_rows(85)
+    train, val = rows[:80], rows[80:]
+    mds = tmp_path / "mds"
+    write_text_shards(mds, train, "train")
+    write_text_shards(mds, val, "val")
+    assert len(json.loads((mds / "train" / "index.json").read_text())["shards"]) > 2
+    args = [
+        f"--model={pretrained_bert(tmp_path / 'bert', dropout=0.0)}",
+        "--max_seq_len=16",
+        "--global_batch_size=8",
+        "--device_microbatch_size=4",
+        "--lr=3e-3",
+        "--max_duration=4ba",
+        "--eval_interval=2ba",
+    ]
+    files = [
+        f"--data={write_csv(tmp_path / 'train.csv', train)}",
+        f"--val_data={write_csv(tmp_path / 'val.csv', val)}",
+    ]
+    ok(run_train(project, tmp_path, *args, *files, "--run_name=csv"))
+    shards_run = ok(
+        run_train(project, tmp_path, *args, f"--data={mds}", "--run_name=mds")
+    )
+    assert f"{mds} (text: sentence, label: label)" in shards_run.stdout
+    keys = ("step", "loss", "val_loss", "accuracy")
+    ours, theirs = (read_metrics(tmp_path, run) for run in ("mds", "csv"))
+    assert [[m.get(k) for k in keys] for m in ours] == [
+        [m.get(k) for k in keys] for m in theirs
+    ]
+    assert sum("accuracy" in m for m in ours) == 2
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    both = run_train(project, bad, *args, f"--data={mds}", files[1])
+    assert "holds its own val/ split; remove --val_data" in one_error_line(both, bad)
+    litdata_like = tmp_path / "litdata"
+    litdata_like.mkdir()
+    (litdata_like / "meta.json").write_text("{}")
+    wrong = run_train(project, bad, *args, f"--data={litdata_like}")
+    assert "no MDS index in train/" in one_error_line(wrong, bad)
