@@ -38,7 +38,8 @@ from runtime.time import Progress, Time, as_fraction, check_fraction
 class Config:
     run_name: str = "my-gpt"  # runs/<run_name>/; rerunning a name resumes it
     seed: int = 42  # a run is a function of (config, seed)
-    # data: "" the embedded default; a .csv, .jsonl or .parquet file; a datasets folder
+    # data: "" the embedded default; a .csv, .jsonl or .parquet file; a datasets folder;
+    # MDS shards (a folder or URL with train/ and val/)
     data: str = ""
     val_data: str = ""  # validation file; "": a seeded 10% of --data
     text_column: str = ""  # "": `text`, else `sentence`

@@ -3,9 +3,12 @@
 `--data=PATH` takes a CSV file, a JSON Lines file (.jsonl) or a Parquet file with a text
 column (`--text_column`; by default `text` or `sentence`) and a label column
 (`--label_column`, default `label`), or a folder written by `datasets`'
-`save_to_disk` (its `validation` split, else `test`, is the validation set). Labels are
-integers 0..num_labels-1 or strings (sorted, then numbered). A file's validation set is
-`--val_data`, or else a seeded 10% of its rows.
+`save_to_disk` (its `validation` split, else `test`, is the validation set), or MDS
+shards (a folder or URL with train/ and val/ written by mosaicml-streaming's MDSWriter,
+one row a sample, e.g. columns `text` and `label`; read whole through
+`streaming.StreamingDataset`). Labels are integers 0..num_labels-1 or strings (sorted,
+then numbered). A file's validation set is `--val_data`, or else a seeded 10% of its
+rows.
 
 The default data works offline: lines of the Python standard library's own source, each
 labelled prose (a comment's text) or code (a statement) -- real text with a real signal.
@@ -30,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from runtime import shards
 
 # Share of a file's rows held out for validation when there is no --val_data.
 VAL_FRACTION = 0.1
@@ -70,18 +75,28 @@ def load_texts(
     if not data:
         return embedded_texts(seed)
     path = Path(data).expanduser()
-    if not path.exists():
+    if shards.is_shards(data):  # MDS shards: a folder or URL holding train/ and val/
+        if val_data:
+            raise ValueError(
+                f"--val_data={val_data}: --data={data} holds its own val/ split; "
+                "remove --val_data"
+            )
+        (train_rows, val_rows), identity = mds_rows(data)
+        # A URL's texts are tokenised into the working folder's cache.
+        cache_dir = (path if "://" not in data else Path.cwd()) / ".scaffold-cache"
+    elif not path.exists():
         raise FileNotFoundError(
             f"--data={data}: no such file or folder; pass a .csv, .jsonl or .parquet "
-            "file or a datasets folder, or leave it empty for the embedded default"
+            "file, a datasets folder or MDS shards, or leave it empty for the embedded "
+            "default"
         )
-    if path.is_dir():
+    elif path.is_dir():
         train_rows, val_rows = dataset_folder_rows(path)
-        cache_dir = path / ".scaffold-cache"
+        cache_dir, identity = path / ".scaffold-cache", file_stats(path)
     else:
         train_rows = table_rows(path)
         val_rows = table_rows(Path(val_data).expanduser()) if val_data else []
-        cache_dir = path.parent / ".scaffold-cache"
+        cache_dir, identity = path.parent / ".scaffold-cache", file_stats(path)
     column = text_column or next(
         (c for c in TEXT_COLUMNS if train_rows and c in train_rows[0]), "text"
     )
@@ -102,14 +117,12 @@ def load_texts(
     names, (train_labels, val_labels) = label_ids(
         [train_raw, val_raw], num_labels, label_column
     )
-    fingerprint = digest(
-        [file_stats(path), val_data, column, label_column, num_labels, seed]
-    )
+    fingerprint = digest([identity, val_data, column, label_column, num_labels, seed])
     return TextData(
         Texts(train_texts, train_labels),
         Texts(val_texts, val_labels),
         names,
-        f"{path} (text: {column}, label: {label_column})",
+        f"{data if '://' in data else path} (text: {column}, label: {label_column})",
         cache_dir,
         fingerprint,
     )
@@ -189,6 +202,26 @@ def dataset_folder_rows(path: Path) -> tuple[list[dict], list[dict]]:
             f"--data={path}: the datasets folder needs a 'validation' or 'test' split"
         )
     return saved["train"].to_list(), saved[val_split].to_list()
+
+
+def mds_rows(data: str) -> tuple[tuple[list[dict], list[dict]], list[str]]:
+    """The train/ and val/ rows of MDS shards, read whole (a labelled text set fits in
+    memory and is tokenised once, as a file's), and what identifies them for the cache:
+    the URL and its index files' hashes."""
+    if not shards.is_mds(data):
+        raise shards.ShardError(
+            f"--data={data}: no MDS index in train/ (index.json with `shards`); text "
+            "classification reads MDS shards written by MDSWriter, a .csv, .jsonl or "
+            ".parquet file, or a datasets folder"
+        )
+    splits = [shards.open_split(data, split) for split in ("train", "val")]
+    rows = tuple([plain(split[i]) for i in range(len(split))] for split in splits)
+    return rows, [data, *(split.fingerprint for split in splits)]
+
+
+def plain(row: dict) -> dict:
+    """An MDS sample with numpy scalars (an `int64` label) as Python values."""
+    return {k: v.item() if isinstance(v, np.generic) else v for k, v in row.items()}
 
 
 def column_of(rows: list[dict], column: str, where: str, label: bool = False) -> list:

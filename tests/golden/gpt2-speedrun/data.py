@@ -7,8 +7,8 @@ again), or a `.bin` file of uint16 token ids (nanoGPT's format: a `val.bin` besi
 is the validation split, a `meta.pkl` beside it gives the vocabulary size), or a
 streaming dataset: litdata shards in a folder or at a URL (`s3://bucket/data`), written
 by `python data.py convert OUT --data=...` (see `convert` and runtime/shards.py), or
-MDS shards (train/, val/) of pre-tokenized rows written by mosaicml-streaming's
-MDSWriter, as llm-foundry's are (`mds_tokens`).
+MDS shards (train/, val/) written by mosaicml-streaming's MDSWriter, as llm-foundry's
+are: pre-tokenized rows (`tokens`), or texts (`text`, read as bytes; `mds_tokens`).
 
 A sample is a window of seq_len + 1 tokens (inputs plus next-token targets); windows
 do not overlap. Epoch e visits the windows in a permutation seeded by (seed, e), so
@@ -161,13 +161,12 @@ def uint16_tokens(path: Path, read_meta: bool = True) -> TokenData:
 
 
 def shard_tokens(root: str, vocab_size: int, seq_len: int) -> TokenData:
-    """A streaming dataset's windows; the vocabulary from its meta.json (MDS shards
-    without one: `mds_tokens`)."""
-    meta = shards.read_meta(root, optional=shards.is_mds(root))
-    if not meta:  # MDS shards without one
-        return mds_tokens(root, vocab_size, seq_len)
-    meta_size = meta.get("vocab_size")
-    if not isinstance(meta_size, int) or meta_size < 1:
+    """A streaming dataset's windows; the vocabulary from its meta.json (optional for MDS
+    shards: `mds_tokens`)."""
+    mds = shards.is_mds(root)
+    meta = shards.read_meta(root, optional=mds)
+    meta_size = meta.get("vocab_size", 0)
+    if meta and (not isinstance(meta_size, int) or meta_size < 1):
         raise shards.ShardError(
             f"--data={root}: meta.json has no positive integer vocab_size; add one"
         )
@@ -176,6 +175,8 @@ def shard_tokens(root: str, vocab_size: int, seq_len: int) -> TokenData:
             f"--vocab_size={vocab_size} but {root} has a vocabulary of {meta_size}; "
             f"use {meta_size} or more, or 0 to take it from meta.json"
         )
+    if mds:
+        return mds_tokens(root, vocab_size or meta_size, seq_len)
     train = shards.open_split(root, "train", block_size=seq_len + 1)
     val = shards.open_split(root, "val", block_size=seq_len + 1)
     source = f"streaming dataset {root} (litdata shards)"
@@ -183,17 +184,23 @@ def shard_tokens(root: str, vocab_size: int, seq_len: int) -> TokenData:
 
 
 def mds_tokens(root: str, vocab_size: int, seq_len: int) -> TokenData:
-    """MDS shards of pre-tokenized rows as llm-foundry writes them (column `tokens`: an
-    ndarray, or int64 bytes), without meta.json: a window is a row's first seq_len + 1
-    tokens (`window`), so rows need at least that many; --vocab_size is required (the
-    tokenizer's, which the shards do not record)."""
+    """MDS shards as llm-foundry writes them, in one of its two layouts:
+    - pre-tokenized rows (`convert_dataset_hf --concat_tokens`: column `tokens`, an
+      ndarray, or int64 bytes): a window is a row's first seq_len + 1 tokens
+      (`window`), so rows need at least that many; the vocabulary is --vocab_size
+      or meta.json's (the shards do not record the tokenizer's);
+    - text rows (column `text`): read whole into memory as UTF-8 bytes, rows joined
+      by newlines, as text files are (`mds_text`)."""
     train, val = (shards.open_split(root, split) for split in ("train", "val"))
-    if "tokens" not in train.columns or train.columns != val.columns:
+    if train.columns != val.columns or not {"tokens", "text"} & set(train.columns):
         raise shards.ShardError(
-            f"--data={root}: train/ has columns {', '.join(train.columns)}; language "
-            "MDS shards need pre-tokenized rows in a tokens column (llm-foundry's "
-            "convert_dataset_hf --concat_tokens writes them)"
+            f"--data={root}: train/ has columns {', '.join(train.columns)} and val/ "
+            f"{', '.join(val.columns)}; language MDS shards need the same columns, with "
+            "pre-tokenized rows in `tokens` (llm-foundry's convert_dataset_hf "
+            "--concat_tokens) or texts in `text`"
         )
+    if "tokens" not in train.columns:
+        return mds_text(root, train, val, vocab_size)
     if vocab_size < 1:
         raise shards.ShardError(
             f"--data={root}: MDS shards do not record their vocabulary; pass "
@@ -206,6 +213,27 @@ def mds_tokens(root: str, vocab_size: int, seq_len: int) -> TokenData:
             f"seq_len + 1 = {seq_len + 1}; use --seq_len={length - 1} or less"
         )
     return TokenData(train, val, vocab_size, f"MDS shards {root} (tokens)")
+
+
+def mds_text(
+    root: str, train: shards.Shards, val: shards.Shards, vocab_size: int
+) -> TokenData:
+    """Each split's `text` rows as one array of UTF-8 bytes (rows joined by newlines),
+    in memory: byte tokens, as a text file's."""
+    if vocab_size and vocab_size < BYTE_VOCAB_SIZE:
+        raise ValueError(
+            f"--vocab_size={vocab_size}: {root} holds text, read as bytes; use "
+            f"{BYTE_VOCAB_SIZE} or more, or 0"
+        )
+
+    def byte_array(split: shards.Shards) -> np.ndarray:
+        texts = (str(split[i]["text"]).encode() for i in range(len(split)))
+        return np.frombuffer(b"\n".join(texts), dtype=np.uint8)
+
+    source = f"MDS shards {root} (text, as bytes)"
+    return TokenData(
+        byte_array(train), byte_array(val), vocab_size or BYTE_VOCAB_SIZE, source
+    )
 
 
 def window(row: np.ndarray | dict, seq_len: int) -> np.ndarray:
