@@ -57,8 +57,14 @@ TRAIN_SECTIONS = ("imports", "config", "checks", "functions", "metrics", "augmen
 DATA_SECTIONS = ("functions",)
 # Code of train.py an algorithm may replace (at most one algorithm each), and the event it
 # belongs to: `train.optimizer` stands instead of the task's optimizer construction,
-# `train.encode` instead of the frozen encoders' forward of a step (the diffusion task's).
-TRAIN_POINTS = {"optimizer": "OPTIMIZER", "encode": "BATCH_START"}
+# `train.encode` instead of the frozen encoders' forward of a step (the diffusion task's),
+# `train.loss` instead of a microbatch's summed loss in forward_backward().
+TRAIN_POINTS = {"optimizer": "OPTIMIZER", "encode": "BATCH_START", "loss": "LOSS"}
+# Task-only places inside the loop where any number of algorithms add code, and the event
+# they belong to: the diffusion task's `noise` (the step's noise is drawn, the latents not
+# yet noised: change `noise`) and `targets` (the UNet's `inputs` and `targets` are made:
+# add per-sample entries to `inputs`).
+TRAIN_PLACES = {"noise": "BATCH_START", "targets": "BATCH_START"}
 SNIPPET_SUFFIX = ".py.jinja"
 
 
@@ -155,6 +161,7 @@ class Algorithm:
         """The loop events it acts at, in loop order; model changes act at MODEL."""
         acts = {spot.split(".")[1] for spot in self.spots if spot.startswith("train.")}
         acts |= {TRAIN_POINTS[point] for point in acts if point in TRAIN_POINTS}
+        acts |= {TRAIN_PLACES[place] for place in acts if place in TRAIN_PLACES}
         if any(spot.startswith("model.") for spot in self.spots):
             acts.add("MODEL")
         return tuple(event for event in EVENTS if event in acts)
@@ -232,7 +239,8 @@ def _spot_of(snippet: Path) -> str:
         (
             len(parts) == 2
             and parts[0] == "train"
-            and parts[1] in EVENTS + TRAIN_SECTIONS + tuple(TRAIN_POINTS)
+            and parts[1]
+            in EVENTS + TRAIN_SECTIONS + tuple(TRAIN_POINTS) + tuple(TRAIN_PLACES)
         )
         or (len(parts) == 2 and parts[0] == "data" and parts[1] in DATA_SECTIONS)
         or (len(parts) == 3 and parts[0] == "model")
@@ -240,7 +248,8 @@ def _spot_of(snippet: Path) -> str:
     if not valid:
         raise CatalogError(
             f"{snippet}: a snippet is named "
-            f"train.<EVENT|{'|'.join(TRAIN_SECTIONS + tuple(TRAIN_POINTS))}>{SNIPPET_SUFFIX}, "
+            f"train.<EVENT|{'|'.join(TRAIN_SECTIONS + tuple(TRAIN_POINTS) + tuple(TRAIN_PLACES))}>"
+            f"{SNIPPET_SUFFIX}, "
             f"data.<{'|'.join(DATA_SECTIONS)}>{SNIPPET_SUFFIX} "
             f"or model.<family>.<extension point>{SNIPPET_SUFFIX}"
         )

@@ -394,6 +394,7 @@ def test_declared_spots_replaces_and_checks() -> None:
     assert catalog["ema"].params({"half_life": "5ba"}) == {
         "half_life": "5ba",
         "update_interval": "1ba",
+        "start": 0.0,
         "export": True,
     }
     assert (

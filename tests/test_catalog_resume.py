@@ -84,6 +84,7 @@ TASK_ARGS = {
         "--eval_timesteps=2",
         "--samples_per_prompt=1",
         "--sample_steps=2",
+        "--prediction_type=v_prediction",  # zero_terminal_snr needs it
     ],
 }
 # Hyperparameters that make an algorithm act within 6 steps (its defaults act later, or

@@ -153,7 +153,7 @@ def test_low_precision_norms_make_the_unets_norms_bf16_under_autocast_only(
         captions = ["a handwritten digit one", "a handwritten digit two"]
         images = np.random.default_rng(0).integers(0, 256, (4, 16, 16, 3), np.uint8)
         tokenizer = model.tiny_tokenizer(captions)
-        parts = model.tiny_parts(tokenizer, images, 1, tmp_path, 0)
+        parts = model.tiny_parts(tokenizer, images, 1, tmp_path, 0, "auto")
         # The UNet's 21 GroupNorms and 12 LayerNorms (its transformer blocks') are the
         # low-precision kind; the frozen VAE and text encoder keep theirs.
         unet_norms = [

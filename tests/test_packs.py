@@ -19,6 +19,7 @@ from conftest import scaffold_cli
 from projects import project_modules
 from scaffold.catalog import (
     EVENTS,
+    TRAIN_PLACES,
     TRAIN_POINTS,
     Algorithm,
     CatalogError,
@@ -53,8 +54,14 @@ TWO_STEPS = [
 # and that keep a diffusion run short.
 TASK_ARGS = {
     "image_classification": ["--bn_group_size=2"],
-    # a VAE fitted for a few steps, one sample per prompt in few DDIM steps
-    "diffusion": ["--tiny_vae_steps=5", "--samples_per_prompt=1", "--sample_steps=2"],
+    # a VAE fitted for a few steps, one sample per prompt in few DDIM steps; v prediction
+    # (zero_terminal_snr needs it, every other algorithm takes it)
+    "diffusion": [
+        "--tiny_vae_steps=5",
+        "--samples_per_prompt=1",
+        "--sample_steps=2",
+        "--prediction_type=v_prediction",
+    ],
 }
 
 
@@ -186,9 +193,9 @@ def test_cli_events_are_derived_from_snippet_file_names() -> None:
             spot.split(".")[1] for spot in spots if spot.split(".")[1] in EVENTS
         }
         expected |= {
-            TRAIN_POINTS[spot.split(".")[1]]
+            {**TRAIN_POINTS, **TRAIN_PLACES}[spot.split(".")[1]]
             for spot in spots
-            if spot.split(".")[1] in TRAIN_POINTS
+            if spot.split(".")[1] in {**TRAIN_POINTS, **TRAIN_PLACES}
         }
         if any(spot.startswith("model.") for spot in spots):
             expected.add("MODEL")
@@ -262,8 +269,8 @@ def test_every_algorithm_renders_alone_and_trains(
     for spot in train_spots:
         if spot in EVENTS:
             assert spot in places, (name, spot, places)
-        if spot == "optimizer":  # replaced host code: builds what its event point names
-            marker = f"# event: {TRAIN_POINTS[spot]}"
+        if spot in ("optimizer", "loss"):  # replaced host code: makes what its event
+            marker = f"# event: {TRAIN_POINTS[spot]}"  # point names (optimizer, loss)
             assert train.index(f"# algorithm: {name}") < train.index(marker), (
                 name,
                 spot,
@@ -271,10 +278,15 @@ def test_every_algorithm_renders_alone_and_trains(
             )
         elif spot in TRAIN_POINTS:  # replaced host code inside its event's stretch
             assert TRAIN_POINTS[spot] in places, (name, spot, places)
+        elif spot in TRAIN_PLACES:  # a task's place inside its event's stretch
+            assert TRAIN_PLACES[spot] in places, (name, spot, places)
     sections = [
         spot
         for spot in train_spots
-        if spot not in EVENTS and spot not in TRAIN_POINTS and spot != "metrics"
+        if spot not in EVENTS
+        and spot not in TRAIN_POINTS
+        and spot not in TRAIN_PLACES
+        and spot != "metrics"
     ]
     assert places.count("module") == len(sections)
     model = (project / "model.py").read_text()

@@ -117,6 +117,8 @@ class Config:
     # weight average: a weight's share in it halves after ema_half_life
     ema_half_life: Time = Time.parse("8ba")
     ema_update_interval: Time = Time.parse("2ba")  # every ...
+    # fraction of training until which the "average" is the weights themselves
+    ema_start: float = 0.0
     ema_export: bool = True  # scaffold export writes the average
     # end algorithm: ema
 
@@ -246,6 +248,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     # end algorithm: progressive_resizing
 
     # algorithm: ema
+    config.check_ranges(cfg, ema_start="[0, 1]")
     with config.failing(ValueError, prefix="ema: "):
         ema_smoothing(cfg)
     # end algorithm: ema
@@ -789,8 +792,11 @@ def main() -> None:
             # event: BATCH_END
 
             # algorithm: ema
-            # Fold the weights just stepped into their moving average.
-            if progress.at_interval(cfg.ema_update_interval, cfg.max_duration):
+            # Fold the weights just stepped into their moving average; up to ema_start
+            # (a fraction of training) the "average" is the weights themselves.
+            if progress.fraction(cfg.max_duration) <= cfg.ema_start:
+                update_ema(ema_model, model, 0.0)
+            elif progress.at_interval(cfg.ema_update_interval, cfg.max_duration):
                 update_ema(ema_model, model, ema_smoothing(cfg))
             # end algorithm: ema
 

@@ -66,6 +66,10 @@ class Config:
     # the unconditional prediction classifier-free guidance needs (mosaicml/diffusion's
     # caption_drop_prob, 0.1 in its SD2 recipes)
     caption_drop_prob: float = 0.1
+    # what the UNet learns to predict: epsilon (the noise) or v_prediction (the velocity
+    # alpha * noise - sigma * latents; Salimans & Ho 2022); auto: the model folder's
+    # scheduler's (tiny: epsilon). Validation, the samples and the pipeline follow it.
+    prediction_type: Literal["auto", "epsilon", "v_prediction"] = "auto"
     # optimization; Time strings: 10ep, 2000ba (steps), 4096sp, 0.25dur
     max_duration: Time = Time.parse("1500ba")  # training length
     global_batch_size: int = 32  # samples per step, summed over ranks
@@ -439,7 +443,7 @@ def main() -> None:
         parts = (
             None
             if cfg.model == "tiny"
-            else load_parts(cfg.model, cfg.from_scratch, cfg.seed)
+            else load_parts(cfg.model, cfg.from_scratch, cfg.seed, cfg.prediction_type)
         )
         resolution = cfg.resolution or native_resolution(parts)
         captioned = data.load_captioned(cfg.data, cfg.val_data, resolution, cfg.seed)
@@ -452,7 +456,12 @@ def main() -> None:
         if parts is None:  # the VAE fitted once, cached
             cache = Path("runs") / ".scaffold-cache"
             parts = tiny_parts(
-                tokenizer, captioned.train.images, cfg.tiny_vae_steps, cache, cfg.seed
+                tokenizer,
+                captioned.train.images,
+                cfg.tiny_vae_steps,
+                cache,
+                cfg.seed,
+                cfg.prediction_type,
             )
         train_batches = data.Batches(
             captioned.train, train_ids, cfg.global_batch_size, cfg.seed
@@ -588,7 +597,7 @@ def main() -> None:
             # event: BATCH_START
 
             # The frozen encoders (no gradients), then the noise: the UNet learns to
-            # predict it from the latents noised to random timesteps.
+            # predict it (or the velocity) from the latents noised to random timesteps.
             latent_noise, noise, timesteps, dropped = step_noise(
                 cfg, progress.batch, latent_shape, env
             )

@@ -1,5 +1,6 @@
 """Latent diffusion's parts, from diffusers and transformers: a UNet that predicts the
-noise in VAE latents, conditioned on CLIP text-encoder states (Stable Diffusion).
+noise (or the velocity) in VAE latents, conditioned on CLIP text-encoder states (Stable
+Diffusion).
 
 `--model=path/to/folder` (a StableDiffusionPipeline folder: unet/, vae/,
 text_encoder/, tokenizer/, scheduler/) or a hub id (downloaded once into the Hugging
@@ -168,8 +169,9 @@ class Parts:
         return self.vae.config.scaling_factor
 
 
-def load_parts(name: str, from_scratch: bool, seed: int) -> Parts:
-    """A pipeline folder's or hub id's parts (`tiny` is built by tiny_parts)."""
+def load_parts(name: str, from_scratch: bool, seed: int, prediction_type: str) -> Parts:
+    """A pipeline folder's or hub id's parts (`tiny` is built by tiny_parts), the UNet
+    predicting `prediction_type` (auto: what the folder's scheduler says)."""
     try:
         unet = UNet2DConditionModel.from_pretrained(name, subfolder="unet")
     except (OSError, ValueError) as error:
@@ -185,7 +187,10 @@ def load_parts(name: str, from_scratch: bool, seed: int) -> Parts:
             CLIPTextModel.from_pretrained(name, subfolder="text_encoder"),
             AutoencoderKL.from_pretrained(name, subfolder="vae"),
             unet,
-            DDPMScheduler.from_pretrained(name, subfolder="scheduler"),
+            predicting(
+                DDPMScheduler.from_pretrained(name, subfolder="scheduler"),
+                prediction_type,
+            ),
         )
     except (OSError, ValueError) as error:
         why = str(error).splitlines()[0]
@@ -207,10 +212,16 @@ def native_resolution(parts: Parts | None) -> int:
 
 
 def tiny_parts(
-    tokenizer: CLIPTokenizer, images: np.ndarray, vae_steps: int, cache: Path, seed: int
+    tokenizer: CLIPTokenizer,
+    images: np.ndarray,
+    vae_steps: int,
+    cache: Path,
+    seed: int,
+    prediction_type: str,
 ) -> Parts:
     """The offline parts: `tokenizer` (tiny_tokenizer), a random text encoder and UNet,
-    and a VAE fitted to `images` (cached under a key of images, config, steps)."""
+    and a VAE fitted to `images` (cached under a key of images, config, steps); the UNet
+    predicts `prediction_type` (auto: epsilon, as Stable Diffusion's schedule)."""
     torch.manual_seed(seed)
     text_config = CLIPTextConfig(
         vocab_size=len(tokenizer),
@@ -245,9 +256,17 @@ def tiny_parts(
         except OSError:
             pass
     vae = AutoencoderKL.from_pretrained(folder)  # every rank: the same weights
-    return freeze(
-        Parts(tokenizer, text_encoder, vae, unet, DDPMScheduler(**SD_SCHEDULE))
-    )
+    scheduler = predicting(DDPMScheduler(**SD_SCHEDULE), prediction_type)
+    return freeze(Parts(tokenizer, text_encoder, vae, unet, scheduler))
+
+
+def predicting(scheduler: DDPMScheduler, prediction_type: str) -> DDPMScheduler:
+    """The schedule with the UNet's target in its config (`prediction_type`: epsilon or
+    v_prediction; auto keeps the schedule's), which training, validation, the sampler
+    and the exported pipeline's scheduler all read."""
+    if prediction_type == "auto":
+        return scheduler
+    return DDPMScheduler.from_config(scheduler.config, prediction_type=prediction_type)
 
 
 def tiny_tokenizer(captions: list[str]) -> CLIPTokenizer:

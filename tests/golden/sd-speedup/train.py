@@ -78,6 +78,10 @@ class Config:
     # the unconditional prediction classifier-free guidance needs (mosaicml/diffusion's
     # caption_drop_prob, 0.1 in its SD2 recipes)
     caption_drop_prob: float = 0.1
+    # what the UNet learns to predict: epsilon (the noise) or v_prediction (the velocity
+    # alpha * noise - sigma * latents; Salimans & Ho 2022); auto: the model folder's
+    # scheduler's (tiny: epsilon). Validation, the samples and the pipeline follow it.
+    prediction_type: Literal["auto", "epsilon", "v_prediction"] = "auto"
     # optimization; Time strings: 10ep, 2000ba (steps), 4096sp, 0.25dur
     max_duration: Time = Time.parse("1500ba")  # training length
     global_batch_size: int = 32  # samples per step, summed over ranks
@@ -93,6 +97,8 @@ class Config:
     # weight average: a weight's share in it halves after ema_half_life
     ema_half_life: Time = Time.parse("0.01dur")
     ema_update_interval: Time = Time.parse("1ba")  # every ...
+    # fraction of training until which the "average" is the weights themselves
+    ema_start: float = 0.0
     ema_export: bool = True  # scaffold export writes the average
     # end algorithm: ema
 
@@ -184,6 +190,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
         check_fraction(cfg.lr_warmup, cfg.max_duration)
 
     # algorithm: ema
+    config.check_ranges(cfg, ema_start="[0, 1]")
     with config.failing(ValueError, prefix="ema: "):
         ema_smoothing(cfg)
     # end algorithm: ema
@@ -549,7 +556,7 @@ def main() -> None:
         parts = (
             None
             if cfg.model == "tiny"
-            else load_parts(cfg.model, cfg.from_scratch, cfg.seed)
+            else load_parts(cfg.model, cfg.from_scratch, cfg.seed, cfg.prediction_type)
         )
         resolution = cfg.resolution or native_resolution(parts)
         captioned = data.load_captioned(cfg.data, cfg.val_data, resolution, cfg.seed)
@@ -562,7 +569,12 @@ def main() -> None:
         if parts is None:  # the VAE fitted once, cached
             cache = Path("runs") / ".scaffold-cache"
             parts = tiny_parts(
-                tokenizer, captioned.train.images, cfg.tiny_vae_steps, cache, cfg.seed
+                tokenizer,
+                captioned.train.images,
+                cfg.tiny_vae_steps,
+                cache,
+                cfg.seed,
+                cfg.prediction_type,
             )
         train_batches = data.Batches(
             captioned.train, train_ids, cfg.global_batch_size, cfg.seed
@@ -721,7 +733,7 @@ def main() -> None:
             # event: BATCH_START
 
             # The frozen encoders (no gradients), then the noise: the UNet learns to
-            # predict it from the latents noised to random timesteps.
+            # predict it (or the velocity) from the latents noised to random timesteps.
             latent_noise, noise, timesteps, dropped = step_noise(
                 cfg, progress.batch, latent_shape, env
             )
@@ -763,8 +775,11 @@ def main() -> None:
             # event: BATCH_END
 
             # algorithm: ema
-            # Fold the weights just stepped into their moving average.
-            if progress.at_interval(cfg.ema_update_interval, cfg.max_duration):
+            # Fold the weights just stepped into their moving average; up to ema_start
+            # (a fraction of training) the "average" is the weights themselves.
+            if progress.fraction(cfg.max_duration) <= cfg.ema_start:
+                update_ema(ema_model, model, 0.0)
+            elif progress.at_interval(cfg.ema_update_interval, cfg.max_duration):
                 update_ema(ema_model, model, ema_smoothing(cfg))
             # end algorithm: ema
 
