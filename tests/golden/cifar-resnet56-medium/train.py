@@ -66,9 +66,7 @@ class Config:
     # any classifier of those libraries (BatchNorm made ghost: HubNet in model.py);
     # auto: cifar-resnet56 with --data, `tiny` on the embedded digits (a CPU demo)
     model: Preset | Literal["auto"] | str = "auto"  # or torchvision:NAME, timm:NAME
-    # torchvision:/timm: models: a local state dict of pretrained weights to fine-tune
-    # from ("": random weights; read by the library's own loading path: hub_model)
-    weights: str = ""
+    weights: str = ""  # torchvision:/timm: a pretrained state dict file; "": random
     # BatchNorm statistics are taken over groups of this many samples ("ghost"
     # BatchNorm), so a step does not depend on the microbatch size or the number of
     # ranks: both the per-rank batch and device_microbatch_size must be multiples of it
@@ -523,9 +521,8 @@ def main() -> None:
     # Decoding images from disk happens in worker processes while the model trains.
     num_workers = cfg.num_workers if images.on_disk else 0
     if cfg.model not in PRESETS:
-        # A torchvision, timm or HF model, fitted to this loop (see HubNet); BatchNorm
-        # layers that cannot be made ghost are refused, as are unreadable weights and
-        # a model built for other image sizes (a ViT).
+        # A torchvision, timm or HF model fitted to this loop (see HubNet); refused in one
+        # line: BatchNorm it cannot make ghost, unreadable weights, other image sizes.
         sides = (train_batches.image_side, val.image_side)
         with config.failing(ValueError, OSError, RuntimeError):
             model = HubNet(
