@@ -47,12 +47,14 @@ def generate(recipe: str, root: Path, *overrides: str) -> Path:
 
 
 def train(project: Path, workdir: Path, run_name: str, *args: str) -> list[dict]:
-    """Run the generated train.py on the CPU; return its metrics records."""
+    """Run the generated train.py (on the CPU unless `args` name a --device); return its
+    metrics records."""
+    named = any(arg.startswith("--device=") for arg in args)
     result = subprocess.run(
         [
             sys.executable,
             str(project / "train.py"),
-            "--device=cpu",
+            *([] if named else ["--device=cpu"]),
             f"--run_name={run_name}",
             *args,
         ],

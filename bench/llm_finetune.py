@@ -11,7 +11,9 @@ Both sides of each ratio run in this invocation, on the same machine, one after 
 - memory: `llm-sft` (every weight trained: gradients and AdamW state for all) against
   `llm-lora` (rank 8 on every linear layer), on a larger Llama saved with save_pretrained
   (`--hidden`, `--layers`), the peak of the logged memory: `cuda_max_allocated_gb` on a GPU,
-  else the largest `rss_gb` (resident memory after a step: the process, libraries included).
+  else the largest `rss_gb` (resident memory after a step: the process, libraries included),
+  and the size of the last checkpoint (weights and AdamW state of what is trained: LoRA's
+  holds the adapters only).
 The load average is printed: on a shared machine the throughput ratio is what to read.
 """
 
@@ -88,7 +90,7 @@ def main() -> None:
     base = root / "llama"
     save_llama(base, args.hidden, args.layers)
     lora = generate("llm-lora", root)
-    peaks = {}
+    peaks, sizes = {}, {}
     for name, project in (("full", sft), ("lora", lora)):
         records = train(project, root, f"mem-{name}", *common, f"--model={base}")
         key = (
@@ -97,8 +99,11 @@ def main() -> None:
             else "rss_gb"
         )
         peaks[name] = max(r[key] for r in records)
-        print(f"{name}: peak {key} {peaks[name]:.3f}")
+        step = root / "runs" / f"mem-{name}" / "checkpoints" / f"step-{args.steps}"
+        sizes[name] = sum(f.stat().st_size for f in step.iterdir()) / 2**20
+        print(f"{name}: peak {key} {peaks[name]:.3f}, checkpoint {sizes[name]:.1f} MiB")
     print(f"ratio: LoRA/full peak memory = {peaks['lora'] / peaks['full']:.2f}")
+    print(f"ratio: LoRA/full checkpoint size = {sizes['lora'] / sizes['full']:.3f}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ asserts that:
 
 CI runs one case per parallelism (4 torchrun launches); `--slow` loops the issue's case
 (kill after step 12) 20 times per parallelism and covers 3 ranks, the victim being rank 0
-or the last rank, killed mid-step, mid-evaluation and mid-save.
+or the last rank, killed mid-step, mid-evaluation and mid-save; and the fine-tuning
+recipes llm-sft and llm-lora (issue 30) killed mid-step, mid-evaluation and mid-save.
 """
 
 from __future__ import annotations
@@ -73,18 +74,24 @@ def same_losses(got: list[tuple], want: list[tuple], nproc: int) -> bool:
     )
 
 
-_references: dict[tuple[str, int], list[tuple]] = {}
+_references: dict[tuple[Path, str, int], list[tuple]] = {}
 
 
-def reference(project: Path, parallelism: str, nproc: int) -> list[tuple]:
-    """An uninterrupted run's losses (once per parallelism and world size per session)."""
-    key = (parallelism, nproc)
+def reference(project: Path, parallelism: str, nproc: int, *extra: str) -> list[tuple]:
+    """An uninterrupted run's losses (once per project, parallelism and world size per
+    session)."""
+    key = (project, parallelism, nproc)
     if key not in _references:
         workdir = project.parent / "references"
         workdir.mkdir(exist_ok=True)
         run = f"ref-{parallelism}-{nproc}"
         train = project / "train.py"
-        args = [*tiny(nproc), f"--parallelism={parallelism}", f"--run_name={run}"]
+        args = [
+            *tiny(nproc),
+            *extra,
+            f"--parallelism={parallelism}",
+            f"--run_name={run}",
+        ]
         result = torchrun(workdir, nproc, train, *args, timeout=TIMEOUT_S)
         assert result.returncode == 0, result.stderr[-3000:]
         _references[key] = losses(workdir, run)
@@ -99,13 +106,15 @@ def kill_and_restart(
     nproc: int,
     fault: str,
     resumes_from: int,
+    *extra: str,
 ) -> None:
-    """SIGKILL one rank as `fault` says (see fault_worker.py); torchrun restarts the group."""
-    expected = reference(project, parallelism, nproc)
+    """SIGKILL one rank as `fault` says (see fault_worker.py); torchrun restarts the group.
+    `extra`: more train.py arguments, the same for the uninterrupted reference."""
+    expected = reference(project, parallelism, nproc, *extra)
     where, step, victim = fault.split(":")
     run = f"{where}-{step}-{victim}-{parallelism}-{nproc}"
     train = project / "train.py"
-    args = [*tiny(nproc), f"--parallelism={parallelism}", f"--run_name={run}"]
+    args = [*tiny(nproc), *extra, f"--parallelism={parallelism}", f"--run_name={run}"]
     result = torchrun(
         workdir, nproc, FAULT_WORKER, fault, train, *args, restarts=1, timeout=TIMEOUT_S
     )
@@ -175,3 +184,31 @@ def test_any_rank_killed_anywhere_recovers(
     kill_and_restart(
         generated["gpt2-baseline"], tmp_path, parallelism, nproc, fault, resumes_from
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fault, resumes_from", [("step:6:1", 4), ("eval:6:1", 4), ("save:8:0", 4)]
+)
+@pytest.mark.parametrize("recipe", ["llm-sft", "llm-lora"])
+def test_llm_finetuning_recovers_bitwise(
+    generated: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    recipe: str,
+    fault: str,
+    resumes_from: int,
+) -> None:
+    """Issue 30: fine-tuning a causal LM under FSDP2 on 2 ranks, every weight (llm-sft) or
+    LoRA adapters with adapter-only checkpoints (llm-lora), one rank killed mid-step,
+    mid-evaluation or mid-save: the same guarantees, the losses bitwise. Mid-save the
+    victim is rank 0, which writes the marker: killed after its shards, the checkpoint
+    stays incomplete. (Rank 1 killed there returns from DCP's save only once every shard
+    and the metadata are written, so rank 0 marks step 8 complete and the run rightly
+    resumes from it.) tests/test_llm_distributed.py kills one rank in every run."""
+    if recipe == "llm-lora":
+        pytest.importorskip("peft")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    answers = ("--samples=1", "--sample_tokens=6")  # one short answer per evaluation
+    project = generated[recipe]
+    kill_and_restart(project, tmp_path, "fsdp", 2, fault, resumes_from, *answers)
