@@ -42,7 +42,8 @@ module, which regional compilation never does.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -59,6 +60,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from runtime.dist import DistEnv
+from runtime.dist import world_size as job_size
 
 PARALLELISMS = ("none", "ddp", "fsdp")
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -239,6 +241,32 @@ def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
     if isinstance(total_norm, DTensor):
         total_norm = total_norm.full_tensor()
     return total_norm
+
+
+def local_squared_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """This rank's share of each tensor's squared L2 norm, as one fp32 vector on the
+    tensors' device, with no communication: summed over all ranks (`dist.reduce_sum`, one
+    collective for them all) it is each whole tensor's squared norm, whatever the layout.
+
+    A DTensor (FSDP2) contributes its local shard, divided by the number of ranks holding
+    the same shard (HYBRID_SHARD's replicas; 1 when fully sharded); a plain tensor (DDP, one
+    process), whole on every rank, is divided by the world size.
+    """
+    parts = []
+    for tensor in tensors:
+        if isinstance(tensor, DTensor):
+            copies = math.prod(
+                tensor.device_mesh.size(dim)
+                for dim, placement in enumerate(tensor.placements)
+                if placement.is_replicate()
+            )
+            tensor = tensor.to_local()
+        else:
+            copies = job_size()
+        parts.append(
+            torch.linalg.vector_norm(tensor.detach().float()).square() / copies
+        )
+    return torch.stack(parts) if parts else torch.zeros(0)
 
 
 def parallelize_copy(

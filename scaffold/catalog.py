@@ -49,9 +49,23 @@ EVENTS = (
     "FIT_END",
 )
 # Other places in train.py an algorithm may write: its imports, Config fields, config checks,
-# module-level helper functions, logged metrics, and the list of per-sample training-data
-# augmentations (`augment`, in a module-level function that builds it from the Config).
-TRAIN_SECTIONS = ("imports", "config", "checks", "functions", "metrics", "augment")
+# module-level helper functions, logged metrics, the list of per-sample training-data
+# augmentations (`augment`, in a module-level function that builds it from the Config), and
+# `stop`: after a step's metrics are logged and the early stopper has decided, where an
+# algorithm may end training (`finished = stopper.stop(reason)`, saved: a resume stays
+# stopped).
+TRAIN_SECTIONS = (
+    "imports",
+    "config",
+    "checks",
+    "functions",
+    "metrics",
+    "augment",
+    "stop",
+)
+# Sections inside main() that act at an event (listed as that event): `stop` follows the
+# evaluation and the metrics record of EVAL's stretch.
+SECTION_EVENTS = {"stop": "EVAL"}
 # Places in a task's data.py an algorithm may write: module-level helper functions (the
 # per-sample augmentations the DataLoader workers run).
 DATA_SECTIONS = ("functions",)
@@ -142,6 +156,7 @@ class Algorithm:
         """The loop events it acts at, in loop order; model changes act at MODEL."""
         acts = {spot.split(".")[1] for spot in self.spots if spot.startswith("train.")}
         acts |= {TRAIN_POINTS[point] for point in acts if point in TRAIN_POINTS}
+        acts |= {SECTION_EVENTS[part] for part in acts if part in SECTION_EVENTS}
         if any(spot.startswith("model.") for spot in self.spots):
             acts.add("MODEL")
         return tuple(event for event in EVENTS if event in acts)

@@ -19,6 +19,7 @@ from conftest import scaffold_cli
 from projects import project_modules
 from scaffold.catalog import (
     EVENTS,
+    SECTION_EVENTS,
     TRAIN_POINTS,
     Algorithm,
     CatalogError,
@@ -190,6 +191,11 @@ def test_cli_events_are_derived_from_snippet_file_names() -> None:
             for spot in spots
             if spot.split(".")[1] in TRAIN_POINTS
         }
+        expected |= {
+            SECTION_EVENTS[spot.split(".")[1]]
+            for spot in spots
+            if spot.split(".")[1] in SECTION_EVENTS
+        }
         if any(spot.startswith("model.") for spot in spots):
             expected.add("MODEL")
         listed = {event for event in EVENTS if re.search(rf"\b{event}\b", rows[name])}
@@ -271,10 +277,13 @@ def test_every_algorithm_renders_alone_and_trains(
             )
         elif spot in TRAIN_POINTS:  # replaced host code inside its event's stretch
             assert TRAIN_POINTS[spot] in places, (name, spot, places)
+        elif spot in SECTION_EVENTS:  # a section of main() in its event's stretch
+            assert SECTION_EVENTS[spot] in places, (name, spot, places)
     sections = [
         spot
         for spot in train_spots
-        if spot not in EVENTS and spot not in TRAIN_POINTS and spot != "metrics"
+        if spot not in EVENTS + tuple(TRAIN_POINTS) + tuple(SECTION_EVENTS)
+        and spot != "metrics"
     ]
     assert places.count("module") == len(sections)
     model = (project / "model.py").read_text()
