@@ -13,12 +13,20 @@ optimizer_monitor: its norms equal torch's on a small model here; under FSDP2, D
 SHARD_GRAD_OP and HYBRID_SHARD they equal one process's (checked in test_distributed.py's
 launches, which train a gpt2-speedup project with optimizer_monitor).
 
+activation_monitor: its statistics are torch's, a layer whose weights are scaled up shows in
+them, only the step's first forward is recorded and the hooks go; in a run, exactly the
+watched steps have them; an interval that is not a multiple of log_interval is one line.
+
+system_metrics: a busy and an idle stretch of this process read as such; every record of a
+run has the readings.
+
 All share one project: gpt2-speedup plus the monitors, and one uninterrupted reference run.
 """
 
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -42,13 +50,19 @@ RUN = [
 ]
 
 
-MONITORS = ["nan_monitor", "threshold_stopper", "optimizer_monitor"]
+MONITORS = {
+    "nan_monitor": "",
+    "threshold_stopper": "",
+    "optimizer_monitor": "",
+    "activation_monitor": "interval = 2\n",  # steps 2 and 4 of the reference
+    "system_metrics": "",
+}
 
 
 @pytest.fixture(scope="module")
 def nan_project(tmp_path_factory: pytest.TempPathFactory, isolated_home: Path) -> Path:
     root = tmp_path_factory.mktemp("monitors")
-    tables = "".join(f"\n[algorithms.{name}]\n" for name in MONITORS)
+    tables = "".join(f"\n[algorithms.{name}]\n{v}" for name, v in MONITORS.items())
     (root / "recipe.toml").write_text(RECIPE + tables)
     new_project(str(root / "recipe.toml"), root / "p", [], "p")
     return root / "p"
@@ -187,3 +201,87 @@ def test_optimizer_norms_are_the_gradient_weight_and_update_norms(
     assert "wte.weight" in model_params and len(model_params) > 10
     log = (reference / "runs/ref/log.txt").read_text()
     assert "loss=" in log and "l2_norm/" not in log
+
+
+def test_activation_statistics_show_a_scaled_layer_for_the_first_forward_only(
+    nan_project: Path, reference: Path, tmp_path: Path
+) -> None:
+    with project_modules(nan_project) as modules:
+        train = modules["train"]
+        value = torch.randn(3, 5, 8)
+        centered = value - value.mean(-1, keepdim=True)
+        kurtosis = (centered**4).mean(-1) / (centered**2).mean(-1) ** 2
+        expected = [
+            value.mean(),
+            value.max(-1).values.mean(),
+            value.norm(dim=-1).mean(),
+            kurtosis.mean(),
+        ]
+        got = train.feature_statistics(value)
+        torch.testing.assert_close(got, torch.stack(expected))
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
+        )
+        found: dict[str, torch.Tensor] = {}
+        hooks = train.watch_activations(model, found)
+        inputs = torch.randn(6, 8)
+        model(inputs)
+        first = train.activation_metrics(found)
+        with torch.no_grad():
+            model[0].weight.mul_(100)
+            model[0].bias.mul_(100)
+        model(inputs)  # a second forward (microbatch) of the step: not recorded
+        assert train.activation_metrics(found) == first
+        for hook in hooks:
+            hook.remove()
+        found.clear()
+        model(inputs)  # hooks removed: nothing recorded
+        assert found == {}
+        hooks = train.watch_activations(model, found)
+        model(inputs)
+        scaled = train.activation_metrics(found)
+        for hook in hooks:
+            hook.remove()
+    assert set(first) == {
+        f"activations/{stat}/{name}"
+        for stat in ("average", "max", "l2_norm", "kurtosis")
+        for name in ("0", "1", "2")
+    }
+    for name in ("0", "1"):  # the scaled layer's output and its ReLU: 100x
+        key = f"activations/l2_norm/{name}"
+        assert scaled[key] == pytest.approx(100 * first[key], rel=1e-4)
+    assert scaled["activations/l2_norm/2"] > 10 * first["activations/l2_norm/2"]
+    # In the run (interval 2): the watched steps and only they have them.
+    rows = read_metrics(reference, "ref")
+    watched = [r["step"] for r in rows if "activations/l2_norm/blocks.0.attn" in r]
+    assert watched == [2, 4]
+
+    # An interval that is not a multiple of the logging interval: one line, exit 2.
+    refused = run_train(nan_project, tmp_path, *RUN, "--log_interval=3ba")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        "error: activation_monitor_interval=2 is not a multiple of log_interval=3ba; "
+        "pick a multiple of a batch log_interval (e.g. --log_interval=1ba), so each "
+        "record is logged at its step"
+    ]
+
+
+def test_system_metrics_read_a_busy_and_an_idle_process(
+    nan_project: Path, reference: Path
+) -> None:
+    with project_modules(nan_project) as modules:
+        system = modules["train"].SystemMetrics(torch.device("cpu"))
+        end = time.perf_counter() + 0.5
+        while time.perf_counter() < end:  # one core busy
+            pass
+        busy = system.read()
+        time.sleep(0.5)
+        idle = system.read()
+    assert busy["system/process_cpu_percent"] > 40 > idle["system/process_cpu_percent"]
+    assert 0 < busy["system/memory_used_gb"] and 0 < busy["system/memory_percent"] < 100
+    assert idle["system/network_received_gb"] >= busy["system/network_received_gb"]
+    rows = read_metrics(reference, "ref")
+    keys = {"system/cpu_percent", "system/disk_used_gb", "system/network_sent_gb"}
+    assert all(keys <= row.keys() for row in rows) and len(rows) == 4
