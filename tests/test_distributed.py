@@ -3,8 +3,9 @@
 The data is a 9,000-byte text whose held-out tail holds 5 validation windows: the validation
 batch splits unevenly over 2 and 3 ranks (3 + 2, 2 + 2 + 1 rows), so the ranks must pad their
 shares to run the same number of forwards (FSDP hangs otherwise) and still give one process's
-val_loss. The project has optimizer_monitor: its per-parameter gradient, weight and update
-norms must be one process's as well, whatever holds each tensor (shards, replicas, both).
+val_loss. The project has optimizer_monitor and gradient_clipping in its adaptive mode (AGC):
+the per-parameter norms of the clipped gradients, of the weights and of the updates must be
+one process's as well, whatever holds each tensor (shards, replicas, both).
 
 Each torchrun launch costs ~5 s here, so every launch checks several things. Tolerances:
 ranks sum gradients in a different order than one process does, which moves fp32 results
@@ -106,10 +107,14 @@ def final_weights(workdir: Path, run_name: str) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def speedup(tmp_path_factory: pytest.TempPathFactory, isolated_home: Path) -> Path:
-    """gpt2-speedup with optimizer_monitor: its per-parameter norms must be one process's
-    too (FSDP2 shards, DDP replicas, HSDP's replicated shards all counted once)."""
+    """gpt2-speedup with optimizer_monitor and adaptive gradient clipping: the clipped
+    gradients' per-parameter norms must be one process's too (FSDP2 shards, DDP
+    replicas, HSDP's replicated shards all counted once; AGC's rows and vectors)."""
     root = tmp_path_factory.mktemp("speedup")
     recipe = (TEMPLATE / "recipes/gpt2-speedup.toml").read_text()
+    table = "[algorithms.gradient_clipping]\n"
+    assert table in recipe
+    recipe = recipe.replace(table, table + 'clipping_type = "adaptive"\n')
     (root / "recipe.toml").write_text(recipe + "\n[algorithms.optimizer_monitor]\n")
     new_project(str(root / "recipe.toml"), root / "my-gpt", [], "my-gpt")
     return root / "my-gpt"

@@ -20,7 +20,11 @@ watched steps have them; an interval that is not a multiple of log_interval is o
 system_metrics: a busy and an idle stretch of this process read as such; every record of a
 run has the readings.
 
-All share one project: gpt2-speedup plus the monitors, and one uninterrupted reference run.
+gradient_clipping's value mode: with a tiny limit every gradient entry is clamped to it, so
+each parameter's logged (clipped) gradient norm is the limit times the root of its size.
+
+All share one project: gpt2-speedup (its clipping in value mode) plus the monitors, and one
+uninterrupted reference run.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from projects import project_modules, read_metrics, run_train
 from scaffold.render import new_project
@@ -59,11 +65,17 @@ MONITORS = {
 }
 
 
+# The recipe's gradient clipping in Composer's value mode (checked here by the monitor).
+VALUE_CLIPPING = '[algorithms.gradient_clipping]\nclipping_type = "value"\n'
+
+
 @pytest.fixture(scope="module")
 def nan_project(tmp_path_factory: pytest.TempPathFactory, isolated_home: Path) -> Path:
     root = tmp_path_factory.mktemp("monitors")
     tables = "".join(f"\n[algorithms.{name}]\n{v}" for name, v in MONITORS.items())
-    (root / "recipe.toml").write_text(RECIPE + tables)
+    recipe = RECIPE.replace("[algorithms.gradient_clipping]\n", VALUE_CLIPPING)
+    assert VALUE_CLIPPING in recipe
+    (root / "recipe.toml").write_text(recipe + tables)
     new_project(str(root / "recipe.toml"), root / "p", [], "p")
     return root / "p"
 
@@ -285,3 +297,26 @@ def test_system_metrics_read_a_busy_and_an_idle_process(
     rows = read_metrics(reference, "ref")
     keys = {"system/cpu_percent", "system/disk_used_gb", "system/network_sent_gb"}
     assert all(keys <= row.keys() for row in rows) and len(rows) == 4
+
+
+def test_value_clipping_clamps_every_gradient_entry(
+    nan_project: Path, tmp_path: Path
+) -> None:
+    limit = 1e-6
+    args = [*RUN[:-1], "--max_duration=1ba", f"--gradient_clipping_max_value={limit}"]
+    result = run_train(nan_project, tmp_path, *args, "--run_name=v")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = read_metrics(tmp_path, "v")
+    dcp_to_torch_save(tmp_path / "runs/v/checkpoints/step-1", tmp_path / "v.pt")
+    weights = torch.load(tmp_path / "v.pt", weights_only=True)["model"]
+    assert row["grad_norm"] > 1e3 * limit  # before clipping
+    names = [k.removeprefix("l2_norm/param/") for k in row if "/param/" in k]
+    assert len(names) > 10
+    for name in names:
+        most = limit * weights[name].numel() ** 0.5  # every entry at +-limit
+        assert row[f"l2_norm/grad/{name}"] <= most * (1 + 1e-5), name
+    # A layer norm's weight has no zero gradient entries: all of them are at the limit.
+    numel = weights["ln_f.weight"].numel()
+    assert row["l2_norm/grad/ln_f.weight"] == pytest.approx(
+        limit * numel**0.5, rel=1e-5
+    )
