@@ -5,6 +5,8 @@ steps where it was logged (e.g. `val_loss` at evaluations). Training stops once 
 Time string: `500ba`, `2ep`, `0.1dur`) has passed since the last improvement by more than
 `min_delta`. The best value, when it was reached and whether the run stopped are saved in the
 checkpoint (`state_dict`), so a resumed run keeps counting, and a stopped run stays stopped.
+An algorithm that ends training for a reason of its own (threshold_stopper) calls `stop`: the
+same saved verdict, with its reason.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class EarlyStopper:
         self.best_step: int = 0
         self.best_at: int = 0  # when, in patience's unit
         self.stopped: bool = False
+        self.reason: str = ""  # why stop() ended training ("": not stopped by stop())
         if metric:
             log(
                 f"early stopping: on {metric} ({mode}imize, min_delta {min_delta:g}, patience {patience})"
@@ -83,30 +86,44 @@ class EarlyStopper:
             )
         return self.stopped
 
+    def stop(self, reason: str) -> bool:
+        """End training after this step and on every resume of this run (the verdict is
+        saved); logs `reason`. Returns True, for `finished = stopper.stop(...)`."""
+        self.stopped, self.reason = True, reason
+        self.log(reason)
+        return True
+
     def state_dict(self) -> dict[str, Any]:
         """For checkpoints (JSON). Under the key 0.2.0 merged into its checkpoints'
         `extra`, which `load_state_dict` therefore also reads."""
-        if not self.metric:
+        if not self.metric and not self.reason:
             return {}
-        return {
-            "early_stop": {
-                "best": self.best,
-                "best_step": self.best_step,
-                "best_at": self.best_at,
-                "stopped": self.stopped,
-            }
+        saved = {
+            "best": self.best,
+            "best_step": self.best_step,
+            "best_at": self.best_at,
+            "stopped": self.stopped,
         }
+        return {"early_stop": saved | ({"reason": self.reason} if self.reason else {})}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from `state_dict`: the best so far and when, and whether the run
-        stopped (it stays stopped while a metric is watched). Other keys are ignored: a
-        checkpoint of 0.2.0 holds the microbatch search's beside these."""
+        stopped (it stays stopped while a metric is watched, or where `stop` ended it).
+        Other keys are ignored: a checkpoint of 0.2.0 holds the microbatch search's beside
+        these."""
         saved = state.get("early_stop") or {}
         self.best = saved.get("best")
         self.best_step = int(saved.get("best_step", 0))
         self.best_at = int(saved.get("best_at", 0))
-        self.stopped = bool(saved.get("stopped", False)) and bool(self.metric)
-        if self.stopped:
+        self.reason = str(saved.get("reason", ""))
+        stopped = bool(saved.get("stopped", False))
+        self.stopped = stopped and bool(self.metric or self.reason)
+        if self.reason:
+            self.log(
+                f"this run stopped at its checkpoint ({self.reason}); nothing to train "
+                "(start a new run_name to train more)"
+            )
+        elif self.stopped:
             self.log(
                 f"early stopping: this run stopped at its checkpoint ({self.metric} "
                 f"best {self.best:.6g} at step {self.best_step}); nothing to train "

@@ -42,7 +42,8 @@ module, which regional compilation never does.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -58,7 +59,8 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from runtime.dist import DistEnv
+from runtime.dist import DistEnv, reduce_sum
+from runtime.dist import world_size as job_size
 
 PARALLELISMS = ("none", "ddp", "fsdp")
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -228,6 +230,42 @@ def clip_grad_norm_(
     return total_norm
 
 
+@torch.no_grad()
+def clip_grad_adaptive_(
+    parameters: Iterable[nn.Parameter], max_ratio: float, eps: float = 1e-3
+) -> None:
+    """Adaptive gradient clipping (AGC, Brock et al. 2021; Composer's GradientClipping
+    'adaptive'): where a unit's gradient norm exceeds `max_ratio` times its weight norm
+    (floored at `eps`, as Brock et al.: a zero-initialised bias still learns; Composer
+    has no floor), scale that unit's gradient down to it; 0/0 counts as no clipping.
+
+    A unit is a row of a matrix (the norm over all dimensions after the first: an output
+    channel of a convolution), a whole vector or scalar otherwise. FSDP2 shards on the
+    first dimension, so each rank scales its own whole rows in place; the norms of vectors,
+    split over ranks, are summed in one all-reduce (`local_squared_norms`).
+    """
+    parameters = [p for p in parameters if p.grad is not None]
+    for param in parameters:
+        if param.ndim >= 2:
+            weight, grad = param.detach(), param.grad
+            if isinstance(grad, DTensor):  # this rank's rows (in place: no_grad)
+                weight, grad = weight.to_local(), grad.to_local()
+            dims = tuple(range(1, grad.ndim))
+            weight_norm = torch.linalg.vector_norm(weight, dim=dims, keepdim=True)
+            limit = max_ratio * weight_norm.clamp(min=eps)
+            norm = torch.linalg.vector_norm(grad, dim=dims, keepdim=True)
+            grad.mul_((limit / norm).nan_to_num(nan=1.0).clamp(max=1.0))
+    vectors = [param for param in parameters if param.ndim < 2]
+    if vectors:
+        weights = local_squared_norms(vectors)
+        grads = local_squared_norms([param.grad for param in vectors])
+        weight_norms, grad_norms = reduce_sum(torch.stack([weights, grads])).sqrt()
+        limits = max_ratio * weight_norms.clamp(min=eps)
+        scales = (limits / grad_norms).nan_to_num(nan=1.0).clamp(max=1.0)
+        for param, scale in zip(vectors, scales.tolist()):
+            param.grad.mul_(scale)
+
+
 def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
     """The global L2 norm of the parameters' gradients, the same on every rank.
 
@@ -239,6 +277,32 @@ def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
     if isinstance(total_norm, DTensor):
         total_norm = total_norm.full_tensor()
     return total_norm
+
+
+def local_squared_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """This rank's share of each tensor's squared L2 norm, as one fp32 vector on the
+    tensors' device, with no communication: summed over all ranks (`dist.reduce_sum`, one
+    collective for them all) it is each whole tensor's squared norm, whatever the layout.
+
+    A DTensor (FSDP2) contributes its local shard, divided by the number of ranks holding
+    the same shard (HYBRID_SHARD's replicas; 1 when fully sharded); a plain tensor (DDP, one
+    process), whole on every rank, is divided by the world size.
+    """
+    parts = []
+    for tensor in tensors:
+        if isinstance(tensor, DTensor):
+            copies = math.prod(
+                tensor.device_mesh.size(dim)
+                for dim, placement in enumerate(tensor.placements)
+                if placement.is_replicate()
+            )
+            tensor = tensor.to_local()
+        else:
+            copies = job_size()
+        parts.append(
+            torch.linalg.vector_norm(tensor.detach().float()).square() / copies
+        )
+    return torch.stack(parts) if parts else torch.zeros(0)
 
 
 def parallelize_copy(

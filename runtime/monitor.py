@@ -416,11 +416,13 @@ class Monitor:
             )
             self.update(progress)
         if self._bar is None or self._bar.disable:
-            # No live bar (not a terminal): print the record so logs still show progress.
+            # No live bar (not a terminal): print the record so logs still show progress;
+            # grouped metrics ("l2_norm/grad/wte.weight": one per layer) only in the files.
             self.info(
                 " ".join(
                     f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                     for k, v in record.items()
+                    if "/" not in k
                 )
             )
 

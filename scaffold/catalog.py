@@ -49,9 +49,20 @@ EVENTS = (
     "FIT_END",
 )
 # Other places in train.py an algorithm may write: its imports, Config fields, config checks,
-# module-level helper functions, logged metrics, and the list of per-sample training-data
-# augmentations (`augment`, in a module-level function that builds it from the Config).
-TRAIN_SECTIONS = ("imports", "config", "checks", "functions", "metrics", "augment")
+# module-level helper functions, logged metrics, the list of per-sample training-data
+# augmentations (`augment`, in a module-level function that builds it from the Config), and
+# `stop`: after a step's metrics are logged and the early stopper has decided, where an
+# algorithm may end training (`finished = stopper.stop(reason)`, saved: a resume stays
+# stopped).
+TRAIN_SECTIONS = (
+    "imports",
+    "config",
+    "checks",
+    "functions",
+    "metrics",
+    "augment",
+    "stop",
+)
 # Places in a task's data.py an algorithm may write: module-level helper functions (the
 # per-sample augmentations the DataLoader workers run).
 DATA_SECTIONS = ("functions",)
@@ -60,11 +71,12 @@ DATA_SECTIONS = ("functions",)
 # `train.encode` instead of the frozen encoders' forward of a step (the diffusion task's),
 # `train.loss` instead of a microbatch's summed loss in forward_backward().
 TRAIN_POINTS = {"optimizer": "OPTIMIZER", "encode": "BATCH_START", "loss": "LOSS"}
-# Task-only places inside the loop where any number of algorithms add code, and the event
-# they belong to: the diffusion task's `noise` (the step's noise is drawn, the latents not
-# yet noised: change `noise`) and `targets` (the UNet's `inputs` and `targets` are made:
-# add per-sample entries to `inputs`).
-TRAIN_PLACES = {"noise": "BATCH_START", "targets": "BATCH_START"}
+# Places inside the loop where any number of algorithms add code, and the event whose
+# stretch holds them (listed as that event): the spine's `stop` (after EVAL's evaluation
+# and metrics record: decide to stop), and the diffusion task's `noise` (the step's noise
+# is drawn, the latents not yet noised: change `noise`) and `targets` (the UNet's
+# `inputs` and `targets` are made: add per-sample entries to `inputs`).
+TRAIN_PLACES = {"stop": "EVAL", "noise": "BATCH_START", "targets": "BATCH_START"}
 SNIPPET_SUFFIX = ".py.jinja"
 
 

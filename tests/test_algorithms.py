@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from projects import project_modules, read_metrics, run_train
+from runtime import fsdp
 
 TINY = [
     "--seq_len=64",
@@ -272,6 +273,32 @@ def test_gradient_clipping_changes_training(
     clipped, free = read_metrics(tmp_path, "a"), read_metrics(tmp_path, "b")
     assert clipped[0]["loss"] == free[0]["loss"]  # same start
     assert clipped[-1]["loss"] != free[-1]["loss"]  # different updates
+
+
+def test_adaptive_clipping_scales_each_unit_to_its_weight_norm() -> None:
+    """AGC as Brock et al. (and Composer) define it, on a convolution (a unit: an output
+    channel), a linear layer (a row) and biases (whole vectors, one zero-initialised).
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(2, 3, 3), torch.nn.Flatten(), torch.nn.Linear(12, 4)
+    )
+    torch.nn.init.zeros_(model[2].bias)
+    (model(torch.randn(5, 2, 4, 4)) * torch.arange(4.0)).sum().backward()
+    before = {name: param.grad.clone() for name, param in model.named_parameters()}
+    fsdp.clip_grad_adaptive_(model.parameters(), 0.05)
+    scales = []
+    for name, param in model.named_parameters():
+        weight, grad = param.detach(), before[name]
+        units = [slice(None)] if param.ndim < 2 else list(range(param.shape[0]))
+        for unit in units:
+            limit = 0.05 * max(weight[unit].norm().item(), 1e-3)
+            norm = grad[unit].norm().item()
+            scale = min(1.0, limit / norm) if norm else 1.0  # 0/0 counts as 1
+            scales.append(scale)
+            torch.testing.assert_close(param.grad[unit], grad[unit] * scale)
+    assert min(scales) < 0.5 and max(scales) == 1.0  # some units clipped, some not
+    assert model[2].bias.grad.norm() > 0  # a zero weight still learns (eps)
 
 
 # ---------------------------------------------------------------- the loop's arithmetic

@@ -49,7 +49,12 @@ def test_shipped_recipes_resolve_with_defaults_filled() -> None:
         "duration": "0.3dur",
         "min_len": 8,
     }
-    assert speedup["algorithms"]["gradient_clipping"] == {"max_norm": 1.0}
+    assert speedup["algorithms"]["gradient_clipping"] == {
+        "max_norm": 1.0,
+        "clipping_type": "norm",
+        "max_value": 1.0,
+        "max_ratio": 0.01,
+    }
     baseline = resolve(load_recipe("gpt2-baseline", TEMPLATE), TEMPLATE, "my-gpt")
     assert list(baseline["algorithms"]) == ["gradient_clipping"]
     assert (

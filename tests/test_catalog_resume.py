@@ -104,8 +104,9 @@ ACTIVE: dict[str, dict[str, Any]] = {
 # Cases in the default run: the stateful and the historically broken; plus the first
 # algorithm of any task none of these covers.
 FAST = {"ema", "sam", "layer_freezing", "seq_length_warmup", "precomputed_latents"}
-# Logged values that measure time or memory, not training: they differ between any two runs.
-UNTIMED = re.compile(r"(_s|_ms|_gb|_mb|per_s|mfu|_bytes)$")
+# Logged values that measure time, memory or the machine (system_metrics), not training:
+# they differ between any two runs.
+UNTIMED = re.compile(r"(_s|_ms|_gb|_mb|per_s|mfu|_bytes)$|^system/")
 
 
 def task_of(spec: Algorithm) -> str:

@@ -3,7 +3,9 @@
 The data is a 9,000-byte text whose held-out tail holds 5 validation windows: the validation
 batch splits unevenly over 2 and 3 ranks (3 + 2, 2 + 2 + 1 rows), so the ranks must pad their
 shares to run the same number of forwards (FSDP hangs otherwise) and still give one process's
-val_loss.
+val_loss. The project has optimizer_monitor and gradient_clipping in its adaptive mode (AGC):
+the per-parameter norms of the clipped gradients, of the weights and of the updates must be
+one process's as well, whatever holds each tensor (shards, replicas, both).
 
 Each torchrun launch costs ~5 s here, so every launch checks several things. Tolerances:
 ranks sum gradients in a different order than one process does, which moves fp32 results
@@ -24,6 +26,10 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from projects import checkout_env, read_metrics, run_train
+from scaffold.paths import template_dir
+from scaffold.render import new_project
+
+TEMPLATE = template_dir()
 
 SMALL = [
     "--seq_len=32",
@@ -100,8 +106,18 @@ def final_weights(workdir: Path, run_name: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def speedup(generated: dict[str, Path]) -> Path:
-    return generated["gpt2-speedup"]
+def speedup(tmp_path_factory: pytest.TempPathFactory, isolated_home: Path) -> Path:
+    """gpt2-speedup with optimizer_monitor and adaptive gradient clipping: the clipped
+    gradients' per-parameter norms must be one process's too (FSDP2 shards, DDP
+    replicas, HSDP's replicated shards all counted once; AGC's rows and vectors)."""
+    root = tmp_path_factory.mktemp("speedup")
+    recipe = (TEMPLATE / "recipes/gpt2-speedup.toml").read_text()
+    table = "[algorithms.gradient_clipping]\n"
+    assert table in recipe
+    recipe = recipe.replace(table, table + 'clipping_type = "adaptive"\n')
+    (root / "recipe.toml").write_text(recipe + "\n[algorithms.optimizer_monitor]\n")
+    new_project(str(root / "recipe.toml"), root / "my-gpt", [], "my-gpt")
+    return root / "my-gpt"
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +176,12 @@ def test_distributed_run_matches_one_process(
     assert [loss for _, loss in val] == pytest.approx(
         [loss for _, loss in ref_val], rel=1e-6
     )
+    # optimizer_monitor: every gradient, weight and update norm is one process's.
+    for ours, theirs in zip(metrics, ref_metrics, strict=True):
+        norms = [key for key in theirs if "/" in key]
+        assert len(norms) > 40 and norms == [key for key in ours if "/" in key]
+        for key in norms:
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-7), key
     # Throughput is the whole job's: the same tokens per step as one process.
     assert all(m["tokens_per_s"] > 0 for m in metrics)
     # Only rank 0 logs.

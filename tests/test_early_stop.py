@@ -111,3 +111,21 @@ def test_state_survives_a_checkpoint() -> None:
 def test_check() -> None:
     assert check("", Time.parse("1ba"), 0.0) is None
     assert "early_stop_min_delta" in check("val_loss", Time.parse("1ba"), -1.0)
+
+
+def test_an_algorithms_stop_is_saved_with_its_reason_without_a_metric() -> None:
+    lines: list[str] = []
+    quiet = EarlyStopper("", Time.parse("3ba"), log=lines.append)  # no early stopping
+    assert quiet.state_dict() == {}  # nothing to save: checkpoints as before
+    assert quiet.stop("threshold_stopper: val_loss 2.9 < 3 at step 5; stopping")
+    assert quiet.stopped and lines == [
+        "threshold_stopper: val_loss 2.9 < 3 at step 5; stopping"
+    ]
+    resumed = EarlyStopper("", Time.parse("3ba"), log=lines.append)
+    resumed.load_state_dict(quiet.state_dict())
+    assert resumed.stopped and resumed.reason == quiet.reason
+    assert run(resumed, [1.0]) == 1  # update() keeps saying stop
+    assert lines[-1] == (
+        "this run stopped at its checkpoint (threshold_stopper: val_loss 2.9 < 3 at step 5; "
+        "stopping); nothing to train (start a new run_name to train more)"
+    )

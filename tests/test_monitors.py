@@ -5,15 +5,38 @@ nan_monitor: a gpt2-speedup project with it; a run whose learning rate is set to
 with one line naming the step, the first non-finite tensor and the newest complete checkpoint,
 saves nothing after the bad step, and a rerun with the recipe's learning rate resumes from that
 checkpoint and logs what an uninterrupted run logs, bitwise.
+
+threshold_stopper: the same project with a threshold between two logged validation losses
+stops at the first evaluation past it (saved), and a rerun of that run stays stopped.
+
+optimizer_monitor: its norms equal torch's on a small model here; under FSDP2, DDP,
+SHARD_GRAD_OP and HYBRID_SHARD they equal one process's (checked in test_distributed.py's
+launches, which train a gpt2-speedup project with optimizer_monitor).
+
+activation_monitor: its statistics are torch's, a layer whose weights are scaled up shows in
+them, only the step's first forward is recorded and the hooks go; in a run, exactly the
+watched steps have them; an interval that is not a multiple of log_interval is one line.
+
+system_metrics: a busy and an idle stretch of this process read as such; every record of a
+run has the readings.
+
+gradient_clipping's value mode: with a tiny limit every gradient entry is clamped to it, so
+each parameter's logged (clipped) gradient norm is the limit times the root of its size.
+
+All share one project: gpt2-speedup (its clipping in value mode) plus the monitors, and one
+uninterrupted reference run.
 """
 
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from projects import project_modules, read_metrics, run_train
 from scaffold.render import new_project
@@ -25,7 +48,7 @@ RUN = [
     "--seq_len=32",
     "--global_batch_size=4",
     "--device_microbatch_size=2",
-    "--eval_interval=1000ba",
+    "--eval_interval=1ba",
     "--eval_batches=1",
     "--save_interval=2ba",
     "--save_num_checkpoints_to_keep=0",
@@ -33,12 +56,37 @@ RUN = [
 ]
 
 
+MONITORS = {
+    "nan_monitor": "",
+    "threshold_stopper": "",
+    "optimizer_monitor": "",
+    "activation_monitor": "interval = 2\n",  # steps 2 and 4 of the reference
+    "system_metrics": "",
+}
+
+
+# The recipe's gradient clipping in Composer's value mode (checked here by the monitor).
+VALUE_CLIPPING = '[algorithms.gradient_clipping]\nclipping_type = "value"\n'
+
+
 @pytest.fixture(scope="module")
 def nan_project(tmp_path_factory: pytest.TempPathFactory, isolated_home: Path) -> Path:
-    root = tmp_path_factory.mktemp("nan_monitor")
-    (root / "recipe.toml").write_text(RECIPE + "\n[algorithms.nan_monitor]\n")
+    root = tmp_path_factory.mktemp("monitors")
+    tables = "".join(f"\n[algorithms.{name}]\n{v}" for name, v in MONITORS.items())
+    recipe = RECIPE.replace("[algorithms.gradient_clipping]\n", VALUE_CLIPPING)
+    assert VALUE_CLIPPING in recipe
+    (root / "recipe.toml").write_text(recipe + tables)
     new_project(str(root / "recipe.toml"), root / "p", [], "p")
     return root / "p"
+
+
+@pytest.fixture(scope="module")
+def reference(nan_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run `ref` (4 steps, evaluated at each): its folder's parent."""
+    workdir = tmp_path_factory.mktemp("reference")
+    result = run_train(nan_project, workdir, *RUN, "--run_name=ref")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return workdir
 
 
 def test_first_non_finite_names_the_loss_or_the_first_bad_gradient(
@@ -59,12 +107,11 @@ def test_first_non_finite_names_the_loss_or_the_first_bad_gradient(
 
 
 def test_a_diverging_run_stops_in_one_line_and_resumes_from_the_named_checkpoint(
-    nan_project: Path, tmp_path: Path
+    nan_project: Path, reference: Path, tmp_path: Path
 ) -> None:
-    reference = run_train(nan_project, tmp_path, *RUN, "--run_name=ref")
-    assert reference.returncode == 0, reference.stderr[-3000:]
     # Run x: the reference cut off after its step-2 save (a copy without step 4).
-    shutil.copytree(tmp_path / "runs/ref", tmp_path / "runs/x")
+    shutil.copytree(reference / "runs/ref", tmp_path / "runs/ref")
+    shutil.copytree(reference / "runs/ref", tmp_path / "runs/x")
     shutil.rmtree(tmp_path / "runs/x/checkpoints/step-4")
     # From step 2, a learning rate of 1e30: step 3's update throws the weights to
     # infinity, step 4's loss is not finite, and step 4's save never happens.
@@ -88,3 +135,188 @@ def test_a_diverging_run_stops_in_one_line_and_resumes_from_the_named_checkpoint
         return [{k: row.get(k) for k in keys} for row in read_metrics(tmp_path, run)]
 
     assert logged("x") == logged("ref") and len(logged("x")) == 4
+
+
+def test_threshold_stopper_stops_at_the_first_logged_crossing_and_stays_stopped(
+    nan_project: Path, reference: Path, tmp_path: Path
+) -> None:
+    ref = read_metrics(reference, "ref")
+    val = {row["step"]: row["val_loss"] for row in ref}
+    threshold = (val[2] + val[3]) / 2  # val_loss falls below it at step 3, not before
+    assert val[1] > threshold and val[2] > threshold > val[3]
+    args = [*RUN, "--run_name=t", f"--threshold_stopper_threshold={threshold!r}"]
+    stopped = run_train(nan_project, tmp_path, *args)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert (
+        f"threshold_stopper: val_loss {val[3]:.6g} < {threshold:g} at step 3; stopping"
+        in stopped.stdout
+    )
+    assert "done: step 3" in stopped.stdout
+    rows = read_metrics(tmp_path, "t")
+    assert [row["loss"] for row in rows] == [row["loss"] for row in ref[:3]]
+    checkpoints = tmp_path / "runs/t/checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2", "step-3"]
+
+    # The stop is saved: a rerun of the run resumes at step 3 and trains nothing more.
+    rerun = run_train(nan_project, tmp_path, *args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert (
+        "this run stopped at its checkpoint (threshold_stopper: val_loss"
+        in rerun.stdout
+    )
+    assert "done: step 3" in rerun.stdout
+    assert len(read_metrics(tmp_path, "t")) == 3
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2", "step-3"]
+
+
+def test_optimizer_norms_are_the_gradient_weight_and_update_norms(
+    nan_project: Path, reference: Path
+) -> None:
+    with project_modules(nan_project) as modules:
+        optimizer_norms = modules["train"].optimizer_norms
+        local_squared_norms = modules["train"].fsdp.local_squared_norms
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+        model[1].bias.requires_grad_(False)  # no gradient: not logged
+        model(torch.randn(5, 3)).square().sum().backward()
+        stepped = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+        grads = local_squared_norms([p.grad for _, p in stepped])
+        before = [p.detach().clone() for _, p in stepped]
+        torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5).step()
+        updates = local_squared_norms(
+            [p.detach() - b for (_, p), b in zip(stepped, before)]
+        )
+        norms = optimizer_norms(stepped, grads, updates)
+    names = ["0.weight", "0.bias", "1.weight"]
+    expected = {
+        "l2_norm/grad/global": torch.cat([p.grad.flatten() for _, p in stepped]).norm()
+    }
+    for (name, param), old in zip(stepped, before, strict=True):
+        update = (param.detach() - old).norm()
+        expected |= {
+            f"l2_norm/grad/{name}": param.grad.norm(),
+            f"l2_norm/param/{name}": param.detach().norm(),
+            f"l2_norm/update/{name}": update,
+            f"update_ratio/{name}": update / param.detach().norm(),
+        }
+    assert [n for n, _ in stepped] == names and norms.keys() == expected.keys()
+    for key, value in expected.items():
+        assert norms[key] == pytest.approx(value.item(), rel=1e-6), key
+    # In a run: every logged step has them, one per trained parameter; the console line
+    # leaves the per-layer ones out.
+    rows = read_metrics(reference, "ref")
+    assert all(row["l2_norm/grad/global"] > 0 for row in rows)
+    model_params = {
+        k.removeprefix("l2_norm/param/")
+        for k in rows[0]
+        if k.startswith("l2_norm/param/")
+    }
+    assert "wte.weight" in model_params and len(model_params) > 10
+    log = (reference / "runs/ref/log.txt").read_text()
+    assert "loss=" in log and "l2_norm/" not in log
+
+
+def test_activation_statistics_show_a_scaled_layer_for_the_first_forward_only(
+    nan_project: Path, reference: Path, tmp_path: Path
+) -> None:
+    with project_modules(nan_project) as modules:
+        train = modules["train"]
+        value = torch.randn(3, 5, 8)
+        centered = value - value.mean(-1, keepdim=True)
+        kurtosis = (centered**4).mean(-1) / (centered**2).mean(-1) ** 2
+        expected = [
+            value.mean(),
+            value.max(-1).values.mean(),
+            value.norm(dim=-1).mean(),
+            kurtosis.mean(),
+        ]
+        got = train.feature_statistics(value)
+        torch.testing.assert_close(got, torch.stack(expected))
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
+        )
+        found: dict[str, torch.Tensor] = {}
+        hooks = train.watch_activations(model, found)
+        inputs = torch.randn(6, 8)
+        model(inputs)
+        first = train.activation_metrics(found)
+        with torch.no_grad():
+            model[0].weight.mul_(100)
+            model[0].bias.mul_(100)
+        model(inputs)  # a second forward (microbatch) of the step: not recorded
+        assert train.activation_metrics(found) == first
+        for hook in hooks:
+            hook.remove()
+        found.clear()
+        model(inputs)  # hooks removed: nothing recorded
+        assert found == {}
+        hooks = train.watch_activations(model, found)
+        model(inputs)
+        scaled = train.activation_metrics(found)
+        for hook in hooks:
+            hook.remove()
+    assert set(first) == {
+        f"activations/{stat}/{name}"
+        for stat in ("average", "max", "l2_norm", "kurtosis")
+        for name in ("0", "1", "2")
+    }
+    for name in ("0", "1"):  # the scaled layer's output and its ReLU: 100x
+        key = f"activations/l2_norm/{name}"
+        assert scaled[key] == pytest.approx(100 * first[key], rel=1e-4)
+    assert scaled["activations/l2_norm/2"] > 10 * first["activations/l2_norm/2"]
+    # In the run (interval 2): the watched steps and only they have them.
+    rows = read_metrics(reference, "ref")
+    watched = [r["step"] for r in rows if "activations/l2_norm/blocks.0.attn" in r]
+    assert watched == [2, 4]
+
+    # An interval that is not a multiple of the logging interval: one line, exit 2.
+    refused = run_train(nan_project, tmp_path, *RUN, "--log_interval=3ba")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        "error: activation_monitor_interval=2 is not a multiple of log_interval=3ba; "
+        "pick a multiple of a batch log_interval (e.g. --log_interval=1ba), so each "
+        "record is logged at its step"
+    ]
+
+
+def test_system_metrics_read_a_busy_and_an_idle_process(
+    nan_project: Path, reference: Path
+) -> None:
+    with project_modules(nan_project) as modules:
+        system = modules["train"].SystemMetrics(torch.device("cpu"))
+        end = time.perf_counter() + 0.5
+        while time.perf_counter() < end:  # one core busy
+            pass
+        busy = system.read()
+        time.sleep(0.5)
+        idle = system.read()
+    assert busy["system/process_cpu_percent"] > 40 > idle["system/process_cpu_percent"]
+    assert 0 < busy["system/memory_used_gb"] and 0 < busy["system/memory_percent"] < 100
+    assert idle["system/network_received_gb"] >= busy["system/network_received_gb"]
+    rows = read_metrics(reference, "ref")
+    keys = {"system/cpu_percent", "system/disk_used_gb", "system/network_sent_gb"}
+    assert all(keys <= row.keys() for row in rows) and len(rows) == 4
+
+
+def test_value_clipping_clamps_every_gradient_entry(
+    nan_project: Path, tmp_path: Path
+) -> None:
+    limit = 1e-6
+    args = [*RUN[:-1], "--max_duration=1ba", f"--gradient_clipping_max_value={limit}"]
+    result = run_train(nan_project, tmp_path, *args, "--run_name=v")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = read_metrics(tmp_path, "v")
+    dcp_to_torch_save(tmp_path / "runs/v/checkpoints/step-1", tmp_path / "v.pt")
+    weights = torch.load(tmp_path / "v.pt", weights_only=True)["model"]
+    assert row["grad_norm"] > 1e3 * limit  # before clipping
+    names = [k.removeprefix("l2_norm/param/") for k in row if "/param/" in k]
+    assert len(names) > 10
+    for name in names:
+        most = limit * weights[name].numel() ** 0.5  # every entry at +-limit
+        assert row[f"l2_norm/grad/{name}"] <= most * (1 + 1e-5), name
+    # A layer norm's weight has no zero gradient entries: all of them are at the limit.
+    numel = weights["ln_f.weight"].numel()
+    assert row["l2_norm/grad/ln_f.weight"] == pytest.approx(
+        limit * numel**0.5, rel=1e-5
+    )
