@@ -405,29 +405,32 @@ def upgrade(
         catalog = load_algorithms(release.template)
     except CatalogError as error:
         raise UpdateError(str(error)) from None
-    data = _earlier_values(state, catalog)
+    data = _recorded_values(state, catalog)
     changes, diffstat = _update(state, state.target, data, dry_run)
     return UpdateResult(
         state.path, state.version, state.target, changes, dry_run, diffstat
     )
 
 
-def _earlier_values(
+def _recorded_values(
     state: ProjectState, catalog: dict[str, Algorithm]
 ) -> dict[str, Any]:
-    """The project's algorithm answers plus, for each option newer than the project (or whose
-    default changed since), the value the project trained with, so the upgrade keeps it;
-    {} when there is none."""
+    """The project's algorithm answers with every option they lack filled in, so the
+    upgraded answers name all of them as a fresh project's do: for an option newer than the
+    project whose default differs from what it trained with, that value (`earlier`), else
+    the default (what the project trained with); {} when nothing is missing."""
     recorded = state.answers.get("algorithms") or {}
     algorithms = {name: dict(params or {}) for name, params in recorded.items()}
     for name, params in algorithms.items():
         for option in getattr(catalog.get(name), "hyperparameters", {}).values():
-            if (
-                option.earlier is not None
-                and option.name not in params
-                and _is_newer(option.earlier[0], state.version)
+            if option.name in params:
+                continue
+            if option.earlier is not None and _is_newer(
+                option.earlier[0], state.version
             ):
                 params[option.name] = option.earlier[1]
+            else:
+                params[option.name] = option.default
     return {"algorithms": algorithms} if algorithms != recorded else {}
 
 

@@ -239,6 +239,15 @@ def out_of_range_cases() -> list[tuple[str, str, float]]:
     return cases
 
 
+def config_fields(project: Path, name: str) -> dict[str, str]:
+    """The Config fields (name -> annotation) that algorithm `name`'s fence declares in
+    `project`'s train.py."""
+    train = (project / "train.py").read_text()
+    config = train[train.index("class Config") : train.index("\ndef ")]
+    block = "\n".join(fences(config, name))
+    return dict(re.findall(r"^\s*(\w+): (.+?) = ", block, re.M))
+
+
 @pytest.mark.parametrize(("name", "field", "value"), out_of_range_cases())
 def test_a_declared_range_is_checked_at_run_time(
     name: str,
@@ -249,9 +258,13 @@ def test_a_declared_range_is_checked_at_run_time(
 ) -> None:
     """Each algorithm rendered alone: a value just outside a declared range (each finite end)
     stops setup() with the rendered check's one line, exit status 2, before anything starts.
-    """
+    A hyperparameter whose field this render does not write (another mode's limit, chosen
+    at generation: gradient_clipping's max_value) is nowhere in its code."""
     task, _ = first_home(name)
     interval = ranged_fields(name)[field]
+    if field not in config_fields(alone[name], name):
+        assert f"cfg.{field}" not in (alone[name] / "train.py").read_text()
+        return
     with project_modules(alone[name]) as modules:
         train = modules["train"]
         cfg = train.Config(**SMALL, **TASK_SETTINGS.get(task, {}), **{field: value})
@@ -285,6 +298,8 @@ def test_the_check_is_rendered_in_the_algorithms_fence_from_its_declaration(
             # the algorithm's own fields (the task checks its fields in the same way)
             and all(kw.arg.startswith(f"{name}_") for kw in node.keywords)
         ]
+        written = config_fields(alone[name], name)
+        ranges = {field: r for field, r in ranges.items() if field in written}
         if not ranges:
             assert not calls, name
             continue
@@ -300,18 +315,22 @@ def test_the_check_is_rendered_in_the_algorithms_fence_from_its_declaration(
 def test_every_hyperparameter_has_one_name_and_its_declared_choices(
     alone: dict[str, Path],
 ) -> None:
-    """An algorithm's Config fields are exactly `<name>_<hyperparameter>` for every hyperparameter
-    (recipes and --set: `<name>.<hyperparameter>`); a field of a hyperparameter with choices is
-    the Literal of those choices."""
+    """An algorithm's Config fields are `<name>_<hyperparameter>` (recipes and --set:
+    `<name>.<hyperparameter>`); a hyperparameter without a field in a render is decided at
+    generation (gradient_clipping's clipping_type, and the other modes' limits) and read
+    nowhere in its code; a field of a hyperparameter with choices is the Literal of those
+    choices."""
     for name, spec in CATALOG.items():
         if "train.config" not in spec.spots:
             continue
         train = (alone[name] / "train.py").read_text()
-        config = train[train.index("class Config") : train.index("\ndef ")]
-        block = "\n".join(fences(config, name))
-        fields = dict(re.findall(r"^\s*(\w+): (.+?) = ", block, re.M))
-        assert set(fields) == {f"{name}_{hp}" for hp in spec.hyperparameters}, name
+        fields = config_fields(alone[name], name)
+        declared = {f"{name}_{hp}" for hp in spec.hyperparameters}
+        assert fields and set(fields) <= declared, name
+        assert not [f for f in declared - set(fields) if f"cfg.{f}" in train], name
         for hp in spec.hyperparameters.values():
+            if f"{name}_{hp.name}" not in fields:
+                continue
             if hp.choices:
                 assert fields[
                     f"{name}_{hp.name}"

@@ -991,12 +991,17 @@ def test_an_image_classification_project_upgrades_keeping_hand_edits_and_trains(
 
 
 def test_upgrade_records_the_values_older_projects_trained_with() -> None:
-    """Options whose default changed in 0.3.0 get, for an older project whose answers lack
-    them, the value it trained with (`earlier`); a recorded value and a 0.3.0 project stay.
-    """
-    from scaffold.upgrade import ProjectState, _earlier_values
+    """Options an older project's answers lack are recorded: with the value it trained
+    with where the default changed since (`earlier`), else the default; a recorded value
+    stays, and a project whose answers name every option is left as it is."""
+    from scaffold.upgrade import ProjectState, _recorded_values
 
     catalog = load_algorithms(template_dir())
+
+    def filled(name: str, **given: object) -> dict:
+        defaults = {k: hp.default for k, hp in catalog[name].hyperparameters.items()}
+        return {**defaults, **given}
+
     recorded = {
         "selective_backprop": {"keep": 0.5},
         "alibi": {"train_sequence_length_scaling": 0.5},
@@ -1004,16 +1009,26 @@ def test_upgrade_records_the_values_older_projects_trained_with() -> None:
         "gradient_clipping": {"max_norm": 1.0},
     }
     old = ProjectState(Path("p"), {"algorithms": recorded}, "0.2.0", __version__)
-    assert _earlier_values(old, catalog) == {
+    assert _recorded_values(old, catalog) == {
         "algorithms": {
-            "selective_backprop": {"keep": 0.5, "sampling": "top"},
-            "alibi": {"train_sequence_length_scaling": 0.5},
-            "randaugment": {"augmentation_set": "original"},
-            "gradient_clipping": {"max_norm": 1.0},
+            "selective_backprop": filled(
+                "selective_backprop", keep=0.5, sampling="top"
+            ),
+            "alibi": filled("alibi", train_sequence_length_scaling=0.5),
+            "randaugment": filled("randaugment", augmentation_set="original"),
+            "gradient_clipping": filled("gradient_clipping", max_norm=1.0),
         }
     }
+    assert (
+        filled("randaugment")["augmentation_set"] != "original"
+    )  # earlier, not default
     assert (
         recorded["randaugment"] == {}
     )  # the project's answers are not changed in place
     current = ProjectState(Path("p"), {"algorithms": recorded}, "0.3.0", __version__)
-    assert _earlier_values(current, catalog) == {}
+    assert _recorded_values(current, catalog)["algorithms"]["randaugment"] == filled(
+        "randaugment"
+    )
+    complete = {name: filled(name, **params) for name, params in recorded.items()}
+    whole = ProjectState(Path("p"), {"algorithms": complete}, "0.3.0", __version__)
+    assert _recorded_values(whole, catalog) == {}

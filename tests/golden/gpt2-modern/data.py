@@ -161,8 +161,8 @@ def uint16_tokens(path: Path, read_meta: bool = True) -> TokenData:
 
 
 def shard_tokens(root: str, vocab_size: int, seq_len: int) -> TokenData:
-    """A streaming dataset's windows; the vocabulary from its meta.json (optional for MDS
-    shards: `mds_tokens`)."""
+    """A streaming dataset's windows; the vocabulary from its meta.json (optional for
+    MDS shards: `mds_tokens`)."""
     mds = shards.is_mds(root)
     meta = shards.read_meta(root, optional=mds)
     meta_size = meta.get("vocab_size", 0)
@@ -193,11 +193,12 @@ def mds_tokens(root: str, vocab_size: int, seq_len: int) -> TokenData:
       by newlines, as text files are (`mds_text`)."""
     train, val = (shards.open_split(root, split) for split in ("train", "val"))
     if train.columns != val.columns or not {"tokens", "text"} & set(train.columns):
+        found = [", ".join(split.columns) for split in (train, val)]
         raise shards.ShardError(
-            f"--data={root}: train/ has columns {', '.join(train.columns)} and val/ "
-            f"{', '.join(val.columns)}; language MDS shards need the same columns, with "
-            "pre-tokenized rows in `tokens` (llm-foundry's convert_dataset_hf "
-            "--concat_tokens) or texts in `text`"
+            f"--data={root}: train/ has columns {found[0]} and val/ {found[1]}; "
+            "language MDS shards need the same columns, with pre-tokenized rows in "
+            "`tokens` (llm-foundry's convert_dataset_hf --concat_tokens) or texts in "
+            "`text`"
         )
     if "tokens" not in train.columns:
         return mds_text(root, train, val, vocab_size)

@@ -521,8 +521,8 @@ def main() -> None:
     # Decoding images from disk happens in worker processes while the model trains.
     num_workers = cfg.num_workers if images.on_disk else 0
     if cfg.model not in PRESETS:
-        # A torchvision, timm or HF model fitted to this loop (see HubNet); refused in one
-        # line: BatchNorm it cannot make ghost, unreadable weights, other image sizes.
+        # A torchvision, timm or HF model fitted to this loop (see HubNet). Refused in
+        # one line: BatchNorm it cannot make ghost, bad weights, other image sizes.
         sides = (train_batches.image_side, val.image_side)
         with config.failing(ValueError, OSError, RuntimeError):
             model = HubNet(
