@@ -16,7 +16,9 @@ only moves matrices to where that function runs:
 
 `cautious=True` decays only the entries whose update has the parameter's sign (cautious weight
 decay, Chen et al. 2025, arXiv 2510.12402; modded-nanogpt record 43); the default is
-`torch.optim.Muon`'s decoupled decay. `Muon` keeps `torch.optim.Muon`'s hyperparameters, state (`momentum_buffer`) and update, so
+`torch.optim.Muon`'s decoupled decay. `beta2` (NorMuon, Li et al. 2025, arXiv 2510.05491;
+modded-nanogpt record 41) rescales each neuron's share of the orthogonalised update by a running
+second moment (see `Muon._normalize`). `Muon` keeps `torch.optim.Muon`'s hyperparameters, state (`momentum_buffer`) and update, so
 on one process it takes the same steps; the state is per parameter (shards under FSDP2) and
 goes through DCP like AdamW's, so it resumes on any world size. `Chain` puts Muon and the
 AdamW that takes the other parameters behind the one optimizer the training loop holds.
@@ -30,7 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 Orthogonalize = Callable[[torch.Tensor], torch.Tensor]
 
@@ -78,7 +80,10 @@ class Muon(torch.optim.Optimizer):
         nesterov: bool = True,
         adjust_lr_fn: str | None = None,
         cautious: bool = False,
+        beta2: float | None = None,
     ) -> None:
+        if beta2 is not None and not 0 <= beta2 < 1:
+            raise ValueError(f"beta2={beta2}: NorMuon's beta2 is in [0, 1)")
         defaults = dict(
             lr=lr,
             weight_decay=weight_decay,
@@ -86,6 +91,7 @@ class Muon(torch.optim.Optimizer):
             nesterov=nesterov,
             adjust_lr_fn=adjust_lr_fn,
             cautious=cautious,
+            beta2=beta2,
         )
         super().__init__(params, defaults)
         self.orthogonalize = orthogonalize
@@ -112,6 +118,8 @@ class Muon(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             updates = [self._momentum_update(p, group) for p in params]
             orthogonal = self._orthogonalize_all(params, updates)
+            if group["beta2"] is not None:
+                orthogonal = self._normalize(params, orthogonal, group["beta2"])
             for param, update in zip(params, orthogonal):
                 scale = adjusted_lr(group["lr"], group["adjust_lr_fn"], param.shape)
                 local = _local(param)
@@ -138,6 +146,96 @@ class Muon(torch.optim.Optimizer):
         buf = _local(state["momentum_buffer"])
         buf.lerp_(grad, 1 - group["momentum"])
         return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf.clone()
+
+    def _normalize(
+        self, params: list[torch.Tensor], updates: list[torch.Tensor], beta2: float
+    ) -> list[torch.Tensor]:
+        """NorMuon's per-neuron normalisation of the orthogonalised updates (local rows).
+
+        Along the matrix's longer side (a row per output of a tall or square matrix, a
+        column per input of a wide one: modded-nanogpt's axis, record 48), each neuron's
+        mean square m is averaged into `second_momentum_buffer` b <- beta2 b + (1 - beta2) m;
+        the neuron's entries are divided by sqrt(b), and the matrix is rescaled to the
+        Frobenius norm it had. Under FSDP2 a row's mean is local; column means and the two
+        norms are sums over the ranks' rows: two all-reduces per step for all matrices.
+        """
+        sharded = [_is_row_sharded(p) for p in params]
+        squares = [u.float().square() for u in updates]
+        per_row = [p.shape[0] >= p.shape[1] for p in params]
+        # 1. Each neuron's sum of squares, and each matrix's total: rows' sums are local.
+        sums = [
+            sq.sum(1 if row else 0, keepdim=True) for sq, row in zip(squares, per_row)
+        ]
+        totals = [s.sum().reshape(1) for s in sums]
+        first = [
+            (totals[i] if per_row[i] else sums[i].reshape(-1))
+            for i in range(len(params))
+            if sharded[i]
+        ]
+        summed = iter(self._all_reduce(params, first))
+        for i in range(len(params)):
+            if sharded[i] and per_row[i]:
+                totals[i] = next(summed)
+            elif sharded[i]:
+                sums[i] = next(summed).reshape(sums[i].shape)
+                totals[i] = sums[i].sum().reshape(1)
+        # 2. The running second moments, and the norms after dividing by them.
+        steps, new_totals = [], []
+        for i, param in enumerate(params):
+            size = param.shape[1] if per_row[i] else param.shape[0]
+            buffer = _local(self._second_moment(param, per_row[i]))
+            buffer.lerp_(sums[i] / size, 1 - beta2)
+            steps.append(buffer.clamp_min(1e-10).rsqrt())
+            new_totals.append((sums[i] * steps[i].square()).sum().reshape(1))
+        second = [
+            new_totals[i] for i in range(len(params)) if sharded[i] and per_row[i]
+        ]
+        summed = iter(self._all_reduce(params, second))
+        for i in range(len(params)):
+            if sharded[i] and per_row[i]:
+                new_totals[i] = next(summed)
+        return [
+            update
+            * (step * totals[i].sqrt() / new_totals[i].sqrt().clamp_min(1e-10)).to(
+                update.dtype
+            )
+            for i, (update, step) in enumerate(zip(updates, steps))
+        ]
+
+    @staticmethod
+    def _all_reduce(
+        params: list[torch.Tensor], parts: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """`parts` summed over the ranks of the FSDP2 mesh, in one collective."""
+        if not parts:
+            return []
+        group = next(p for p in params if _is_row_sharded(p)).device_mesh.get_group()
+        flat = torch.cat(parts)
+        dist.all_reduce(flat, group=group)
+        return list(flat.split([part.numel() for part in parts]))
+
+    def _second_moment(self, param: torch.Tensor, per_row: bool) -> torch.Tensor:
+        """The parameter's NorMuon state: fp32, a value per row (sharded as its rows) or per
+        column (on every rank), so DCP reshards it with the parameter."""
+        state = self.state[param]
+        if "second_momentum_buffer" not in state:
+            rows, cols = param.shape
+            shape = (rows, 1) if per_row else (1, cols)
+            local = _local(param)
+            if not _is_row_sharded(param):
+                buffer = torch.zeros(shape, dtype=torch.float32, device=local.device)
+            else:
+                mine = (local.shape[0], 1) if per_row else shape
+                buffer = DTensor.from_local(
+                    torch.zeros(mine, dtype=torch.float32, device=local.device),
+                    param.device_mesh,
+                    [Shard(0) if per_row else Replicate()],
+                    run_check=False,
+                    shape=torch.Size(shape),
+                    stride=(shape[1], 1),
+                )
+            state["second_momentum_buffer"] = buffer
+        return state["second_momentum_buffer"]
 
     def _orthogonalize_all(
         self, params: list[torch.Tensor], updates: list[torch.Tensor]

@@ -1,5 +1,5 @@
 """A torchrun worker for tests/test_modern.py: `runtime.muon.Muon` on FSDP2 (N ranks) against
-one process, and the collectives of one optimizer step: ours, and with `--torch-muon`
+one process (plain and with NorMuon's beta2), and the collectives of one optimizer step: ours, and with `--torch-muon`
 `torch.optim.Muon`'s (or the error its step raises on these DTensors).
 
 Usage: torchrun --nproc_per_node=N tests/muon_worker.py OUT.json [--torch-muon]
@@ -24,7 +24,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from runtime import muon
 
 STEPS = 3
-LR, MOMENTUM, WEIGHT_DECAY = 0.02, 0.95, 0.01
+LR, MOMENTUM, WEIGHT_DECAY, BETA2 = 0.02, 0.95, 0.01, 0.9
 
 
 def newton_schulz(update: torch.Tensor, steps: int = 5) -> torch.Tensor:
@@ -53,6 +53,15 @@ def build() -> nn.Module:
         nn.ReLU(),
         nn.Linear(7, 1, bias=False),
     )
+
+
+def sharded_build() -> nn.Module:
+    """build() under FSDP2 over all ranks, each layer its own unit."""
+    model = build()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    return fully_shard(model)
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,12 +131,7 @@ def main() -> None:
         0,
         1,
     )
-    # FSDP2 over all ranks, each layer its own unit.
-    sharded = build()
-    for layer in sharded:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(sharded)
+    sharded = sharded_build()
     optimizer = muon.Muon(
         sharded.parameters(),
         counted,
@@ -154,17 +158,41 @@ def main() -> None:
     ours = collectives(sharded, optimizer)
     theirs: dict[str, int] | str = "not run (pass --torch-muon)"
     if "--torch-muon" in sys.argv[2:]:
-        theirs_model = build()
-        for layer in theirs_model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        fully_shard(theirs_model)
+        theirs_model = sharded_build()
         try:
             theirs = collectives(
                 theirs_model, torch.optim.Muon(theirs_model.parameters(), lr=LR)
             )
         except RuntimeError as error:  # torch 2.13: an in-place add across placements
             theirs = str(error).splitlines()[0][:200]
+    # NorMuon (beta2): FSDP2 against one process; its second moments per row or column.
+    normuon = {"lr": LR, "weight_decay": WEIGHT_DECAY, "momentum": MOMENTUM}
+    normuon_reference = build()
+    train(
+        normuon_reference,
+        muon.Muon(
+            normuon_reference.parameters(), newton_schulz, beta2=BETA2, **normuon
+        ),
+        0,
+        1,
+    )
+    normuon_sharded = sharded_build()
+    normuon_optimizer = muon.Muon(
+        normuon_sharded.parameters(), newton_schulz, beta2=BETA2, **normuon
+    )
+    train(normuon_sharded, normuon_optimizer, rank, world)
+    normuon_diff = max(
+        (a - b).abs().max().item()
+        for a, b in zip(full(normuon_sharded), full(normuon_reference))
+    )
+    normuon_moved = max(
+        (a - b).abs().max().item() for a, b in zip(full(normuon_sharded), full(sharded))
+    )
+    second_moments = [
+        normuon_optimizer.state[p]["second_momentum_buffer"].full_tensor()
+        for p in normuon_sharded.parameters()
+    ]
+    normuon_collectives = collectives(normuon_sharded, normuon_optimizer)
     ns_per_rank = [0] * world
     dist.all_gather_object(ns_per_rank, ours_calls)
     if rank == 0:
@@ -177,6 +205,10 @@ def main() -> None:
             "collectives_torch_muon": theirs,
             "newton_schulz_per_rank": ns_per_rank,
             "matrices": len(list(sharded.parameters())),
+            "normuon_max_diff_fsdp_vs_one_process": normuon_diff,
+            "normuon_max_diff_from_muon": normuon_moved,
+            "normuon_second_moment_shapes": [list(m.shape) for m in second_moments],
+            "normuon_collectives": normuon_collectives,
         }
         with open(sys.argv[1], "w") as out:
             json.dump(result, out)

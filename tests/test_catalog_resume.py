@@ -98,6 +98,7 @@ ACTIVE: dict[str, dict[str, Any]] = {
     "muon": {
         "orthogonalizer": "polar_express",
         "cautious_weight_decay": True,
+        "normuon": True,
         "weight_decay": 1.2,
     },
 }

@@ -312,6 +312,47 @@ def test_one_muon_step_on_a_single_matrix_is_a_hand_newton_schulz_update(
     )
 
 
+@pytest.mark.parametrize("shape", [(24, 16), (16, 40)])
+def test_normuon_evens_out_the_neurons_steps_and_keeps_the_update_norm(
+    modern, shape: tuple[int, int]
+) -> None:
+    """NorMuon (Li et al. 2025; modded-nanogpt's variance reduction): two steps on one
+    matrix equal a hand computation, a neuron being a row of a tall matrix and a column of
+    a wide one; after the first step every neuron's update has the same norm (its second
+    moment is its own mean square), and each update keeps the orthogonalised norm."""
+    from runtime import muon
+
+    newton_schulz = modern["train"].newton_schulz
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(shape))
+    lr, momentum, beta2 = 0.02, 0.9, 0.9
+    optimizer = muon.Muon(
+        [weight], newton_schulz, lr=lr, weight_decay=0.0, momentum=momentum, beta2=beta2
+    )
+    scale = lr * math.sqrt(max(1, shape[0] / shape[1]))
+    axis = 1 if shape[0] >= shape[1] else 0  # the entries of one neuron
+    buffer = torch.zeros(shape, dtype=torch.float64)
+    second = torch.zeros(1, dtype=torch.float64)
+    for step in range(2):
+        weight.grad = torch.randn(shape)
+        grad = weight.grad.double()
+        before = weight.detach().double().clone()
+        optimizer.step()
+        buffer = momentum * buffer + (1 - momentum) * grad
+        ortho = hand_newton_schulz(grad + momentum * (buffer - grad))
+        second = beta2 * second + (1 - beta2) * ortho.square().mean(axis, keepdim=True)
+        normalized = ortho / second.sqrt()
+        expected = normalized * ortho.norm() / normalized.norm()
+        taken = (before - weight.detach().double()) / scale
+        torch.testing.assert_close(taken, expected, atol=1e-4, rtol=1e-4)
+        assert taken.norm().item() == pytest.approx(ortho.norm().item(), rel=1e-4)
+        if step == 0:
+            neurons = taken.norm(dim=axis)
+            assert neurons.max() / neurons.min() < 1 + 1e-4
+            plain = ortho.norm(dim=axis)  # without NorMuon they differ
+            assert plain.max() / plain.min() > 1.05
+
+
 def test_muon_takes_the_blocks_weight_matrices_and_nothing_else(modern) -> None:
     model = modern["model"]
     gpt = model.GPT(tiny(model))
@@ -342,7 +383,7 @@ def test_muon_under_fsdp_on_two_ranks_equals_one_process_with_two_collectives_pe
     tmp_path: Path,
 ) -> None:
     """runtime.muon.Muon on FSDP2 (2 gloo ranks, uneven shards, a rank holding no rows of a
-    1-row matrix) takes the same steps as one process, bitwise; one step costs one gather and
+    1-row matrix) takes the same steps as one process, with and without NorMuon; one step costs one gather and
     one scatter per matrix, and the Newton–Schulz work is split over the ranks."""
     import json
     import subprocess
@@ -382,6 +423,17 @@ def test_muon_under_fsdp_on_two_ranks_equals_one_process_with_two_collectives_pe
         2,
     ]  # 4 matrices, each orthogonalised once
     assert found["momentum_buffer_shapes"] == [[40, 16], [24, 40], [7, 24], [1, 7]]
+    # NorMuon: the same on FSDP2 as on one process, and not Muon's steps; a second moment
+    # per row of the tall matrix, per column of the wide ones (sharded rows: 4 + 3 of 7,
+    # and none on rank 1 for the 1-row matrix); two all-reduces per step for all matrices.
+    assert found["normuon_max_diff_fsdp_vs_one_process"] <= 1e-6
+    assert found["normuon_max_diff_from_muon"] > 1e-3
+    assert found["normuon_second_moment_shapes"] == [[40, 1], [1, 40], [1, 24], [1, 7]]
+    assert found["normuon_collectives"] == {
+        "gather_": found["matrices"],
+        "scatter_": found["matrices"],
+        "allreduce_": 2,
+    }
 
 
 @pytest.mark.parametrize(

@@ -71,6 +71,9 @@ class Config:
     muon_orthogonalizer: Literal["newton_schulz", "polar_express"] = "newton_schulz"
     # decay only the entries whose update has the weight's sign (record 43)
     muon_cautious_weight_decay: bool = False
+    # NorMuon: each neuron's step divided by its running RMS, norm kept (record 41)
+    muon_normuon: bool = False
+    muon_beta2: float = 0.9  # NorMuon's second-moment decay
     # end algorithm: muon
 
     # algorithm: gradient_clipping
@@ -150,7 +153,9 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
         check_fraction(cfg.lr_warmup, cfg.max_duration)
 
     # algorithm: muon
-    config.check_ranges(cfg, muon_momentum="[0, 1)", muon_ns_steps="[1, inf)")
+    config.check_ranges(
+        cfg, muon_momentum="[0, 1)", muon_ns_steps="[1, inf)", muon_beta2="[0, 1)"
+    )
     with config.failing(ValueError, prefix="muon_momentum_warmup: "):
         check_fraction(cfg.muon_momentum_warmup, cfg.max_duration)
     if cfg.lr <= 0:
@@ -381,8 +386,9 @@ def main() -> None:
     # algorithm: muon
     # Muon (Jordan et al. 2024) for the blocks' weight matrices: Nesterov momentum,
     # orthogonalised (muon_orthogonalize), so every direction of a matrix moves at the
-    # same rate. Under FSDP2, runtime.muon orthogonalises each matrix once, on one
-    # rank, instead of on every rank. AdamW keeps embeddings, head, biases, gains.
+    # same rate; NorMuon (muon_normuon) then evens out the neurons' step sizes. Under
+    # FSDP2, runtime.muon orthogonalises each matrix once, on one rank, instead of on
+    # every rank. AdamW keeps embeddings, head, biases, gains.
     hidden, rest = muon_split(model)
     muon_optimizer = muon.Muon(
         hidden,
@@ -391,6 +397,7 @@ def main() -> None:
         weight_decay=cfg.muon_weight_decay,
         momentum=cfg.muon_momentum,
         cautious=cfg.muon_cautious_weight_decay,
+        beta2=cfg.muon_beta2 if cfg.muon_normuon else None,
     )
     adamw = torch.optim.AdamW(
         [
