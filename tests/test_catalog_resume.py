@@ -94,6 +94,7 @@ ACTIVE: dict[str, dict[str, Any]] = {
     "layer_freezing": {"start": 0.0},
     "selective_backprop": {"start": 0.0, "interval": 1},
     "sam": {"interval": 2},
+    "factorize": {"min_channels": 16, "min_features": 8, "latent_features": 0.25},
     # Muon's options (the default Newton-Schulz resumes in gpt2-modern's own smoke test).
     "muon": {
         "orthogonalizer": "polar_express",
