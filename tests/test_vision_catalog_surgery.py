@@ -169,6 +169,10 @@ def test_factorize_only_where_it_saves_multiply_adds(models) -> None:
         pass
 
     assert model.factorized(Sub(64, 64, 3)) is None
+    # a model built elsewhere (a hub's layers) is changed in place
+    hub = torch.nn.Sequential(torch.nn.Conv2d(300, 300, 1), torch.nn.Linear(300, 300))
+    assert model.use_factorize(hub) == 2
+    assert [type(m).__name__ for m in hub] == ["FactorizedConv2d", "FactorizedLinear"]
 
 
 def test_factorize_svd_init_is_the_best_low_rank_approximation(
