@@ -47,18 +47,25 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-@pytest.fixture(scope="module")
-def project(tmp_path_factory: pytest.TempPathFactory, isolated_home: Path) -> Path:
-    root = tmp_path_factory.mktemp("hf-algorithms")
+def text_project(root: Path, algorithms: str) -> Path:
+    """A tiny text_classification project with these `[algorithms.*]` tables."""
     recipe = root / "recipe.toml"
     recipe.write_text(
         '[answers]\ntask = "text_classification"\nmodel_family = "hf"\nmodel = "tiny"\n'
-        "[algorithms.layer_freezing]\nstart = 0.0\nlevel = 1.0\n"
-        "[algorithms.low_precision_layernorm]\n"
+        + algorithms
     )
     result = scaffold_cli("new", "--recipe", str(recipe), str(root / "p"))
     assert result.returncode == 0, result.stderr
     return root / "p"
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory, isolated_home: Path) -> Path:
+    return text_project(
+        tmp_path_factory.mktemp("hf-algorithms"),
+        "[algorithms.layer_freezing]\nstart = 0.0\nlevel = 1.0\n"
+        "[algorithms.low_precision_layernorm]\n",
+    )
 
 
 def train(
@@ -222,14 +229,10 @@ def test_low_precision_layernorm_is_how_the_gpt_builds_its_layernorms(
 
 @pytest.fixture(scope="module")
 def gyro_project(tmp_path_factory: pytest.TempPathFactory, isolated_home: Path) -> Path:
-    root = tmp_path_factory.mktemp("gyro")
-    recipe = root / "recipe.toml"
-    recipe.write_text(
-        '[answers]\ntask = "text_classification"\nmodel_family = "hf"\nmodel = "tiny"\n'
-        "[algorithms.gyro_dropout]\nsigma = 8\ntau = 2\n"
+    return text_project(
+        tmp_path_factory.mktemp("gyro"),
+        "[algorithms.gyro_dropout]\nsigma = 8\ntau = 2\n",
     )
-    new_project(str(recipe), root / "p", [], "p")
-    return root / "p"
 
 
 def test_gyro_dropout_uses_fixed_masks_per_group_and_stretch(
