@@ -29,7 +29,7 @@ SWA = {
     "update_interval": "1ba",
     "schedule_lr": True,
     "anneal_steps": 2,
-    "swa_lr": 0.05,
+    "lr": 0.05,
     "bn_batches": 2,
 }
 STEPS = 6
