@@ -94,6 +94,14 @@ ACTIVE: dict[str, dict[str, Any]] = {
     "layer_freezing": {"start": 0.0},
     "selective_backprop": {"start": 0.0, "interval": 1},
     "sam": {"interval": 2},
+    "factorize": {"min_channels": 16, "min_features": 8, "latent_features": 0.25},
+    "swa": {
+        "start": "0.3dur",
+        "end": "0.8dur",
+        "update_interval": "1ba",
+        "schedule_lr": True,
+        "bn_batches": 1,
+    },
     # Muon's options (the default Newton-Schulz resumes in gpt2-modern's own smoke test).
     "muon": {
         "orthogonalizer": "polar_express",

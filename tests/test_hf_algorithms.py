@@ -47,18 +47,25 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-@pytest.fixture(scope="module")
-def project(tmp_path_factory: pytest.TempPathFactory, isolated_home: Path) -> Path:
-    root = tmp_path_factory.mktemp("hf-algorithms")
+def text_project(root: Path, algorithms: str) -> Path:
+    """A tiny text_classification project with these `[algorithms.*]` tables."""
     recipe = root / "recipe.toml"
     recipe.write_text(
         '[answers]\ntask = "text_classification"\nmodel_family = "hf"\nmodel = "tiny"\n'
-        "[algorithms.layer_freezing]\nstart = 0.0\nlevel = 1.0\n"
-        "[algorithms.low_precision_layernorm]\n"
+        + algorithms
     )
     result = scaffold_cli("new", "--recipe", str(recipe), str(root / "p"))
     assert result.returncode == 0, result.stderr
     return root / "p"
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory, isolated_home: Path) -> Path:
+    return text_project(
+        tmp_path_factory.mktemp("hf-algorithms"),
+        "[algorithms.layer_freezing]\nstart = 0.0\nlevel = 1.0\n"
+        "[algorithms.low_precision_layernorm]\n",
+    )
 
 
 def train(
@@ -215,3 +222,65 @@ def test_low_precision_layernorm_is_how_the_gpt_builds_its_layernorms(
         assert torch.allclose(low.float(), plain.float(), atol=0.1) and not torch.equal(
             low, plain
         )
+
+
+# ---------------------------------------------------------------- gyro_dropout
+
+
+@pytest.fixture(scope="module")
+def gyro_project(tmp_path_factory: pytest.TempPathFactory, isolated_home: Path) -> Path:
+    return text_project(
+        tmp_path_factory.mktemp("gyro"),
+        "[algorithms.gyro_dropout]\nsigma = 8\ntau = 2\n",
+    )
+
+
+def test_gyro_dropout_uses_fixed_masks_per_group_and_stretch(
+    gyro_project: Path,
+) -> None:
+    import transformers
+
+    with project_modules(gyro_project) as loaded:
+        model = loaded["model"]
+        config = transformers.BertConfig(
+            vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=32, num_labels=3,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        bert = transformers.AutoModelForSequenceClassification.from_config(config)
+        # only the head's Dropout (before the classifier) changes; the encoder's stay
+        assert model.use_gyro_dropout(bert) == 1
+        gyro = bert.dropout
+        assert isinstance(gyro, model.GyroDropout)
+        kinds = {type(m).__name__ for m in bert.base_model.modules()}
+        assert "Dropout" in kinds and "GyroDropout" not in kinds
+        # sigma = 8 masks over 16 features, each feature kept with probability 1 - p
+        assert gyro.masks.shape == (8, 16) and 0.3 < gyro.masks.mean() < 0.7
+        assert "dropout.masks" in bert.state_dict()
+
+        # 32 steps, sigma 8, tau 2: masks change every 32 // 8 * 2 = 8 steps; the global
+        # batch of 4 is 2 groups of 2 samples, one mask each
+        schedule = bert.gyro_dropout
+        stretches = []
+        for step in range(32):
+            schedule.start_step(7, step, 32, 4, 0, 4)
+            rows = schedule.rows.clone()
+            assert rows[0] == rows[1] and rows[2] == rows[3]
+            if step % 8:
+                assert torch.equal(rows, stretches[-1])
+            else:
+                stretches.append(rows)
+        assert len({tuple(r.tolist()) for r in stretches}) > 1  # new masks per stretch
+        # a rank's share and a microbatch see the global batch's rows
+        schedule.start_step(7, 9, 32, 4, 2, 2)
+        assert torch.equal(schedule.rows, stretches[1][2:])
+        schedule.start_step(7, 9, 32, 4, 0, 4)
+        schedule.start_microbatch(1, 3)
+        x = torch.randn(3, 5, 16)  # (batch, positions, features): one mask per sample
+        gyro.train()
+        expected = (
+            x * gyro.masks[stretches[1][1:]][:, None, :] / (1 - model.GYRO_DROPOUT_P)
+        )
+        torch.testing.assert_close(gyro(x), expected)
+        gyro.eval()
+        assert torch.equal(gyro(x), x)
