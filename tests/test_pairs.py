@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from projects import run_train
+from projects import LLM_TINY, run_train
 from scaffold.catalog import load_algorithms, load_tasks
 from scaffold.paths import template_dir
 from scaffold.render import new_project
@@ -52,6 +52,7 @@ TASK_ARGS = {
         "--vocab_size=512",
         "--eval_batches=1",
     ],
+    "llm_finetune": [*LLM_TINY, "--samples=0"],
 }
 # Settings that make each algorithm act within the 2 steps.
 ACT_NOW = {
@@ -63,6 +64,7 @@ ACT_NOW = {
     "sam": ["--sam_interval=1"],
     "ema": ["--ema_update_interval=1ba", "--ema_half_life=2ba"],
     "progressive_resizing": ["--progressive_resizing_delay_fraction=0"],
+    "layer_freezing": ["--layer_freezing_start=0"],
 }
 # The batch mixers share one draw per step: each trains in a run of its own.
 MIXERS = ("mixup", "cutmix")
