@@ -149,6 +149,13 @@ def export_gpt2(
             f"GPT2LMHeadModel cannot hold this model ({reasons}); "
             "export it with --format safetensors"
         )
+    if hasattr(model, "training_bytes"):  # llm_finetune: any transformers causal LM
+        raise CheckpointError(
+            "an llm_finetune run writes its Hugging Face folder itself (runs/NAME/hf, "
+            "when it finishes); for this checkpoint run `python train.py --config "
+            "runs/NAME/config.toml --run_name=NEW --load_path=CHECKPOINT "
+            "--max_duration=STEPba` (its step), which writes runs/NEW/hf (README: Export)"
+        )
     if not hasattr(model, "to_hf_gpt2"):
         if hasattr(model, "GPTConfig"):  # a GPT whose algorithms changed GPT-2's layout
             raise CheckpointError(

@@ -148,6 +148,14 @@ TINY = [
     "--save_interval=1000ba",
 ]
 TINY_STEPS = 10
+# llm_finetune's tiny Llama on 4 packed rows of Python's documentation Q&A per step.
+LLM_TINY = [
+    "--model=tiny",
+    "--seq_len=64",
+    "--global_batch_size=4",
+    "--device_microbatch_size=2",
+    "--eval_batches=1",
+]
 
 
 def torchrun_command(project: Path, nproc: int, *args: str) -> list[str]:

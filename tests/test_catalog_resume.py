@@ -10,7 +10,9 @@ model) must equal the uninterrupted run's bitwise. Composer's own resumption tes
 StochasticDepth, LayerFreezing and SWA as expected failures; here there are none.
 
 Each case costs three short runs; the default run keeps a few (one per task at least, the
-stateful ones first), the rest are marked slow (`pytest --slow`).
+stateful ones first), the rest are marked slow (`pytest --slow`). An algorithm trains on the
+first task it lists; a task that is no algorithm's first (llm_finetune) trains its first
+algorithm as one more case, `NAME-TASK`, in the default run.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from projects import checkout_env, read_metrics
+from projects import LLM_TINY, checkout_env, read_metrics
 from scaffold.catalog import Algorithm, load_algorithms, load_tasks
 from scaffold.paths import template_dir
 from scaffold.render import new_project
@@ -86,6 +88,7 @@ TASK_ARGS = {
         "--sample_steps=2",
         "--prediction_type=v_prediction",  # zero_terminal_snr needs it
     ],
+    "llm_finetune": [*LLM_TINY, "--samples=1", "--sample_tokens=4"],
 }
 # Hyperparameters that make an algorithm act within 6 steps (its defaults act later, or
 # barely); algorithms not named here train with their defaults.
@@ -140,17 +143,22 @@ def fast_cases() -> set[str]:
 def cases() -> list[Any]:
     fast = fast_cases()
     marks = {name: () if name in fast else (pytest.mark.slow,) for name in CATALOG}
-    return [
-        pytest.param(name, id=name, marks=marks[name])
-        for name in CATALOG
-        if CATALOG[name].tasks
+    found = [
+        pytest.param(name, task_of(spec), id=name, marks=marks[name])
+        for name, spec in CATALOG.items()
+        if spec.tasks
     ]
+    first = {task_of(spec) for spec in CATALOG.values() if spec.tasks}
+    for task in TASKS:
+        applies = sorted(name for name, s in CATALOG.items() if task in s.tasks)
+        if applies and task not in first:
+            found.append(pytest.param(applies[0], task, id=f"{applies[0]}-{task}"))
+    return found
 
 
-def recipe(name: str) -> str:
-    """A recipe for `name` (and what it requires) on the first task it applies to."""
+def recipe(name: str, task: str) -> str:
+    """A recipe for `name` (and what it requires) on `task`."""
     spec = CATALOG[name]
-    task = task_of(spec)
     family = spec.models[0] if spec.models else TASKS[task].models[0]
     lines = [f'[answers]\ntask = "{task}"\nmodel_family = "{family}"\nmodel = "tiny"\n']
     for algorithm in (*spec.requires, name):
@@ -192,12 +200,11 @@ def logged(workdir: Path, run: str) -> list[dict[str, Any]]:
     ]
 
 
-@pytest.mark.parametrize("name", cases())
-def test_kill_9_resumes_bitwise(name: str, tmp_path: Path) -> None:
-    (tmp_path / "recipe.toml").write_text(recipe(name))
+@pytest.mark.parametrize(("name", "task"), cases())
+def test_kill_9_resumes_bitwise(name: str, task: str, tmp_path: Path) -> None:
+    (tmp_path / "recipe.toml").write_text(recipe(name, task))
     project = tmp_path / "p"
     new_project(str(tmp_path / "recipe.toml"), project, [], "p")
-    task = task_of(CATALOG[name])
 
     whole = train(project, task, "whole")
     assert whole.returncode == 0, whole.stdout[-2000:] + whole.stderr[-4000:]

@@ -10,7 +10,9 @@
   logs what the process that never stopped logged.
 
 llm-sft trains every weight (every run); llm-lora (--slow) only the adapters, and its
-checkpoints hold only them, resharded like the full weights. Under --slow also: DDP resuming
+checkpoints hold only them, resharded like the full weights. Every run also: llm-lora (generated
+with auto_microbatching) under DDP on 2 ranks with an out-of-memory injected on rank 1 settles
+both ranks at a smaller microbatch and logs one process's losses. Under --slow also: DDP resuming
 a one-process checkpoint on 2 ranks (elastic 1 -> 2). The bitwise kill -9 cases (same world
 size: mid-step, mid-evaluation, mid-save) are in test_restarts.py (--slow).
 
@@ -159,3 +161,46 @@ def test_ddp_resumes_a_one_process_checkpoint_on_two(
     assert [r[0] for r in reference] == list(range(3, 9))
     for ours, theirs in zip(compared(tmp_path, "ddp"), reference, strict=True):
         assert_same_series(list(ours), list(theirs), TOLERANCE)
+
+
+def test_ddp_lora_settles_after_an_oom_and_equals_one_process(
+    generated_auto: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DDP with peft's LoRA on 2 ranks, `--device_microbatch_size=auto`, rank 1 out of
+    memory in backward above 2 rows: both ranks retry the batch at 3 then 2 rows of their
+    6, and the run logs the losses of one process accumulating 6 microbatches of 2 rows
+    (the loss is divided by the global batch's answer tokens, whatever the split), and
+    exports the same merged weights."""
+    pytest.importorskip("peft")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    project = generated_auto["llm-lora"]
+    short = [
+        *(a for a in SMALL if not a.startswith(("--max_d", "--device_m"))),
+        "--max_duration=4ba",
+    ]
+    one = run_train(
+        project, tmp_path, *short, "--device_microbatch_size=2", "--run_name=one"
+    )
+    assert one.returncode == 0, one.stderr
+    monkeypatch.setenv("SCAFFOLD_INJECT_OOM", "ranks=1;above=2;phase=backward")
+    ddp = torchrun(
+        tmp_path, 2, project / "train.py", "--device=cpu", *short,
+        "--parallelism=ddp", "--device_microbatch_size=auto", "--run_name=ddp",
+        timeout=600,
+    )  # fmt: skip
+    assert ddp.returncode == 0, ddp.stdout + ddp.stderr
+    assert "retrying the batch at 3" in ddp.stdout
+    assert "retrying the batch at 2" in ddp.stdout
+    assert [r["microbatch_size"] for r in read_metrics(tmp_path, "ddp")] == [2] * 4
+    reference = compared(tmp_path, "one")
+    assert [r[0] for r in reference] == [1, 2, 3, 4]
+    for ours, theirs in zip(compared(tmp_path, "ddp"), reference, strict=True):
+        assert_same_series(list(ours), list(theirs), TOLERANCE)
+    exported = {
+        name: transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "runs" / name / "hf"
+        ).state_dict()
+        for name in ("one", "ddp")
+    }
+    for key, value in exported["one"].items():
+        torch.testing.assert_close(exported["ddp"][key], value, rtol=0, atol=1e-6)

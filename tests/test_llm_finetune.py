@@ -7,7 +7,12 @@ HF_HUB_OFFLINE=1 in every subprocess."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +21,14 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from projects import project_modules, read_metrics, run_train  # noqa: E402
+from conftest import scaffold_cli  # noqa: E402
+from scaffold.render import commit_all  # noqa: E402
+from projects import (  # noqa: E402
+    checkout_env,
+    project_modules,
+    read_metrics,
+    run_train,
+)
 
 SFT = "llm-sft"
 SMALL = [
@@ -333,6 +345,18 @@ def test_lora_checkpoints_adapters_and_exports_merged_or_adapter(
             sample_main(modules, monkeypatch, capsys, *args, "--max_new_tokens=8")
             == answer
         )
+        # A checkpoint exported as README says (resumed into a run that ends there):
+        # the merged run's step-2 adapters in peft's format answer as that run did.
+        args = ("--config=runs/merged/config.toml", "--run_name=step-2")
+        args += ("--load_path=runs/merged/checkpoints/step-2", "--max_duration=2ba")
+        result = run_train(project, tmp_path, *args, "--lora_export=adapter")
+        assert result.returncode == 0, result.stderr[-3000:]
+        folder = tmp_path / "runs" / "step-2" / "hf"
+        torch.manual_seed(42)  # the base, as the run built it
+        base = model_py.load_model("tiny", tokenizer, 128)
+        adapted = peft.PeftModel.from_pretrained(base, folder)
+        messages = [{"role": "user", "content": question}]
+        assert repr(model_py.respond(adapted, tokenizer, messages, 8)) == answer
 
 
 def test_a_model_too_large_for_the_sharding(
@@ -404,3 +428,115 @@ def test_trainable_only_checkpoints_leave_frozen_weights_out(tmp_path: Path) -> 
     assert (
         torch.equal(fresh[0].weight, embedding) and fresh[2].weight is fresh[0].weight
     )
+
+
+def test_sigterm_saves_and_the_rerun_continues_bitwise_into_the_same_tracker(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
+    """Pre-emption and trackers on llm-sft (one process): SIGTERM once step 2 is logged:
+    the run finishes its step, saves and exits 0 (before step 6); the rerun resumes and logs the uninterrupted run's
+    losses bitwise, and TensorBoard holds each step once, as metrics.jsonl."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import (
+        EventAccumulator,
+    )
+
+    project = generated[SFT]
+    args = ["--seq_len=64", "--global_batch_size=4", "--device_microbatch_size=4"]
+    args += ["--eval_batches=1", "--samples=0", "--max_duration=6ba"]
+    args += ["--eval_interval=3ba", "--save_interval=1000ba"]
+    reference = run_train(project, tmp_path, *args, "--run_name=whole")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    command = [sys.executable, str(project / "train.py"), "--device=cpu", *args]
+    command += ["--run_name=pre", "--trackers=tensorboard"]
+    first = subprocess.Popen(
+        command, cwd=tmp_path, env=checkout_env(), stdout=subprocess.PIPE, text=True
+    )
+    metrics = tmp_path / "runs" / "pre" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert first.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    # Paused so the signal lands mid-run however fast the steps are here.
+    os.kill(first.pid, signal.SIGSTOP)
+    os.kill(first.pid, signal.SIGTERM)
+    os.kill(first.pid, signal.SIGCONT)
+    output, _ = first.communicate(timeout=240)
+    assert first.returncode == 0, output[-3000:]
+    stopped = re.search(r"stopped by SIGTERM after step (\d+), saved", output)
+    assert stopped and 2 <= int(stopped[1]) < 6, output[-3000:]
+    checkpoint = tmp_path / "runs" / "pre" / "checkpoints" / f"step-{stopped[1]}"
+    assert (checkpoint / "COMPLETE").exists()
+
+    second = run_train(
+        project, tmp_path, *args, "--run_name=pre", "--trackers=tensorboard"
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed from {checkpoint.relative_to(tmp_path)}" in second.stdout
+    keys = ("step", "loss", "val_loss")
+    rows = read_metrics(tmp_path, "pre")
+    assert [[r.get(k) for k in keys] for r in rows] == [
+        [r.get(k) for k in keys] for r in read_metrics(tmp_path, "whole")
+    ]
+    events = EventAccumulator(str(tmp_path / "runs" / "pre" / "tensorboard"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert logged == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in rows]
+
+
+@pytest.mark.slow
+def test_scaffold_set_lora_and_back(generated: dict[str, Path], tmp_path: Path) -> None:
+    """`scaffold set lora=true` on an llm-sft project writes what `scaffold new --set
+    lora=true` writes; check and diff are clean; it trains adapters (runs/ inside the
+    project: .gitignore keeps them out of the next `scaffold set`); `lora=false` restores
+    the original files, and the LoRA run's checkpoint is refused in one line."""
+    pytest.importorskip("peft")
+    project = tmp_path / "my-gpt"
+    subprocess.run(["cp", "-r", str(generated[SFT]), str(project)], check=True)
+    result = scaffold_cli("set", "lora=true", cwd=project)
+    assert result.returncode == 0, result.stderr
+    fresh = tmp_path / "fresh" / "my-gpt"
+    made = scaffold_cli("new", "--recipe", SFT, "--set", "lora=true", str(fresh))
+    assert made.returncode == 0, made.stderr
+    for name in ("train.py", "model.py", "README.md", ".copier-answers.yml"):
+        assert (project / name).read_text() == (fresh / name).read_text(), name
+    commit_all(project, "lora")
+    for command in ("check", "diff"):
+        result = scaffold_cli(command, str(project))
+        assert result.returncode == 0, result.stdout + result.stderr
+    assert (
+        "ok: upgrade, add and remove can proceed"
+        in scaffold_cli("check", str(project)).stdout
+    )
+    assert result.stdout == ""  # diff: no edits
+    args = [*LORA_SMALL, "--eval_interval=2ba", "--run_name=a"]
+    trained = run_train(project, project, *args)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "LoRA rank 8 on all-linear" in trained.stdout
+
+    result = scaffold_cli("set", "lora=false", cwd=project)
+    assert result.returncode == 0, result.stderr
+    for name in ("train.py", "model.py", "README.md"):
+        assert (project / name).read_text() == (generated[SFT] / name).read_text()
+    commit_all(project, "no lora")
+    assert scaffold_cli("check", str(project)).returncode == 0
+    again = run_train(project, project, *args)
+    assert again.returncode == 2
+    lines = again.stderr.strip().splitlines()
+    assert len(lines) == 1 and "was saved from a different model" in lines[0]
+
+
+def test_scaffold_export_format_hf_names_the_way_to_export(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
+    run = tmp_path / "runs" / "a"
+    run.mkdir(parents=True)
+    (run / "config.toml").write_text('model = "tiny"\n')
+    out = tmp_path / "hf"
+    project = str(generated[SFT])
+    result = scaffold_cli(
+        "export", str(run), str(out), "--format=hf", f"--project={project}"
+    )
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "--load_path=CHECKPOINT --max_duration=STEPba" in result.stderr
+    assert not out.exists()

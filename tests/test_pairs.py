@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from projects import run_train
+from projects import LLM_TINY, run_train
 from scaffold.catalog import load_algorithms, load_tasks
 from scaffold.paths import template_dir
 from scaffold.render import new_project
@@ -72,6 +72,8 @@ TASK_ARGS = {
         "--sample_steps=2",
         "--prediction_type=v_prediction",
     ],
+    # The tiny Llama fine-tuned on the task's embedded instructions.
+    "llm_finetune": [*LLM_TINY, "--samples=0"],
 }
 # Settings that make each algorithm act within the 2 steps.
 ACT_NOW = {
