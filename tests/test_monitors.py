@@ -78,7 +78,7 @@ MONITORS = {
     "optimizer_monitor": "",
     "activation_monitor": "interval = 2\n",  # steps 2 and 4 of the reference
     "system_metrics": "",
-    "generate": "",  # its defaults: a newline and "def ", 32 tokens each
+    "generate": "",  # its defaults: "def " and "import ", 32 tokens each
     "scale_schedule": "",  # ratio 1: the flag, no change
 }
 
@@ -345,8 +345,9 @@ def test_generate_logs_what_sample_py_writes_from_that_steps_checkpoint(
 ) -> None:
     rows = {row["step"]: row for row in read_metrics(reference, "ref")}
     assert all({"generate/0", "generate/1"} <= set(row) for row in rows.values())
-    assert all(row["generate/1"].startswith("def ") for row in rows.values())
-    assert rows[2]["generate/1"] != rows[4]["generate/1"]  # the model changed
+    assert all(row["generate/0"].startswith("def ") for row in rows.values())
+    assert all(row["generate/1"].startswith("import ") for row in rows.values())
+    assert rows[2]["generate/0"] != rows[4]["generate/0"]  # the model changed
     for step in (2,):
         sampled = subprocess.run(
             [
@@ -364,7 +365,7 @@ def test_generate_logs_what_sample_py_writes_from_that_steps_checkpoint(
             timeout=300,
         )
         assert sampled.returncode == 0, sampled.stderr[-3000:]
-        text = rows[step]["generate/1"]
+        text = rows[step]["generate/0"]
         assert f"\n{text}\n---------------\n".encode() in sampled.stdout
     # A prompt that gives no tokens: one line, exit 2, no run folder.
     refused = run_train(nan_project, tmp_path, *RUN, "--generate_prompts=def |")
