@@ -426,6 +426,11 @@ class Monitor:
                 )
             )
 
+    def log_image(self, key: str, path: Path, step: int) -> None:
+        """Send an image file written under the run folder to the trackers (rank 0)."""
+        if self.enabled and self._trackers is not None:
+            self._trackers.image(key, path, step)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()

@@ -117,6 +117,23 @@ class Time:
         return f"{self.value!r}{self.unit.value}"
 
 
+def scaled(time: Time, ratio: float) -> Time:
+    """`time` x `ratio` (Composer's scale_schedule_ratio on max_duration): a count is
+    rounded down to a whole one, as Composer's Time does; a fraction (dur) is left as
+    it is (it follows what it is a fraction of). TimeError if it comes to 0."""
+    if not (math.isfinite(ratio) and ratio > 0):
+        raise TimeError(f"the ratio must be a number > 0, got {ratio!r}")
+    if time.unit is TimeUnit.DURATION:
+        return time
+    value = int(time.value * ratio)
+    if value == 0:
+        raise TimeError(
+            f"{time} x {ratio:g} is less than one {time.unit.value}; "
+            "pick a larger ratio or a finer unit (e.g. ba)"
+        )
+    return Time(value, time.unit)
+
+
 _COUNT_UNITS = (TimeUnit.EPOCH, TimeUnit.BATCH, TimeUnit.SAMPLE, TimeUnit.TOKEN)
 
 

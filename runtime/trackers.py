@@ -3,7 +3,8 @@
 Each is an optional extra (`pip install 'scaffold[tensorboard]'`, `[mlflow]`, `[wandb]`), imported
 only when chosen (`--trackers=tensorboard,mlflow`). Only rank 0 opens them (the Monitor does).
 They get the same metric names and steps as `metrics.jsonl`, and the resolved config as
-hyperparameters. A resumed run continues the same tracker run: the ids live in
+hyperparameters; a string in a record goes as text (`text`) and an image file written
+under the run folder as an image (`image`). A resumed run continues the same tracker run: the ids live in
 `runs/<name>/trackers.json`, and TensorBoard hides what a crashed attempt logged after the
 checkpoint (`purge_step`).
 
@@ -49,6 +50,10 @@ def check(text: str) -> str | None:
 class Tracker(Protocol):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
 
+    def text(self, key: str, text: str, step: int) -> None: ...
+
+    def image(self, key: str, path: Path, step: int) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -68,6 +73,17 @@ class TensorBoardTracker:
     def log(self, metrics: dict[str, float], step: int) -> None:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
+
+    def text(self, key: str, text: str, step: int) -> None:
+        # Indented: TensorBoard shows it verbatim (as code), not as Markdown.
+        self.writer.add_text(key, "    " + text.replace("\n", "\n    "), step)
+
+    def image(self, key: str, path: Path, step: int) -> None:
+        import numpy as np
+        from PIL import Image
+
+        pixels = np.asarray(Image.open(path).convert("RGB"))
+        self.writer.add_image(key, pixels, step, dataformats="HWC")
 
     def close(self) -> None:
         self.writer.close()
@@ -118,6 +134,12 @@ class MLflowTracker:
             self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()]
         )
 
+    def text(self, key: str, text: str, step: int) -> None:
+        self.client.log_text(self.run_id, text, f"{key}/step-{step}.txt")
+
+    def image(self, key: str, path: Path, step: int) -> None:
+        self.client.log_artifact(self.run_id, str(path), key)
+
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
 
@@ -145,6 +167,14 @@ class WandbTracker:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
+
+    def text(self, key: str, text: str, step: int) -> None:
+        self.run.log({key: text}, step=step)
+
+    def image(self, key: str, path: Path, step: int) -> None:
+        import wandb
+
+        self.run.log({key: wandb.Image(str(path))}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -182,7 +212,8 @@ class Trackers:
         state_path.write_text(json.dumps(state, indent=2) + "\n")
 
     def log(self, record: dict[str, Any], step: int) -> None:
-        """Every number in `record` except the step itself, under its metrics.jsonl name."""
+        """Every number in `record` except the step itself, under its metrics.jsonl name;
+        every string (a generated text) as text."""
         metrics = {
             k: float(v)
             for k, v in record.items()
@@ -190,6 +221,14 @@ class Trackers:
         }
         for tracker in self.trackers:
             tracker.log(metrics, step)
+            for key, value in record.items():
+                if isinstance(value, str):
+                    tracker.text(key, value, step)
+
+    def image(self, key: str, path: Path, step: int) -> None:
+        """An image file (a PNG under the run folder) to every tracker, as `key`."""
+        for tracker in self.trackers:
+            tracker.image(key, path, step)
 
     def close(self) -> None:
         for tracker in self.trackers:

@@ -167,6 +167,9 @@ class Algorithm:
     # Image algorithms: what they do to a torchvision/timm/HF model (`--model=hub:NAME`),
     # one of HUB_MODELS; empty for the other tasks' algorithms.
     hub_models: str = ""
+    # The device types it runs on (e.g. ("cuda",): CUDA memory snapshots; its train.checks
+    # refuses any other in one line); empty: any.
+    devices: tuple[str, ...] = ()
 
     @property
     def events(self) -> tuple[str, ...]:
@@ -421,6 +424,7 @@ def load_algorithms(template: Path) -> dict[str, Algorithm]:
             replaces=replaces,
             architecture=str(meta.get("architecture", "")),
             hub_models=hub_models,
+            devices=tuple(meta.get("devices", ())),
         )
     return {name: algorithms[name] for name in catalog_order(algorithms)}
 

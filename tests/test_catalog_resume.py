@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from projects import LLM_TINY, checkout_env, read_metrics
 from scaffold.catalog import Algorithm, load_algorithms, load_tasks
@@ -37,7 +38,6 @@ STOP_AFTER = Path(__file__).resolve().parent / "stop_after.py"
 
 # A tiny, fast configuration per task (offline data, tiny models); 6 steps, a save every 2.
 RUN = [
-    "--device=cpu",
     "--max_duration=6ba",
     "--save_interval=2ba",
     "--eval_interval=3ba",
@@ -143,6 +143,13 @@ def fast_cases() -> set[str]:
 def cases() -> list[Any]:
     fast = fast_cases()
     marks = {name: () if name in fast else (pytest.mark.slow,) for name in CATALOG}
+    for name, spec in CATALOG.items():
+        if spec.devices and "cpu" not in spec.devices:  # CUDA only (memory snapshots)
+            marks[name] += (
+                pytest.mark.skipif(
+                    not torch.cuda.is_available(), reason=f"{name} runs on CUDA only"
+                ),
+            )
     found = [
         pytest.param(name, task_of(spec), id=name, marks=marks[name])
         for name, spec in CATALOG.items()
@@ -170,11 +177,11 @@ def recipe(name: str, task: str) -> str:
 
 
 def train(
-    project: Path, task: str, run: str, kill_in_save: int = 0
+    project: Path, task: str, run: str, kill_in_save: int = 0, device: str = "cpu"
 ) -> subprocess.CompletedProcess[str]:
     """`python train.py` in the project's parent folder (runs/ lands there)."""
     prefix = [str(STOP_AFTER), f"kill:{kill_in_save}"] if kill_in_save else []
-    args = [f"--run_name={run}"]
+    args = [f"--run_name={run}", f"--device={device}"]
     command = [
         sys.executable,
         *prefix,
@@ -205,12 +212,13 @@ def test_kill_9_resumes_bitwise(name: str, task: str, tmp_path: Path) -> None:
     (tmp_path / "recipe.toml").write_text(recipe(name, task))
     project = tmp_path / "p"
     new_project(str(tmp_path / "recipe.toml"), project, [], "p")
+    device = (CATALOG[name].devices or ("cpu",))[0]
 
-    whole = train(project, task, "whole")
+    whole = train(project, task, "whole", device=device)
     assert whole.returncode == 0, whole.stdout[-2000:] + whole.stderr[-4000:]
-    killed = train(project, task, "killed", kill_in_save=4)
+    killed = train(project, task, "killed", kill_in_save=4, device=device)
     assert killed.returncode == -9, killed.stderr[-4000:]
-    resumed = train(project, task, "killed")
+    resumed = train(project, task, "killed", device=device)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
     assert (
         "resumed from" in resumed.stdout and "step-2" in resumed.stdout

@@ -5,7 +5,9 @@ batch splits unevenly over 2 and 3 ranks (3 + 2, 2 + 2 + 1 rows), so the ranks m
 shares to run the same number of forwards (FSDP hangs otherwise) and still give one process's
 val_loss. The project has optimizer_monitor and gradient_clipping in its adaptive mode (AGC):
 the per-parameter norms of the clipped gradients, of the weights and of the updates must be
-one process's as well, whatever holds each tensor (shards, replicas, both).
+one process's as well, whatever holds each tensor (shards, replicas, both). It also has the
+generate monitor: its texts at each evaluation (every rank runs the forwards) are one
+process's.
 
 Each torchrun launch costs ~5 s here, so every launch checks several things. Tolerances:
 ranks sum gradients in a different order than one process does, which moves fp32 results
@@ -115,7 +117,8 @@ def speedup(tmp_path_factory: pytest.TempPathFactory, isolated_home: Path) -> Pa
     table = "[algorithms.gradient_clipping]\n"
     assert table in recipe
     recipe = recipe.replace(table, table + 'clipping_type = "adaptive"\n')
-    (root / "recipe.toml").write_text(recipe + "\n[algorithms.optimizer_monitor]\n")
+    monitors = "\n[algorithms.optimizer_monitor]\n\n[algorithms.generate]\n"
+    (root / "recipe.toml").write_text(recipe + monitors + "max_new_tokens = 8\n")
     new_project(str(root / "recipe.toml"), root / "my-gpt", [], "my-gpt")
     return root / "my-gpt"
 
@@ -176,10 +179,19 @@ def test_distributed_run_matches_one_process(
     assert [loss for _, loss in val] == pytest.approx(
         [loss for _, loss in ref_val], rel=1e-6
     )
+    # generate: every rank ran the forwards (FSDP gathers each block's weights for
+    # each) and the texts are one process's.
+    texts = [{k: v for k, v in m.items() if k.startswith("generate/")} for m in metrics]
+    assert [sorted(t) for t in texts if t] == [["generate/0", "generate/1"]] * 2
+    assert texts == [
+        {k: v for k, v in m.items() if k.startswith("generate/")} for m in ref_metrics
+    ]
     # optimizer_monitor: every gradient, weight and update norm is one process's.
     for ours, theirs in zip(metrics, ref_metrics, strict=True):
-        norms = [key for key in theirs if "/" in key]
-        assert len(norms) > 40 and norms == [key for key in ours if "/" in key]
+        norms = [key for key in theirs if "/" in key and "generate/" not in key]
+        assert len(norms) > 40 and norms == [
+            key for key in ours if "/" in key and "generate/" not in key
+        ]
         for key in norms:
             assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-7), key
     # Throughput is the whole job's: the same tokens per step as one process.

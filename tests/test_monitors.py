@@ -20,6 +20,19 @@ watched steps have them; an interval that is not a multiple of log_interval is o
 system_metrics: a busy and an idle stretch of this process read as such; every record of a
 run has the readings.
 
+generate: each evaluation's record holds each prompt's text, which is what sample.py writes
+from that step's checkpoint with the run's seed; a prompt that gives no tokens is one line.
+
+memory_snapshot and oom_observer (CUDA only): on this CPU a run is refused in one line before
+anything is written; memory_snapshot's choice of steps. Their recording is not run here.
+
+image_visualizer: its grid shows each input as fed to the model, its label and the model's
+prediction (green when right, red when wrong); a run writes one PNG per evaluation and
+TensorBoard holds the same pixels.
+
+scale_schedule (not a monitor; it shares the project): --scale_schedule_ratio=0.25 runs a
+quarter of max_duration, the cosine over the quarter, the warmup in batches unchanged.
+
 gradient_clipping's value mode: with a tiny limit every gradient entry is clamped to it, so
 each parameter's logged (clipped) gradient norm is the limit times the root of its size.
 
@@ -29,7 +42,10 @@ uninterrupted reference run.
 
 from __future__ import annotations
 
+import io
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -38,12 +54,12 @@ import torch
 
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from projects import project_modules, read_metrics, run_train
+from projects import checkout_env, project_modules, read_metrics, run_train
+from test_vision_catalog_augment import SMALL as SMALL_IMAGES
 from scaffold.render import new_project
 
-RECIPE = (
-    Path(__file__).resolve().parent.parent / "templates/recipes/gpt2-speedup.toml"
-).read_text()
+RECIPE_DIR = Path(__file__).resolve().parent.parent / "templates/recipes"
+RECIPE = (RECIPE_DIR / "gpt2-speedup.toml").read_text()
 RUN = [
     "--seq_len=32",
     "--global_batch_size=4",
@@ -62,6 +78,8 @@ MONITORS = {
     "optimizer_monitor": "",
     "activation_monitor": "interval = 2\n",  # steps 2 and 4 of the reference
     "system_metrics": "",
+    "generate": "",  # its defaults: "def " and "import ", 32 tokens each
+    "scale_schedule": "",  # ratio 1: the flag, no change
 }
 
 
@@ -320,3 +338,180 @@ def test_value_clipping_clamps_every_gradient_entry(
     assert row["l2_norm/grad/ln_f.weight"] == pytest.approx(
         limit * numel**0.5, rel=1e-5
     )
+
+
+def test_generate_logs_what_sample_py_writes_from_that_steps_checkpoint(
+    nan_project: Path, reference: Path, tmp_path: Path
+) -> None:
+    rows = {row["step"]: row for row in read_metrics(reference, "ref")}
+    assert all({"generate/0", "generate/1"} <= set(row) for row in rows.values())
+    assert all(row["generate/0"].startswith("def ") for row in rows.values())
+    assert all(row["generate/1"].startswith("import ") for row in rows.values())
+    assert rows[2]["generate/0"] != rows[4]["generate/0"]  # the model changed
+    for step in (2,):
+        sampled = subprocess.run(
+            [
+                sys.executable,
+                str(nan_project / "sample.py"),
+                f"--checkpoint=runs/ref/checkpoints/step-{step}",
+                "--prompt=def ",
+                "--seed=42",
+                "--max_new_tokens=32",
+                "--device=cpu",
+            ],
+            cwd=reference,
+            env=checkout_env(),
+            capture_output=True,
+            timeout=300,
+        )
+        assert sampled.returncode == 0, sampled.stderr[-3000:]
+        text = rows[step]["generate/0"]
+        assert f"\n{text}\n---------------\n".encode() in sampled.stdout
+    # A prompt that gives no tokens: one line, exit 2, no run folder.
+    refused = run_train(nan_project, tmp_path, *RUN, "--generate_prompts=def |")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        "error: generate: the prompt '' gives no tokens with this data's tokenizer; "
+        "change --generate_prompts (prompts separated by |)"
+    ]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_scale_schedule_runs_a_quarter_of_the_budget_with_the_warmup_unscaled(
+    nan_project: Path, tmp_path: Path
+) -> None:
+    args = [a for a in RUN if not a.startswith("--max_duration")]
+    run = run_train(
+        nan_project,
+        tmp_path,
+        *args,
+        "--run_name=s",
+        "--max_duration=16ba",
+        "--scale_schedule_ratio=0.25",
+        "--lr_warmup=2ba",
+        "--min_lr_ratio=0.1",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = read_metrics(tmp_path, "s")
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]  # 16ba x 0.25
+    # Step k trains at the lr of fraction (k-1)/4: warmup over 2 steps (not 2 x 0.25),
+    # then the cosine from lr to 0.1 lr over the scaled run's remaining 2 steps.
+    recorded = (tmp_path / "runs/s/config.toml").read_text()
+    assert (
+        'max_duration = "4ba"' in recorded and "scale_schedule_ratio = 1.0" in recorded
+    )
+    lr = float(recorded.split("\nlr = ")[1].split("\n")[0])
+    expected = [0.0, lr / 2, lr, (lr + 0.1 * lr) / 2]
+    assert [row["lr"] for row in rows] == pytest.approx(expected, rel=1e-12)
+    # A scaled run shorter than its warmup: one line, nothing written.
+    short = run_train(
+        nan_project,
+        tmp_path,
+        *args,
+        "--run_name=short",
+        "--max_duration=16ba",
+        "--scale_schedule_ratio=0.0625",
+        "--lr_warmup=2ba",
+    )
+    assert short.returncode == 2
+    assert short.stderr.strip().splitlines() == [
+        "error: lr_warmup=2ba is longer than the scaled max_duration=1ba; pick a "
+        "larger --scale_schedule_ratio or a shorter --lr_warmup"
+    ]
+    assert not (tmp_path / "runs/short").exists()
+
+
+@pytest.mark.parametrize("name", ["memory_snapshot", "oom_observer"])
+def test_cuda_memory_entries_are_refused_on_the_cpu_before_anything_is_written(
+    name: str, tmp_path: Path, isolated_home: Path
+) -> None:
+    recipe = (
+        RECIPE_DIR / "gpt2-baseline.toml"
+    ).read_text() + f"\n[algorithms.{name}]\n"
+    (tmp_path / "recipe.toml").write_text(recipe)
+    new_project(str(tmp_path / "recipe.toml"), tmp_path / "p", [], "p")
+    refused = run_train(tmp_path / "p", tmp_path, *RUN)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        f"error: {name} records the CUDA allocator's memory history, but this run is "
+        f"on cpu; run it on a GPU (--device=cuda) or remove it (scaffold remove {name})"
+    ]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_memory_snapshot_records_the_chosen_steps_once() -> None:
+    from runtime import memory
+
+    # start=1, steps=3: recording begins before step 2 and is written after step 4.
+    due = {batch: memory.snapshot_due(batch, 1, 3) for batch in range(7)}
+    assert due == {0: "", 1: "record", 2: "", 3: "", 4: "write", 5: "", 6: ""}
+    assert memory.snapshot_due(0, 0, 1) == "record"
+    assert memory.snapshot_due(1, 0, 1) == "write"
+    assert memory.check("x", torch.device("cuda", 0)) is None
+
+
+def test_image_visualizer_shows_inputs_labels_and_predictions_in_png_and_tensorboard(
+    tmp_path: Path, isolated_home: Path
+) -> None:
+    pytest.importorskip("tensorboard")
+    import numpy as np
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    recipe = (RECIPE_DIR / "cifar-resnet56-baseline.toml").read_text()
+    (tmp_path / "recipe.toml").write_text(recipe + "\n[algorithms.image_visualizer]\n")
+    project = tmp_path / "p"
+    new_project(str(tmp_path / "recipe.toml"), project, [], "p")
+
+    class PredictsOne(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.one_hot(torch.ones(len(x)).long(), 10).float()
+
+    with project_modules(project) as modules:
+        train, data = modules["train"], modules["data"]
+        images = data.digits()  # 8x8 grey digits, 10 classes
+        pixels = torch.randint(0, 256, (4, 1, 8, 8), dtype=torch.uint8)
+        cfg = train.Config(precision="fp32", image_visualizer_num_images=3)
+        inputs = data.normalize(pixels, images)
+        grid = train.visualize(
+            PredictsOne(), inputs, torch.tensor([1, 0, 1, 5]), images, cfg
+        )
+    grid.save(tmp_path / "grid.png")
+    shown = np.asarray(Image.open(tmp_path / "grid.png"))
+    assert shown.shape == (64 + 24, 3 * 64, 3)  # 3 tiles enlarged 8x, captions below
+    for i, right in enumerate([True, False, True]):
+        tile = shown[:64, i * 64 : (i + 1) * 64]
+        enlarged = pixels[i, 0].repeat_interleave(8, 0).repeat_interleave(8, 1)
+        assert np.array_equal(tile[..., 0], enlarged.numpy()), i  # grey: R = G = B
+        red, green = (
+            shown[64 + 11 :, i * 64 : (i + 1) * 64].astype(int).transpose(2, 0, 1)[:2]
+        )
+        assert ((green > red + 60).any(), (red > green + 60).any()) == (
+            right,
+            not right,
+        )
+
+    # A run: a grid per evaluation (steps 2, 4), the same pixels in TensorBoard.
+    run = run_train(
+        project,
+        tmp_path,
+        *SMALL_IMAGES,
+        "--max_duration=4ba",
+        "--eval_interval=2ba",
+        "--trackers=tensorboard",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    folder = tmp_path / "runs/p"
+    assert sorted(p.name for p in (folder / "images").iterdir()) == [
+        "step-2.png",
+        "step-4.png",
+    ]
+    events = EventAccumulator(str(folder / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    logged = events.Images("images/train")
+    assert [event.step for event in logged] == [2, 4]
+    for event in logged:
+        written = Image.open(folder / f"images/step-{event.step}.png")
+        assert written.size == (8 * 64, 64 + 24)  # the default 8 images of 8
+        decoded = Image.open(io.BytesIO(event.encoded_image_string))
+        assert np.array_equal(np.asarray(decoded), np.asarray(written.convert("RGB")))

@@ -13,6 +13,7 @@ from runtime.time import (
     TimeUnit,
     as_fraction,
     check_fraction,
+    scaled,
 )
 
 # ---------------------------------------------------------------- Time.parse
@@ -334,3 +335,16 @@ def test_check_fraction_refuses_samples_and_tokens_against_other_units(
 ) -> None:
     with pytest.raises(TimeError, match="cannot be compared"):
         check_fraction(Time.parse(duration), Time.parse(max_duration))
+
+
+def test_scaled_rounds_counts_down_keeps_fractions_and_refuses_zero() -> None:
+    """Composer's scale_schedule_ratio on max_duration: Time(int(value x ratio))."""
+    assert scaled(Time.parse("600ba"), 0.25) == Time(150, TimeUnit.BATCH)
+    assert scaled(Time.parse("10ep"), 0.25) == Time(2, TimeUnit.EPOCH)  # 2.5 -> 2
+    assert scaled(Time.parse("1000tok"), 2.0) == Time(2000, TimeUnit.TOKEN)
+    assert scaled(Time.parse("0.5dur"), 0.25) == Time.parse("0.5dur")
+    with pytest.raises(TimeError, match="16ba x 0.05 is less than one ba"):
+        scaled(Time.parse("16ba"), 0.05)
+    for ratio in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(TimeError, match="ratio must be a number > 0"):
+            scaled(Time.parse("16ba"), ratio)

@@ -5,6 +5,7 @@ MlflowClient, W&B's offline run file (its protobuf records). A resumed run conti
 from __future__ import annotations
 
 import glob
+import io
 import json
 import os
 import struct
@@ -22,11 +23,21 @@ CONFIG = 'run_name = "exp"\nlr = 0.002\nmax_duration = "6ba"\n'
 
 
 def log_steps(
-    names: str, run_dir: Path, steps: range, offset: float, resume_step: int = 0
+    names: str,
+    run_dir: Path,
+    steps: range,
+    offset: float,
+    resume_step: int = 0,
+    image: str = "",
 ) -> None:
+    """Log `steps`; with `image` (a PNG), the last step also has a text and the image."""
     opened = Trackers(names, run_dir, CONFIG, step=resume_step)
     for step in steps:
-        opened.log({"step": step, "epoch": 0, "loss": offset + step, "lr": 0.1}, step)
+        text = {"generate/0": "def f"} if image and step == steps[-1] else {}
+        record = {"step": step, "epoch": 0, "loss": offset + step, "lr": 0.1}
+        opened.log(record | text, step)
+    if image:
+        opened.image("images/val", Path(image), steps[-1])
     opened.close()
 
 
@@ -128,7 +139,7 @@ def test_wandb_offline_run_files_and_resume_keeps_the_id(
     # Each attempt in a process of its own, as a crashed and resumed training run is.
     attempt = (
         "import sys; from pathlib import Path; from test_trackers import log_steps; "
-        "log_steps('wandb', Path(sys.argv[1]), range(int(sys.argv[2]), int(sys.argv[3])), 0.0, int(sys.argv[4]))"
+        "log_steps('wandb', Path(sys.argv[1]), range(int(sys.argv[2]), int(sys.argv[3])), 0.0, int(sys.argv[4]), sys.argv[5])"
     )
     env = {
         **checkout_env(),
@@ -136,7 +147,10 @@ def test_wandb_offline_run_files_and_resume_keeps_the_id(
             [str(Path(__file__).parent), checkout_env()["PYTHONPATH"]]
         ),
     }
-    for first, end, resume_step in ((1, 4, 0), (4, 6, 3)):
+    from PIL import Image
+
+    Image.new("RGB", (7, 5), (200, 10, 30)).save(tmp_path / "grid.png")
+    for first, end, resume_step, image in ((1, 4, 0, ""), (4, 6, 3, "grid.png")):
         done = subprocess.run(
             [
                 sys.executable,
@@ -146,6 +160,7 @@ def test_wandb_offline_run_files_and_resume_keeps_the_id(
                 str(first),
                 str(end),
                 str(resume_step),
+                str(tmp_path / image) if image else "",
             ],
             env=env,
             capture_output=True,
@@ -159,7 +174,7 @@ def test_wandb_offline_run_files_and_resume_keeps_the_id(
     assert len(files) == 2 and all(
         f.endswith(f"run-{run_id}.wandb") for f in files
     )  # the same run id
-    history, config = [], {}
+    history, config, media = [], {}, {}
     for path in files:
         for record in read_wandb_records(path):
             kind = record.WhichOneof("record_type")
@@ -169,9 +184,54 @@ def test_wandb_offline_run_files_and_resume_keeps_the_id(
                     for i in record.history.item
                 }
                 history.append((record.history.step.num, items["loss"]))
+                media.update({k: v for k, v in items.items() if "/" in k})
             elif kind == "run":
                 config.update(
                     {u.key: json.loads(u.value_json) for u in record.run.config.update}
                 )
     assert history == [(s, float(s)) for s in range(1, 6)]
     assert config["lr"] == 0.002 and config["run_name"] == "exp"
+    # Step 5's text and image (a file of the run, the same pixels).
+    assert media["generate/0"] == "def f" and media["images/val/_type"] == "image-file"
+    stored = Path(files[-1]).parent / "files" / media["images/val/path"]
+    assert Image.open(stored).convert("RGB").getpixel((3, 2)) == (200, 10, 30)
+
+
+def test_texts_and_images_read_back_in_tensorboard_and_mlflow(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A string in a record (the generate monitor's texts) is text, and `image` sends a
+    PNG (image_visualizer's grid): TensorBoard holds both, MLflow as artifacts."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    import numpy as np
+    from mlflow.tracking import MlflowClient
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run_dir = tmp_path / "runs" / "exp"
+    run_dir.mkdir(parents=True)
+    pixels = np.arange(5 * 7 * 3, dtype=np.uint8).reshape(5, 7, 3) * 2
+    Image.fromarray(pixels).save(run_dir / "grid.png")
+    opened = Trackers("tensorboard,mlflow", run_dir, CONFIG, step=0)
+    opened.log({"step": 3, "loss": 1.5, "generate/0": "def f(x):\n  return"}, 3)
+    opened.image("images/val", run_dir / "grid.png", 3)
+    opened.close()
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    [text] = events.Tensors("generate/0/text_summary")
+    assert text.step == 3
+    assert text.tensor_proto.string_val[0].decode() == "    def f(x):\n      return"
+    [image] = events.Images("images/val")
+    assert image.step == 3 and (image.width, image.height) == (7, 5)
+    decoded = Image.open(io.BytesIO(image.encoded_image_string))
+    assert np.array_equal(np.asarray(decoded.convert("RGB")), pixels)
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    run_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    local = Path(client.download_artifacts(run_id, "", str(tmp_path / "down")))
+    assert (local / "generate/0/step-3.txt").read_text() == "def f(x):\n  return"
+    assert np.array_equal(np.asarray(Image.open(local / "images/val/grid.png")), pixels)
+    assert [m.value for m in client.get_metric_history(run_id, "loss")] == [1.5]

@@ -199,7 +199,8 @@ def sample_token(
     0, else drawn from softmax(logits / temperature) over the top_k (0: all)."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
+    # Non-finite logits (a diverged model) become finite: a draw rather than an error.
+    logits = torch.nan_to_num(logits / temperature)
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
