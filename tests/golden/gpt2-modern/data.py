@@ -288,6 +288,8 @@ def convert(
     dtype = np.uint16 if tokens.vocab_size <= 1 << 16 else np.int32
     if format == "mds":
         for split, ids in (("train", tokens.train), ("val", tokens.val)):
+            if not len(ids):
+                raise ValueError(f"--data={data}: its {split} split holds no tokens")
             row = min(PIECE_TOKENS, len(ids))
             rows = (
                 {"tokens": np.asarray(ids[start : start + row], dtype=dtype)}
