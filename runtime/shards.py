@@ -36,6 +36,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,9 +121,12 @@ class Shards:
     chunk_sizes: list[int]  # samples per chunk (MDS: shard), in the index's order
     columns: tuple[str, ...] = ()  # MDS: the shards' column names (litdata: unknown)
     fingerprint: str = ""  # a hash of the split's index.json: names this version of it
+    # Items one sample holds (a causal LM's windows of an MDS token row): `len` and the
+    # epoch order count items; item i is part i % per_sample of sample i // per_sample.
+    per_sample: int = 1
 
     def __len__(self) -> int:
-        return sum(self.chunk_sizes)
+        return sum(self.chunk_sizes) * self.per_sample
 
     def __getitem__(self, index: int) -> Any:
         return self.dataset[int(index)]
@@ -134,7 +138,8 @@ class Shards:
         return [loaded[int(i)] for i in ids]
 
     def order(self, seed: int, epoch: int, group: int = SHUFFLE_CHUNKS) -> np.ndarray:
-        return chunk_order(self.chunk_sizes, seed, epoch, group)
+        sizes = [n * self.per_sample for n in self.chunk_sizes]
+        return chunk_order(sizes, seed, epoch, group)
 
 
 def chunk_order(sizes: list[int], seed: int, epoch: int, group: int) -> np.ndarray:
@@ -253,6 +258,29 @@ def open_mds(
             f"{str(error).splitlines()[0] if str(error) else ''})"
         ) from None
     return Shards(url, dataset, counts, columns=columns.pop(), fingerprint=fingerprint)
+
+
+def write_mds(
+    output: str,
+    split: str,
+    columns: dict[str, str],
+    rows: Iterable[dict[str, Any]],
+    chunk_bytes: str,
+) -> None:
+    """`rows` as MDS shards in OUTPUT/split (mosaicml-streaming's MDSWriter, zstd, shards
+    of about `chunk_bytes`), replacing what is there: what `open_mds` reads, and
+    Composer's and llm-foundry's readers too."""
+    import streaming
+
+    with streaming.MDSWriter(
+        out=str(Path(output) / split),
+        columns=columns,
+        compression="zstd",
+        size_limit=chunk_bytes,
+        exist_ok=True,  # overwrite, as litdata's mode="overwrite"
+    ) as writer:
+        for row in rows:
+            writer.write(row)
 
 
 def check_present(root: str, split: str, names: list[str], kind: str) -> None:

@@ -75,8 +75,15 @@ TRAIN_POINTS = {"optimizer": "OPTIMIZER", "encode": "BATCH_START", "loss": "LOSS
 # stretch holds them (listed as that event): the spine's `stop` (after EVAL's evaluation
 # and metrics record: decide to stop), and the diffusion task's `noise` (the step's noise
 # is drawn, the latents not yet noised: change `noise`) and `targets` (the UNet's
-# `inputs` and `targets` are made: add per-sample entries to `inputs`).
-TRAIN_PLACES = {"stop": "EVAL", "noise": "BATCH_START", "targets": "BATCH_START"}
+# `inputs` and `targets` are made: add per-sample entries to `inputs`), and the image
+# task's `image_sides` (before a hub model is built, so before the run folder exists: add
+# the image sides the algorithm will feed it to `sides`, each tried once by HubNet).
+TRAIN_PLACES = {
+    "stop": "EVAL",
+    "noise": "BATCH_START",
+    "targets": "BATCH_START",
+    "image_sides": "INIT",
+}
 SNIPPET_SUFFIX = ".py.jinja"
 
 

@@ -318,8 +318,28 @@ def test_bad_hf_models_are_one_line_exit_2(project: Path, tmp_path: Path) -> Non
     # (transformers would raise at the first forward), naming the size and the fix.
     vit16 = tiny_vit(tmp_path / "vit16", seed=7, image_size=16)
     wrong_size = line(f"--model=hf:{vit16}")
-    assert "does not take the data's 8-pixel images" in wrong_size
+    assert "does not take the 8-pixel images this run feeds it" in wrong_size
     assert "pass the --image_size" in wrong_size
+
+
+def test_progressive_resizing_on_a_fixed_size_vit_is_one_line_exit_2(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
+    """Progressive resizing (cifar-resnet56-mild: initial_scale 0.5) feeds a ViT built
+    for the 8-pixel digits 4-pixel images: refused in one line before the run folder
+    exists (its `image_sides` snippet adds the smallest side to those HubNet tries),
+    not by transformers' error at the first step. With initial_scale 1 it trains."""
+    project = generated["cifar-resnet56-mild"]
+    vit = tiny_vit(tmp_path / "vit", seed=7)
+    args = small(f"--model=hf:{vit}", "--max_duration=1ba", "--eval_interval=1ba")
+    refused = one_error_line(run_train(project, tmp_path, *args), tmp_path)
+    assert refused.startswith(
+        f"error: model=hf:{vit} does not take the 4-pixel images this run feeds it ("
+    )
+    assert "keep algorithms from resizing the images" in refused
+    full = "--progressive_resizing_initial_scale=1.0"
+    ok(run_train(project, tmp_path, *args, full, "--run_name=full"))
+    assert [row[0] for row in trajectory(tmp_path, "full")] == [1]
 
 
 def test_hf_vit_trains_from_its_folder_with_its_weights(

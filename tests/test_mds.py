@@ -6,14 +6,16 @@ one error line, exit 2.
 
 The image shards hold the digits as mosaicml-streaming's vision datasets hold CIFAR-10:
 columns `x` (a PIL image, png) and `y` (the class index). The LM shards hold the default
-data's tokens as llm-foundry's concat_tokens shards do: rows of 64 tokens in a `tokens`
-column (ndarray:uint32). Both zstd-compressed, many small shards.
+data's tokens as llm-foundry's convert_dataset_hf --concat_tokens writes them: rows of 64
+tokens in a `tokens` column (ndarray:int32). Both zstd-compressed, many small shards.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,7 @@ from PIL import Image
 
 from projects import (
     STOP_AFTER,
+    checkout_env,
     convert_data,
     one_error_line,
     run_killed,
@@ -40,7 +43,7 @@ LM_RECIPE = "gpt2-baseline"
 ROW = 64  # tokens per LM row (llm-foundry's max_seq_len)
 LM = [
     "--model=tiny",
-    "--seq_len=32",
+    "--seq_len=15",  # windows of 16: 4 a row
     "--global_batch_size=4",
     "--device_microbatch_size=2",
     "--eval_batches=1",
@@ -244,16 +247,18 @@ def lm_project(generated: dict[str, Path]) -> Path:
 def token_shards(
     lm_project: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, np.ndarray, int]:
-    """The default data's first tokens as MDS rows of ROW tokens; (folder, the train
-    tokens written, the vocabulary size)."""
+    """The default data's first tokens as MDS rows of ROW tokens, written as llm-foundry's
+    convert_dataset_hf --concat_tokens writes them (MDSWriter, columns {'tokens':
+    'ndarray:int32'}, one row a sample; compression zstd); (folder, the train tokens
+    written, the vocabulary size)."""
     root = tmp_path_factory.mktemp("mds-lm")
     with project_modules(lm_project) as found:
         tokens = found["data"].load_tokens("")
     for split, rows in (("train", 200), ("val", 8)):
-        ids = getattr(tokens, split)[: rows * ROW].astype(np.uint32)
+        ids = getattr(tokens, split)[: rows * ROW].astype(np.int32)
         with streaming.MDSWriter(
             out=str(root / split),
-            columns={"tokens": "ndarray:uint32"},
+            columns={"tokens": "ndarray:int32"},
             compression="zstd",
             size_limit=4000,  # ~15 rows a shard
         ) as writer:
@@ -265,8 +270,10 @@ def token_shards(
 def test_mds_token_rows_train_resume_bitwise_and_elastically(
     lm_project: Path, token_shards: tuple, shard_cache: Path, tmp_path: Path
 ) -> None:
-    """A window is a row's first seq_len + 1 tokens; runs killed (-9) on 1 process
-    resume bitwise, on 2 ranks resume on 1 as the uninterrupted run."""
+    """A row of 64 tokens holds 64 // (seq_len + 1) windows, back to back: 1 at
+    seq_len 32 (llm-foundry's reading), 4 at seq_len 15; item i is window i % 4 of row
+    i // 4, and an epoch visits every window once. Runs at seq_len 15 killed (-9) on
+    1 process resume bitwise, on 2 ranks resume on 1 as the uninterrupted run."""
     root, written, vocab_size = token_shards
     with project_modules(lm_project) as found:
         data = found["data"]
@@ -277,6 +284,15 @@ def test_mds_token_rows_train_resume_bitwise_and_elastically(
             written[5 * ROW : 5 * ROW + 33].tolist(),
             written[:33].tolist(),
         ]
+        tokens = data.load_tokens(str(root), vocab_size, seq_len=15)
+        assert len(tokens.train) == 800 and len(tokens.val) == 32
+        batch = data.windows(tokens.train, np.array([23, 0, 4]), 15)
+        starts = [5 * ROW + 3 * 16, 0, ROW]
+        assert batch.tolist() == [written[i : i + 16].tolist() for i in starts]
+        order = data.Batches(tokens.train, 15, 4, seed=1).order(0)
+        assert sorted(order) == list(range(800))
+        with pytest.raises(ValueError, match="the split's rows differ in length"):
+            data.window({"tokens": np.arange(40)}, 15, 2)
     common = [*LM, f"--data={root}", f"--vocab_size={vocab_size}"]
     killed_and_resumed(lm_project, tmp_path, common)
 
@@ -290,7 +306,7 @@ def test_bad_mds_token_shards_are_one_line_exit_2(
         return one_error_line(run_train(lm_project, tmp_path, *lm, *args), tmp_path)
 
     assert "pass --vocab_size" in line(f"--data={root}")
-    windows_of_65 = [arg.replace("--seq_len=32", "--seq_len=64") for arg in LM]
+    windows_of_65 = [arg.replace("--seq_len=15", "--seq_len=64") for arg in LM]
     assert line(f"--data={root}", f"--vocab_size={vocab_size}", lm=windows_of_65) == (
         f"error: --data={root}: rows of 64 tokens are shorter than a window of "
         "seq_len + 1 = 65; use --seq_len=63 or less"
@@ -306,6 +322,61 @@ def test_bad_mds_token_shards_are_one_line_exit_2(
     assert "holds text, read as bytes; use 256 or more" in line(
         f"--data={text}", "--vocab_size=100"
     )
+
+
+def test_convert_lm_to_mds_trains_at_any_seq_len_and_resumes_bitwise(
+    lm_project: Path, shard_cache: Path, tmp_path: Path
+) -> None:
+    """`python data.py convert OUT --format mds` of a text file: MDS rows of
+    PIECE_TOKENS tokens (`tokens`, uint16) and meta.json; read at seq_len 32 and 63,
+    window i is the text's tokens from (i // k) * PIECE_TOKENS + (i % k) * (seq_len +
+    1), k = PIECE_TOKENS // (seq_len + 1). A run on them killed (-9) inside its save
+    of step 4 resumes bitwise. Converting shards again is one error line."""
+    with project_modules(lm_project) as found:
+        source = bytes(found["data"].load_tokens("").train[:150_000])
+    text = tmp_path / "text.txt"
+    text.write_bytes(source)
+    root = tmp_path / "mds"
+    convert_data(
+        lm_project, root, f"--data={text}", "--format=mds", "--chunk_bytes=20kB"
+    )
+    index = json.loads((root / "train" / "index.json").read_text())
+    assert len(index["shards"]) > 2
+    assert index["shards"][0]["column_names"] == ["tokens"]
+    assert index["shards"][0]["column_encodings"] == ["ndarray:uint16"]
+    with project_modules(lm_project) as found:
+        data = found["data"]
+        plain = np.asarray(data.load_tokens(str(text)).train)
+        row = data.PIECE_TOKENS
+        for seq_len in (32, 63):
+            tokens = data.load_tokens(str(root), seq_len=seq_len)
+            per_row = row // (seq_len + 1)
+            assert tokens.vocab_size == 256 and tokens.train.per_sample == per_row
+            assert len(tokens.train) == len(plain) // row * per_row
+            ids = np.array([0, per_row - 1, per_row + 2, len(tokens.train) - 1])
+            starts = [i // per_row * row + i % per_row * (seq_len + 1) for i in ids]
+            expected = [plain[i : i + seq_len + 1].tolist() for i in starts]
+            assert data.windows(tokens.train, ids, seq_len).tolist() == expected
+    common = [*LM, f"--data={root}"]
+    result = ok(run_train(lm_project, tmp_path, *common, "--run_name=ref"))
+    assert f"data: MDS shards {root} (tokens)" in result.stdout
+    killed = run_killed(lm_project, tmp_path, 4, *common, "--run_name=cut")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = ok(run_train(lm_project, tmp_path, *common, "--run_name=cut"))
+    assert "resumed from" in resumed.stdout
+    assert trajectory(tmp_path, "cut") == trajectory(tmp_path, "ref")  # bitwise
+    again = subprocess.run(
+        [sys.executable, "data.py", "convert", str(tmp_path / "x"), f"--data={root}"],
+        cwd=lm_project,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert again.returncode == 2 and not (tmp_path / "x").exists()
+    assert again.stderr.splitlines() == [
+        f"error: --data={root} is already a streaming dataset of tokens; train on it "
+        "as it is"
+    ]
 
 
 def test_mds_text_rows_are_the_texts_bytes(
@@ -357,8 +428,10 @@ def test_mds_text_rows_train_as_the_same_rows_in_csv_files(
 ) -> None:
     """bert-sst2 with --data=MDS shards (train/, val/: sentence, label) trains exactly
     as with the same rows as --data/--val_data CSV files: the same losses and
-    accuracies, step by step. A --val_data beside shards, and shards that are not MDS,
-    are one error line each."""
+    accuracies, step by step; so do the shards `python data.py convert OUT
+    --data=train.csv --val_data=val.csv` writes (text, label ids), which read back as
+    the same texts and label ids. A --val_data beside shards, and shards that are not
+    MDS, are one error line each."""
     from test_text_classification import pretrained_bert, toy_rows, write_csv
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -393,6 +466,26 @@ def test_mds_text_rows_train_as_the_same_rows_in_csv_files(
         [m.get(k) for k in keys] for m in theirs
     ]
     assert sum("accuracy" in m for m in ours) == 2
+    converted = tmp_path / "converted"
+    convert_data(project, converted, *files, "--chunk_bytes=1kB")
+    index = json.loads((converted / "train" / "index.json").read_text())
+    assert len(index["shards"]) > 2
+    assert index["shards"][0]["column_names"] == ["label", "text"]
+    with project_modules(project) as found:
+        load = found["data"].load_texts
+        back = load(str(converted), "", "", "label", 0, 42)
+        csv = load(
+            files[0].split("=", 1)[1], files[1].split("=", 1)[1], "", "label", 0, 42
+        )
+    for split in ("train", "val"):
+        got, want = getattr(back, split), getattr(csv, split)
+        assert got.texts == want.texts and got.labels.tolist() == want.labels.tolist()
+    args_mds = [*args, f"--data={converted}", "--run_name=converted"]
+    ok(run_train(project, tmp_path, *args_mds))
+    converted_run = read_metrics(tmp_path, "converted")
+    assert [[m.get(k) for k in keys] for m in converted_run] == [
+        [m.get(k) for k in keys] for m in theirs
+    ]
 
     bad = tmp_path / "bad"
     bad.mkdir()

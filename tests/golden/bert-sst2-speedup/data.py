@@ -8,7 +8,7 @@ shards (a folder or URL with train/ and val/ written by mosaicml-streaming's MDS
 one row a sample, e.g. columns `text` and `label`; read whole through
 `streaming.StreamingDataset`). Labels are integers 0..num_labels-1 or strings (sorted,
 then numbered). A file's validation set is `--val_data`, or else a seeded 10% of its
-rows.
+rows. `python data.py convert OUT --data=...` writes any of these as MDS shards.
 
 The default data works offline: lines of the Python standard library's own source, each
 labelled prose (a comment's text) or code (a statement) -- real text with a real signal.
@@ -23,10 +23,12 @@ ranks.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import hashlib
 import json
 import os
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -423,3 +425,75 @@ def val_batches(
         chunk = rows[start : start + batch_size]
         batches.append(encoded.batch(chunk, int(encoded.lengths(chunk).max()), pad_id))
     return batches
+
+
+def convert(
+    data: str,
+    output: str,
+    chunk_bytes: str = "64MB",
+    val_data: str = "",
+    text_column: str = "",
+    label_column: str = "label",
+    seed: int = 42,
+) -> None:
+    """Write the labelled texts `--data` names (with --val_data, --text_column,
+    --label_column and --seed as train.py takes them) as MDS shards in folder `output`
+    (mosaicml-streaming's MDSWriter, zstd): train/ and val/, columns `text` (str) and
+    `label` (the label id, int), the split train.py would make. Upload the folder as it
+    is and train with --data=OUT, or read it with Composer's streaming datasets."""
+    texts = load_texts(data, val_data, text_column, label_column, 0, seed)
+    for split in ("train", "val"):
+        part = getattr(texts, split)
+        rows = (
+            {"text": text, "label": int(label)}
+            for text, label in zip(part.texts, part.labels, strict=True)
+        )
+        columns = {"text": "str", "label": "int"}
+        shards.write_mds(output, split, columns, rows, chunk_bytes)
+
+
+def main() -> None:
+    """`python data.py convert OUT --data=...`: write a streaming dataset."""
+    parser = argparse.ArgumentParser(description=convert.__doc__)
+    parser.add_argument("command", choices=["convert"])
+    parser.add_argument("output", help="the folder to write (train/, val/, meta.json)")
+    parser.add_argument(
+        "--data", default="", help="as train.py's --data; '': the default"
+    )
+    parser.add_argument(
+        "--chunk_bytes", default="64MB", help="the size of one chunk file"
+    )
+    parser.add_argument("--val_data", default="", help="as train.py's --val_data")
+    parser.add_argument("--text_column", default="", help="as train.py's --text_column")
+    parser.add_argument(
+        "--label_column", default="label", help="as train.py's --label_column"
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=42,
+        help="as train.py's --seed: the held-out share without --val_data",
+    )
+    args = parser.parse_args()
+    try:
+        convert(
+            args.data,
+            args.output,
+            args.chunk_bytes,
+            val_data=args.val_data,
+            text_column=args.text_column,
+            label_column=args.label_column,
+            seed=args.seed,
+        )
+    except ImportError:
+        need = shards.MDS_INSTALL
+        print(f"error: MDS shards need mosaicml-streaming: {need}", file=sys.stderr)
+        sys.exit(2)
+    except (OSError, ValueError) as error:  # a missing file or column, a bad label
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote a streaming dataset to {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -335,20 +335,13 @@ def convert(
     """
     images = load_images(data)
     if format == "mds":
-        import streaming
-
         for split in ("train", "val"):
             part = getattr(images, split)
-            with streaming.MDSWriter(
-                out=str(Path(output) / split),
-                columns={"x": "bytes", "y": "int"},
-                compression="zstd",
-                size_limit=chunk_bytes,
-                exist_ok=True,  # overwrite, as litdata's mode="overwrite"
-            ) as writer:
-                for i in range(len(part)):
-                    item = encoded(i, part)
-                    writer.write({"x": item["image"], "y": item["label"]})
+            items = (encoded(i, part) for i in range(len(part)))
+            rows = ({"x": item["image"], "y": item["label"]} for item in items)
+            shards.write_mds(
+                output, split, {"x": "bytes", "y": "int"}, rows, chunk_bytes
+            )
     else:
         write_litdata(images, output, chunk_bytes)
     meta = {

@@ -316,7 +316,8 @@ def main() -> None:
     if cfg.model not in PRESETS:
         # A torchvision, timm or HF model fitted to this loop (see HubNet). Refused in
         # one line: BatchNorm it cannot make ghost, bad weights, other image sizes.
-        sides = (train_batches.image_side, val.image_side)
+        sides = [train_batches.image_side, val.image_side]
+
         with config.failing(ValueError, OSError, RuntimeError):
             model = HubNet(
                 cfg.model, len(images.classes), cfg.bn_group_size, cfg.weights, sides

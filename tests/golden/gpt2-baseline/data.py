@@ -8,7 +8,8 @@ is the validation split, a `meta.pkl` beside it gives the vocabulary size), or a
 streaming dataset: litdata shards in a folder or at a URL (`s3://bucket/data`), written
 by `python data.py convert OUT --data=...` (see `convert` and runtime/shards.py), or
 MDS shards (train/, val/) written by mosaicml-streaming's MDSWriter, as llm-foundry's
-are: pre-tokenized rows (`tokens`), or texts (`text`, read as bytes; `mds_tokens`).
+are: pre-tokenized rows (`tokens`), or texts (`text`, read as bytes; `mds_tokens`);
+`python data.py convert OUT --format mds` writes them.
 
 A sample is a window of seq_len + 1 tokens (inputs plus next-token targets); windows
 do not overlap. Epoch e visits the windows in a permutation seeded by (seed, e), so
@@ -16,7 +17,8 @@ any batch is a pure function of (seed, epoch, batch index): resuming jumps strai
 to it, never replaying the loader, and the order is the same on any number of ranks.
 Streaming data keeps that contract with a chunk-aware order (runtime/shards.py): a
 window is litdata's block of seq_len + 1 tokens, and the chunks are shuffled, then the
-windows within a few chunks at a time, so a rank streams chunk by chunk.
+windows within a few chunks at a time, so a rank streams chunk by chunk. An MDS row of
+`tokens` holds row_len // (seq_len + 1) windows, one after another.
 """
 
 from __future__ import annotations
@@ -186,9 +188,12 @@ def shard_tokens(root: str, vocab_size: int, seq_len: int) -> TokenData:
 def mds_tokens(root: str, vocab_size: int, seq_len: int) -> TokenData:
     """MDS shards as llm-foundry writes them, in one of its two layouts:
     - pre-tokenized rows (`convert_dataset_hf --concat_tokens`: column `tokens`, an
-      ndarray, or int64 bytes): a window is a row's first seq_len + 1 tokens
-      (`window`), so rows need at least that many; the vocabulary is --vocab_size
-      or meta.json's (the shards do not record the tokenizer's);
+      ndarray, or int64 bytes): a row of L tokens holds L // (seq_len + 1) windows,
+      back to back (`window`; the rest of the row is unused), so shards written once
+      train at any seq_len < L (llm-foundry's rows of 2048: --seq_len=2047 reads one
+      window a row, as llm-foundry does, 1023 two); every row of a split is as long
+      as its first (concat_tokens writes them so); the vocabulary is --vocab_size or
+      meta.json's (the shards do not record the tokenizer's);
     - text rows (column `text`): read whole into memory as UTF-8 bytes, rows joined
       by newlines, as text files are (`mds_text`)."""
     train, val = (shards.open_split(root, split) for split in ("train", "val"))
@@ -207,12 +212,14 @@ def mds_tokens(root: str, vocab_size: int, seq_len: int) -> TokenData:
             f"--data={root}: MDS shards do not record their vocabulary; pass "
             "--vocab_size (the tokenizer's) or add a meta.json with vocab_size"
         )
-    length = len(window(train[0], 1 << 62))
-    if length < seq_len + 1:
-        raise shards.ShardError(
-            f"--data={root}: rows of {length} tokens are shorter than a window of "
-            f"seq_len + 1 = {seq_len + 1}; use --seq_len={length - 1} or less"
-        )
+    for split in (train, val):
+        length = len(row_tokens(split[0]))
+        split.per_sample = length // (seq_len + 1)
+        if split.per_sample < 1:
+            raise shards.ShardError(
+                f"--data={root}: rows of {length} tokens are shorter than a window of "
+                f"seq_len + 1 = {seq_len + 1}; use --seq_len={length - 1} or less"
+            )
     return TokenData(train, val, vocab_size, f"MDS shards {root} (tokens)")
 
 
@@ -237,25 +244,71 @@ def mds_text(
     )
 
 
-def window(row: np.ndarray | dict, seq_len: int) -> np.ndarray:
-    """A streaming window: litdata's array, or an MDS row's first seq_len + 1 tokens."""
+def window(row: np.ndarray | dict, seq_len: int, part: int = 0) -> np.ndarray:
+    """A streaming window: litdata's array, or window `part` of an MDS row (its tokens
+    part * (seq_len + 1) onwards)."""
     if not isinstance(row, dict):
         return np.asarray(row)
-    tokens = row["tokens"]  # llm-foundry's: ndarray, or int64 bytes in older versions
+    tokens = row_tokens(row)[part * (seq_len + 1) : (part + 1) * (seq_len + 1)]
+    if len(tokens) < seq_len + 1:  # a row shorter than the split's first
+        raise shards.ShardError(
+            f"an MDS row of {len(row_tokens(row))} tokens has no window {part} of "
+            f"{seq_len + 1} tokens: the split's rows differ in length; write rows of "
+            "one length (`python data.py convert OUT --format mds`)"
+        )
+    return tokens
+
+
+def row_tokens(row: dict) -> np.ndarray:
+    """An MDS row's `tokens`: llm-foundry's ndarray, or int64 bytes (older versions)."""
+    tokens = row["tokens"]
     if isinstance(tokens, bytes):
-        tokens = np.frombuffer(tokens, dtype=np.int64)
-    return np.asarray(tokens)[: seq_len + 1]
+        return np.frombuffer(tokens, dtype=np.int64)
+    return np.asarray(tokens)
 
 
-def convert(data: str, output: str, chunk_bytes: str = "64MB") -> None:
+def convert(
+    data: str, output: str, chunk_bytes: str = "64MB", format: str = "litdata"
+) -> None:
     """Write the tokens `--data` names as a streaming dataset in folder `output`:
     litdata shards (its `optimize`) of train/ and val/, and meta.json. Upload the folder
     as it is (`aws s3 sync OUT s3://bucket/data`), train with --data=s3://bucket/data.
+    `format` mds: MDS shards instead (MDSWriter, zstd), llm-foundry's layout: rows of
+    PIECE_TOKENS tokens (a split shorter than that: one row of all its tokens; the
+    tokens after the last whole row are left out) in a `tokens` column, trainable at
+    any seq_len below the row length. Texts (a text file, llm-foundry's `text` shards)
+    are tokenized here, once, as train.py would (bytes).
     """
+    tokens = load_tokens(data)
+    if isinstance(tokens.train, shards.Shards):
+        raise ValueError(
+            f"--data={data} is already a streaming dataset of tokens; train on it as "
+            "it is"
+        )
+    dtype = np.uint16 if tokens.vocab_size <= 1 << 16 else np.int32
+    if format == "mds":
+        for split, ids in (("train", tokens.train), ("val", tokens.val)):
+            if not len(ids):
+                raise ValueError(f"--data={data}: its {split} split holds no tokens")
+            row = min(PIECE_TOKENS, len(ids))
+            rows = (
+                {"tokens": np.asarray(ids[start : start + row], dtype=dtype)}
+                for start in range(0, len(ids) - row + 1, row)
+            )
+            columns = {"tokens": f"ndarray:{np.dtype(dtype).name}"}
+            shards.write_mds(output, split, columns, rows, chunk_bytes)
+    else:
+        write_litdata(tokens, output, chunk_bytes, dtype)
+    meta = {"vocab_size": tokens.vocab_size, "source": tokens.source}
+    (Path(output) / shards.META).write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def write_litdata(
+    tokens: TokenData, output: str, chunk_bytes: str, dtype: type
+) -> None:
+    """train/ and val/ as litdata shards of token pieces (its TokensLoader's layout)."""
     import litdata
 
-    tokens = load_tokens(data)
-    dtype = np.uint16 if tokens.vocab_size <= 1 << 16 else np.int32
     for split, ids in (("train", tokens.train), ("val", tokens.val)):
         # Pieces of 16Ki tokens; litdata packs them into chunks of `chunk_bytes`.
         litdata.optimize(
@@ -269,8 +322,6 @@ def convert(data: str, output: str, chunk_bytes: str = "64MB") -> None:
             mode="overwrite",
             verbose=False,
         )
-    meta = {"vocab_size": tokens.vocab_size, "source": tokens.source}
-    (Path(output) / shards.META).write_text(json.dumps(meta, indent=1) + "\n")
 
 
 def token_piece(start: int, ids: np.ndarray, dtype: type) -> np.ndarray:
@@ -380,8 +431,10 @@ def windows(
     pin_memory: bool = False,
 ) -> torch.Tensor:
     """Stack windows `ids` (each seq_len + 1 tokens) into an int64 tensor."""
-    if isinstance(tokens, shards.Shards):
-        rows = [window(row, seq_len) for row in tokens.take(ids)]
+    if isinstance(tokens, shards.Shards):  # item i: part i % per_sample of a sample
+        rows = tokens.take(ids // tokens.per_sample)
+        parts = ids % tokens.per_sample
+        rows = [window(row, seq_len, int(part)) for row, part in zip(rows, parts)]
     else:
         rows = [tokens[i * seq_len : i * seq_len + seq_len + 1] for i in ids]
     if not pin_memory:
@@ -419,13 +472,20 @@ def main() -> None:
     parser.add_argument(
         "--chunk_bytes", default="64MB", help="the size of one chunk file"
     )
+    parser.add_argument(
+        "--format",
+        choices=["litdata", "mds"],
+        default="litdata",
+        help="litdata shards, or MDS shards (mosaicml-streaming's, as Composer's data)",
+    )
     args = parser.parse_args()
     try:
-        convert(args.data, args.output, args.chunk_bytes)
+        convert(args.data, args.output, args.chunk_bytes, args.format)
     except ImportError:
-        print(
-            f"error: streaming datasets need litdata: {shards.INSTALL}", file=sys.stderr
-        )
+        need = "litdata: " + shards.INSTALL
+        if args.format == "mds":
+            need = "mosaicml-streaming: " + shards.MDS_INSTALL
+        print(f"error: streaming datasets need {need}", file=sys.stderr)
         sys.exit(2)
     except (OSError, ValueError) as error:  # a missing path, too little data
         print(f"error: {error}", file=sys.stderr)

@@ -21,7 +21,7 @@ instead (see `HubNet`; each library is optional and checked at start-up by
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -566,9 +566,10 @@ def use_ghost_batchnorm(module: nn.Module, group_size: int) -> None:
 
 
 def check_image_side(name: str, net: nn.Module, side: int) -> None:
-    """Raises ValueError (one line) if `net` refuses side x side images: a model built
-    for one input size (a ViT's position embeddings) would otherwise stop the run with
-    a traceback at its first step. One image's forward in eval mode: nothing changes."""
+    """Raises ValueError (one line) if `net` refuses side x side images (the data's, or
+    an algorithm's: train.py's `image_sides`): a model built for one input size (a
+    ViT's position embeddings) would otherwise stop the run with a traceback at its
+    first step. One image's forward in eval mode: nothing changes."""
     training = net.training
     try:
         with torch.no_grad():
@@ -576,9 +577,9 @@ def check_image_side(name: str, net: nn.Module, side: int) -> None:
     except (RuntimeError, ValueError, AssertionError) as error:
         reason = (str(error).splitlines() or [type(error).__name__])[0]
         raise ValueError(
-            f"model={name} does not take the data's {side}-pixel images ({reason}); "
-            "pass the --image_size (and --eval_image_size) it was built for, or "
-            "another model"
+            f"model={name} does not take the {side}-pixel images this run feeds it "
+            f"({reason}); pass the --image_size (and --eval_image_size) it was built "
+            "for, keep algorithms from resizing the images, or use another model"
         ) from None
     finally:
         net.train(training)
@@ -610,7 +611,7 @@ class HubNet(nn.Module):
         num_classes: int,
         bn_group_size: int,
         weights: str = "",
-        image_sides: tuple[int, ...] = (),
+        image_sides: Iterable[int] = (),
     ) -> None:
         super().__init__()
         self.net = hub_model(name, num_classes, weights)

@@ -523,7 +523,13 @@ def main() -> None:
     if cfg.model not in PRESETS:
         # A torchvision, timm or HF model fitted to this loop (see HubNet). Refused in
         # one line: BatchNorm it cannot make ghost, bad weights, other image sizes.
-        sides = (train_batches.image_side, val.image_side)
+        sides = [train_batches.image_side, val.image_side]
+
+        # algorithm: progressive_resizing
+        # A hub model must take the smallest side fed (a ViT takes only its own side).
+        sides.append(progressive_resizing_size(0.0, sides[0], sides[0], cfg)[1])
+        # end algorithm: progressive_resizing
+
         with config.failing(ValueError, OSError, RuntimeError):
             model = HubNet(
                 cfg.model, len(images.classes), cfg.bn_group_size, cfg.weights, sides
@@ -659,8 +665,7 @@ def main() -> None:
     # event: FIT_START
 
     # algorithm: progressive_resizing
-    # Under torch.compile, progressive resizing's few sizes get a static graph each
-    # (set once, before the first compiled forward; `size`: the training side).
+    # Under torch.compile, a static graph per progressive size (`size`: training side).
     if parallel.compile:
         progressive_resizing_static_compile(size, len(fsdp.unwrap(model).blocks), cfg)
     # end algorithm: progressive_resizing
@@ -725,19 +730,14 @@ def main() -> None:
             # end algorithm: mixup
 
             # algorithm: progressive_resizing
-            # Progressive resizing (Composer's): small images early, while coarse
-            # features are learned; full size for the last finetune fraction. The size
-            # is a function of progress: a resumed run continues the same schedule.
-            # Crop mode's offset is drawn from (seed, step): the same on every rank.
+            # Progressive resizing (Composer's): small images early, full size for the
+            # last finetune fraction. The size is a function of progress (a resumed run
+            # continues the schedule); crop mode's offset comes from (seed, step).
             progressive_size = progressive_resizing_size(
                 progress.fraction(cfg.max_duration), *inputs.shape[-2:], cfg
             )
-            inputs = data.progressive_resize(
-                inputs,
-                progressive_size,
-                cfg.progressive_resizing_mode,
-                [cfg.seed, progress.batch],
-            )
+            mode, crop_seed = cfg.progressive_resizing_mode, [cfg.seed, progress.batch]
+            inputs = data.progressive_resize(inputs, progressive_size, mode, crop_seed)
             # end algorithm: progressive_resizing
 
             # algorithm: channels_last
