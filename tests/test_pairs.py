@@ -100,14 +100,24 @@ def allowed(a: str, b: str) -> bool:
     return b not in CATALOG[a].conflicts and a not in CATALOG[b].conflicts
 
 
+def on_cpu(task: str) -> list[str]:
+    """The algorithms of `task` that run on a CPU (these runs'; the CUDA-only memory
+    recorders refuse a CPU run in one line, test_packs.py)."""
+    return sorted(
+        name
+        for name, spec in CATALOG.items()
+        if task in spec.tasks and (not spec.devices or "cpu" in spec.devices)
+    )
+
+
 def task_pairs(task: str) -> list[tuple[str, str]]:
-    names = sorted(name for name, spec in CATALOG.items() if task in spec.tasks)
+    names = on_cpu(task)
     return [(a, b) for a, b in itertools.combinations(names, 2) if allowed(a, b)]
 
 
 def groups(task: str) -> list[tuple[str, ...]]:
     """Sets of algorithms allowed together that hold every allowed pair of `task`."""
-    names = sorted(name for name, spec in CATALOG.items() if task in spec.tasks)
+    names = on_cpu(task)
     found: list[tuple[str, ...]] = []
     for pair in task_pairs(task):
         if any(set(pair) <= set(group) for group in found):
