@@ -6,6 +6,7 @@ HF_HUB_OFFLINE=1 in every subprocess."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -25,6 +26,7 @@ from conftest import scaffold_cli  # noqa: E402
 from scaffold.render import commit_all  # noqa: E402
 from projects import (  # noqa: E402
     checkout_env,
+    one_error_line,
     project_modules,
     read_metrics,
     run_train,
@@ -66,7 +68,7 @@ def save_without_template(project: Path, folder: Path) -> str:
         template = tokenizer.chat_template
         tokenizer.chat_template = None
         torch.manual_seed(0)
-        model_py.load_model("tiny", tokenizer, 128).save_pretrained(folder)
+        model_py.load_model("tiny", tokenizer, 128, "sdpa").save_pretrained(folder)
         tokenizer.save_pretrained(folder)
     return template
 
@@ -94,6 +96,9 @@ def test_sft_learns_and_exports_what_transformers_loads(
     log = (tmp_path / "runs" / "sft" / "log.txt").read_text()
     answers = samples(log)
     assert len(answers) == 4, log
+    # The same answers in metrics.jsonl (and so the trackers), at each evaluation.
+    logged = [r for r in read_metrics(tmp_path, "sft") if "val_loss" in r]
+    assert [repr(r[f"sample/{i}"]) for r in logged for i in (0, 1)] == answers
     folder = tmp_path / "runs" / "sft" / "hf"
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
@@ -127,13 +132,17 @@ def tiny_pair(modules: dict, pairs: list) -> tuple:
     words = [message["content"] for pair in pairs for message in pair]
     tokenizer = modules["model"].load_tokenizer("tiny", words)
     torch.manual_seed(0)
-    return tokenizer, modules["model"].load_model("tiny", tokenizer, 256).eval()
+    return tokenizer, modules["model"].load_model("tiny", tokenizer, 256, "sdpa").eval()
 
 
-def test_packed_rows_compute_what_unpacked_rows_do(generated: dict[str, Path]) -> None:
+@pytest.mark.parametrize("attention", ["sdpa", "flex_attention"])
+def test_packed_rows_compute_what_unpacked_rows_do(
+    generated: dict[str, Path], attention: str
+) -> None:
     """The summed loss over every target, and its count, are the same with several
     conversations per row (positions restarting) as with one padded row each: no token
-    attends across a document boundary."""
+    attends across a document boundary, with SDPA's mask or FlexAttention's document
+    blocks (--attention; forward only here: FlexAttention has no CPU backward)."""
     with project_modules(generated[SFT]) as modules:
         data, model_py = modules["data"], modules["model"]
         pairs = data.topic_pairs()[0][:24]
@@ -141,7 +150,8 @@ def test_packed_rows_compute_what_unpacked_rows_do(generated: dict[str, Path]) -
             "tiny", [m["content"] for p in pairs for m in p]
         )
         torch.manual_seed(0)
-        model = model_py.load_model("tiny", tokenizer, 256).eval()
+        model = model_py.load_model("tiny", tokenizer, 256, attention).eval()
+        assert model.config._attn_implementation == attention
         docs = data.tokenize(pairs, tokenizer, "chat")
         losses = {}
         for packing in (True, False):
@@ -171,7 +181,7 @@ def test_cross_document_attention_would_change_the_loss(
             "tiny", [m["content"] for p in pairs for m in p]
         )
         torch.manual_seed(0)
-        model = model_py.load_model("tiny", tokenizer, 256).eval()
+        model = model_py.load_model("tiny", tokenizer, 256, "sdpa").eval()
         rows = data.pack(data.tokenize(pairs, tokenizer, "chat"), 256, 0, True)
         batch = rows.take(slice(None))
         labels = batch.pop("labels")
@@ -181,6 +191,28 @@ def test_cross_document_attention_would_change_the_loss(
             causal = model(**batch, use_cache=False).logits
     keep = labels != data.IGNORE
     assert (packed[keep] - causal[keep]).abs().max() > 1e-3
+
+
+def test_attention_kernels_that_cannot_run_here_are_one_line(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
+    """FlexAttention and FlashAttention train on CUDA only: a CPU run is refused before
+    anything is read; a kernel transformers cannot load is named with the fix."""
+    line = one_error_line(
+        run_train(generated[SFT], tmp_path, *SMALL, "--attention=flex_attention"),
+        tmp_path,
+    )
+    assert "attention=flex_attention trains on CUDA only" in line
+    assert line.endswith("use --attention=sdpa")
+    if importlib.util.find_spec("flash_attn") is not None:
+        return  # installed: transformers would load it
+    with project_modules(generated[SFT]) as modules:
+        model_py = modules["model"]
+        tokenizer = model_py.load_tokenizer("tiny", ["a few words to learn from"])
+        with pytest.raises(
+            model_py.ModelError, match=r"--attention=flash_attention_2:"
+        ):
+            model_py.load_model("tiny", tokenizer, 64, "flash_attention_2")
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -266,7 +298,7 @@ def test_lora_targets_that_match_no_module(generated: dict[str, Path]) -> None:
     with project_modules(generated[LORA]) as modules:
         model_py = modules["model"]
         tokenizer = model_py.load_tokenizer("tiny", ["a few words"] * 4)
-        model = model_py.load_model("tiny", tokenizer, 64)
+        model = model_py.load_model("tiny", tokenizer, 64, "sdpa")
         with pytest.raises(ValueError) as error:
             model_py.add_lora(model, 8, 16.0, 0.0, "nope")
     assert str(error.value) == NOPE
@@ -322,7 +354,7 @@ def test_lora_checkpoints_adapters_and_exports_merged_or_adapter(
         texts = data.load_texts("", "", "chat", 42)
         tokenizer = model_py.load_tokenizer("tiny", texts.words())
         torch.manual_seed(42)
-        base = model_py.load_model("tiny", tokenizer, 128)
+        base = model_py.load_model("tiny", tokenizer, 128, "sdpa")
         base.save_pretrained(tmp_path / "base")  # for sample.py below
         adapted = peft.PeftModel.from_pretrained(base, folder)
         question, answer = last_sample(tmp_path, "adapter")
@@ -353,7 +385,7 @@ def test_lora_checkpoints_adapters_and_exports_merged_or_adapter(
         assert result.returncode == 0, result.stderr[-3000:]
         folder = tmp_path / "runs" / "step-2" / "hf"
         torch.manual_seed(42)  # the base, as the run built it
-        base = model_py.load_model("tiny", tokenizer, 128)
+        base = model_py.load_model("tiny", tokenizer, 128, "sdpa")
         adapted = peft.PeftModel.from_pretrained(base, folder)
         messages = [{"role": "user", "content": question}]
         assert repr(model_py.respond(adapted, tokenizer, messages, 8)) == answer
