@@ -72,3 +72,17 @@ def test_generated_project_is_committed(
     )
     assert status.returncode == 0 and status.stdout == ""
     assert len(log.stdout.splitlines()) == 1 and recipe in log.stdout
+    # A run inside the project stays out of git (.gitignore), so `scaffold set` and
+    # `scaffold upgrade`, which need a clean tree, still work after training there.
+    (project / "runs" / "r").mkdir(parents=True)
+    (project / "runs" / "r" / "log.txt").write_text("step=1\n")
+    try:
+        status = subprocess.run(
+            ["git", "status", "--porcelain"],
+            cwd=project,
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        shutil.rmtree(project / "runs")
+    assert status.stdout == "", status.stdout
