@@ -54,6 +54,9 @@ class Config:
     # model: tiny (offline: a small random Llama), a hub id, or a save_pretrained folder
     model: str = "tiny"
     seq_len: int = 256  # tokens per row; longer documents are cut
+    # transformers' attention; each keeps packed documents apart (position_ids): sdpa
+    # masks the others, flex_attention and flash_attention_2 (CUDA) skip them
+    attention: Literal["sdpa", "flex_attention", "flash_attention_2"] = "sdpa"
     # optimization; Time strings: 3ep, 2000ba (steps), 4096sp, 1e6tok, 0.25dur
     max_duration: Time = Time.parse("200ba")  # training length
     global_batch_size: int = 16  # samples per step, summed over ranks
@@ -131,6 +134,12 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
             config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
     if cfg.samples < 0:
         config.fail(f"samples={cfg.samples} must be 0 (none) or more")
+    if cfg.attention != "sdpa" and env.device.type != "cuda":
+        # FlexAttention has no backward on a CPU; flash-attn has no CPU kernel.
+        config.fail(
+            f"attention={cfg.attention} trains on CUDA only, this run is on "
+            f"{env.device.type}; use --attention=sdpa"
+        )
     if cfg.global_batch_size % env.world_size:
         config.fail(
             f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
@@ -191,19 +200,25 @@ def fits(
     )
 
 
-def log_samples(model, tokenizer, prompts: list, cfg: Config, monitor: Monitor) -> None:
-    """The model's answers to held-out questions, in the log (every rank generates:
-    under FSDP each layer's forward gathers its weights)."""
+def log_samples(
+    model, tokenizer, prompts: list, cfg: Config, monitor: Monitor
+) -> dict[str, str]:
+    """The model's answers to held-out questions, in the log and as metrics
+    `sample/<i>` for metrics.jsonl and the trackers (every rank generates: under FSDP
+    each layer's forward gathers its weights)."""
     # generate() may call inner modules rather than the root's forward (peft does), so
     # under FSDP the root's own weights (embeddings, head) are gathered here by hand.
     gathered = isinstance(model, FSDPModule)
     if gathered:
         model.unshard()
-    for messages in prompts:
+    answers = {}
+    for i, messages in enumerate(prompts):
         answer = respond(fsdp.unwrap(model), tokenizer, messages, cfg.sample_tokens)
         monitor.info(f"sample: {messages[-1]['content']!r} -> {answer!r}")
+        answers[f"sample/{i}"] = answer
     if gathered:
         model.reshard()
+    return answers
 
 
 @torch.no_grad()
@@ -313,7 +328,7 @@ def main() -> None:
         problem = fits(training_bytes(cfg.model), cfg, env, parallel)
         if problem:
             raise ValueError(problem)
-        model = load_model(cfg.model, tokenizer, cfg.seq_len)
+        model = load_model(cfg.model, tokenizer, cfg.seq_len, cfg.attention)
         pad_id = tokenizer.pad_token_id
         pad_id = tokenizer.eos_token_id if pad_id is None else pad_id
         train_rows, val_rows = (
@@ -485,7 +500,7 @@ def main() -> None:
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
                     metrics["val_loss"] = evaluate(model, val, cfg, env)
-                    log_samples(model, tokenizer, prompts, cfg, monitor)
+                    metrics |= log_samples(model, tokenizer, prompts, cfg, monitor)
             if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
                 metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks
                 metrics["lr"] = lr

@@ -101,8 +101,9 @@ def load_tokenizer(name: str, texts: list[str]) -> transformers.PreTrainedTokeni
     )
 
 
-def load_model(name: str, tokenizer, max_seq_len: int) -> nn.Module:
-    """A causal LM: `tiny` from LlamaConfig (seeded by the caller), else loaded."""
+def load_model(name: str, tokenizer, max_seq_len: int, attention: str) -> nn.Module:
+    """A causal LM: `tiny` from LlamaConfig (seeded by the caller), else loaded; its
+    attention computed by transformers' `attention` kernel."""
     if name == "tiny":
         config = transformers.LlamaConfig(
             vocab_size=len(tokenizer),
@@ -115,8 +116,25 @@ def load_model(name: str, tokenizer, max_seq_len: int) -> nn.Module:
         model = transformers.AutoModelForCausalLM.from_config(config)
     else:
         model = load_pretrained(name, tokenizer, max_seq_len)
+    use_attention(model, name, attention)
 
     return model
+
+
+def use_attention(model: nn.Module, name: str, attention: str) -> None:
+    """Switch the model to transformers' `attention` kernel, or say why it cannot."""
+    try:
+        model.set_attn_implementation(attention)
+    except (ImportError, ValueError) as error:
+        first = str(error).strip().splitlines()[0]
+        raise ModelError(
+            f"--attention={attention}: {first}; use --attention=sdpa"
+        ) from None
+    if model.config._attn_implementation != attention:
+        raise ModelError(
+            f"--attention={attention}: {name} keeps its own attention "
+            f"({model.config._attn_implementation}); use --attention=sdpa"
+        )
 
 
 def load_pretrained(name: str, tokenizer, max_seq_len: int) -> nn.Module:

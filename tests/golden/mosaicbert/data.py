@@ -184,6 +184,11 @@ def train_tokenizer(corpus: Corpus, vocab_size: int) -> None:
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False
     )
     tokenizer.train_from_iterator(corpus.documents, trainer)
+    # The trainer numbers tokens of equal count in a random order (a Rust HashMap's,
+    # new in each process): number them by name, so ids depend on the corpus alone.
+    vocab = sorted(set(tokenizer.get_vocab()) - set(SPECIAL_TOKENS))
+    ids = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *vocab])}
+    tokenizer.model = models.WordPiece(ids, unk_token="[UNK]")
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
     tokenizer.save(str(temporary))
