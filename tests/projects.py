@@ -149,6 +149,26 @@ TINY = [
 ]
 TINY_STEPS = 10
 # llm_finetune's tiny Llama on 4 packed rows of Python's documentation Q&A per step.
+# Tiny, offline runs of the text classifier and of the diffusion task (tiny UNet and VAE;
+# v-prediction, which zero_terminal_snr requires), for tests that train every algorithm.
+TEXT_CLASSIFICATION_TINY = [
+    "--model=tiny",
+    "--max_seq_len=16",
+    "--global_batch_size=4",
+    "--device_microbatch_size=2",
+    "--eval_batches=1",
+]
+DIFFUSION_TINY = [
+    "--model=tiny",
+    "--tiny_vae_steps=5",
+    "--global_batch_size=4",
+    "--device_microbatch_size=2",
+    "--eval_batches=1",
+    "--eval_timesteps=2",
+    "--samples_per_prompt=1",
+    "--sample_steps=2",
+    "--prediction_type=v_prediction",
+]
 LLM_TINY = [
     "--model=tiny",
     "--seq_len=64",

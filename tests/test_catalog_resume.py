@@ -26,7 +26,13 @@ from typing import Any
 import pytest
 import torch
 
-from projects import LLM_TINY, checkout_env, read_metrics
+from projects import (
+    DIFFUSION_TINY,
+    LLM_TINY,
+    TEXT_CLASSIFICATION_TINY,
+    checkout_env,
+    read_metrics,
+)
 from scaffold.catalog import Algorithm, load_algorithms, load_tasks
 from scaffold.paths import template_dir
 from scaffold.render import new_project
@@ -69,25 +75,8 @@ TASK_ARGS = {
         "--device_microbatch_size=2",
         "--eval_batches=1",
     ],
-    "text_classification": [
-        "--model=tiny",
-        "--max_seq_len=16",
-        "--global_batch_size=4",
-        "--device_microbatch_size=2",
-        "--eval_batches=1",
-        "--lr=1e-3",
-    ],
-    "diffusion": [
-        "--model=tiny",
-        "--tiny_vae_steps=5",
-        "--global_batch_size=4",
-        "--device_microbatch_size=2",
-        "--eval_batches=1",
-        "--eval_timesteps=2",
-        "--samples_per_prompt=1",
-        "--sample_steps=2",
-        "--prediction_type=v_prediction",  # zero_terminal_snr needs it
-    ],
+    "text_classification": [*TEXT_CLASSIFICATION_TINY, "--lr=1e-3"],
+    "diffusion": DIFFUSION_TINY,
     "llm_finetune": [*LLM_TINY, "--samples=1", "--sample_tokens=4"],
 }
 # Hyperparameters that make an algorithm act within 6 steps (its defaults act later, or

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from projects import LLM_TINY, run_train
+from projects import DIFFUSION_TINY, LLM_TINY, TEXT_CLASSIFICATION_TINY, run_train
 from scaffold.catalog import load_algorithms, load_tasks
 from scaffold.paths import template_dir
 from scaffold.render import new_project
@@ -52,26 +52,8 @@ TASK_ARGS = {
         "--vocab_size=512",
         "--eval_batches=1",
     ],
-    # The tiny BERT classifier on the task's embedded reviews.
-    "text_classification": [
-        "--model=tiny",
-        "--max_seq_len=16",
-        "--global_batch_size=4",
-        "--device_microbatch_size=2",
-        "--eval_batches=1",
-    ],
-    # The tiny UNet and VAE; v-prediction, which zero_terminal_snr requires.
-    "diffusion": [
-        "--model=tiny",
-        "--tiny_vae_steps=5",
-        "--global_batch_size=4",
-        "--device_microbatch_size=2",
-        "--eval_batches=1",
-        "--eval_timesteps=2",
-        "--samples_per_prompt=1",
-        "--sample_steps=2",
-        "--prediction_type=v_prediction",
-    ],
+    "text_classification": TEXT_CLASSIFICATION_TINY,
+    "diffusion": DIFFUSION_TINY,
     # The tiny Llama fine-tuned on the task's embedded instructions.
     "llm_finetune": [*LLM_TINY, "--samples=0"],
 }
