@@ -135,14 +135,15 @@ def tiny_pair(modules: dict, pairs: list) -> tuple:
     return tokenizer, modules["model"].load_model("tiny", tokenizer, 256, "sdpa").eval()
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "flex_attention"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager", "flex_attention"])
 def test_packed_rows_compute_what_unpacked_rows_do(
     generated: dict[str, Path], attention: str
 ) -> None:
     """The summed loss over every target, and its count, are the same with several
     conversations per row (positions restarting) as with one padded row each: no token
     attends across a document boundary, with SDPA's mask or FlexAttention's document
-    blocks (--attention; forward only here: FlexAttention has no CPU backward)."""
+    blocks or eager attention's mask (--attention; forward only here: FlexAttention has
+    no CPU backward)."""
     with project_modules(generated[SFT]) as modules:
         data, model_py = modules["data"], modules["model"]
         pairs = data.topic_pairs()[0][:24]
@@ -203,7 +204,7 @@ def test_attention_kernels_that_cannot_run_here_are_one_line(
         tmp_path,
     )
     assert "attention=flex_attention trains on CUDA only" in line
-    assert line.endswith("use --attention=sdpa")
+    assert line.endswith("use --attention=auto")
     if importlib.util.find_spec("flash_attn") is not None:
         return  # installed: transformers would load it
     with project_modules(generated[SFT]) as modules:
@@ -213,6 +214,56 @@ def test_attention_kernels_that_cannot_run_here_are_one_line(
             model_py.ModelError, match=r"--attention=flash_attention_2:"
         ):
             model_py.load_model("tiny", tokenizer, 64, "flash_attention_2")
+
+
+def test_a_model_without_sdpa_trains_with_its_own_attention(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
+    """Gemma 2 has no SDPA kernel in transformers: the default --attention=auto keeps
+    its eager attention and trains; asking it for sdpa is one line naming the fix."""
+    project = generated[SFT]
+    with project_modules(project) as modules:
+        data, model_py = modules["data"], modules["model"]
+        tokenizer = model_py.load_tokenizer("tiny", data.topic_documents()[0])
+        config = transformers.Gemma2Config(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            max_position_embeddings=128,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(
+            tmp_path / "gemma"
+        )
+        tokenizer.save_pretrained(tmp_path / "gemma")
+        folder = str(tmp_path / "gemma")
+        assert (
+            model_py.load_model(
+                folder, tokenizer, 128, "auto"
+            ).config._attn_implementation
+            == "eager"
+        )
+        with pytest.raises(model_py.ModelError) as refused:
+            model_py.load_model(folder, tokenizer, 128, "sdpa")
+    assert str(refused.value).startswith("--attention=sdpa: Gemma2ForCausalLM")
+    assert str(refused.value).endswith("; use --attention=auto")
+    result = run_train(
+        project,
+        tmp_path,
+        *SMALL,
+        "--model=gemma",
+        "--max_duration=2ba",
+        "--run_name=gemma",
+    )
+    assert result.returncode == 0, result.stderr
+    assert len([r for r in read_metrics(tmp_path, "gemma") if "loss" in r]) == 2
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
