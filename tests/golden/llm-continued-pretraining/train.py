@@ -54,9 +54,12 @@ class Config:
     # model: tiny (offline: a small random Llama), a hub id, or a save_pretrained folder
     model: str = "tiny"
     seq_len: int = 256  # tokens per row; longer documents are cut
-    # transformers' attention; each keeps packed documents apart (position_ids): sdpa
-    # masks the others, flex_attention and flash_attention_2 (CUDA) skip them
-    attention: Literal["sdpa", "flex_attention", "flash_attention_2"] = "sdpa"
+    # transformers' attention kernel; auto keeps the model's own (sdpa where it has
+    # one, else eager). Each keeps packed documents apart (position_ids): sdpa and
+    # eager mask the others, flex_attention and flash_attention_2 (CUDA) skip them
+    attention: Literal[
+        "auto", "sdpa", "eager", "flex_attention", "flash_attention_2"
+    ] = "auto"
     # optimization; Time strings: 3ep, 2000ba (steps), 4096sp, 1e6tok, 0.25dur
     max_duration: Time = Time.parse("200ba")  # training length
     global_batch_size: int = 16  # samples per step, summed over ranks
@@ -134,11 +137,11 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
             config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
     if cfg.samples < 0:
         config.fail(f"samples={cfg.samples} must be 0 (none) or more")
-    if cfg.attention != "sdpa" and env.device.type != "cuda":
+    if cfg.attention.startswith(("flex", "flash")) and env.device.type != "cuda":
         # FlexAttention has no backward on a CPU; flash-attn has no CPU kernel.
         config.fail(
             f"attention={cfg.attention} trains on CUDA only, this run is on "
-            f"{env.device.type}; use --attention=sdpa"
+            f"{env.device.type}; use --attention=auto"
         )
     if cfg.global_batch_size % env.world_size:
         config.fail(

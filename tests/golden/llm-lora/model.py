@@ -103,7 +103,7 @@ def load_tokenizer(name: str, texts: list[str]) -> transformers.PreTrainedTokeni
 
 def load_model(name: str, tokenizer, max_seq_len: int, attention: str) -> nn.Module:
     """A causal LM: `tiny` from LlamaConfig (seeded by the caller), else loaded; its
-    attention computed by transformers' `attention` kernel."""
+    attention computed by transformers' `attention` kernel (auto: the model's own)."""
     if name == "tiny":
         config = transformers.LlamaConfig(
             vocab_size=len(tokenizer),
@@ -116,7 +116,8 @@ def load_model(name: str, tokenizer, max_seq_len: int, attention: str) -> nn.Mod
         model = transformers.AutoModelForCausalLM.from_config(config)
     else:
         model = load_pretrained(name, tokenizer, max_seq_len)
-    use_attention(model, name, attention)
+    if attention != "auto":
+        use_attention(model, name, attention)
 
     return model
 
@@ -128,12 +129,12 @@ def use_attention(model: nn.Module, name: str, attention: str) -> None:
     except (ImportError, ValueError) as error:
         first = str(error).strip().splitlines()[0]
         raise ModelError(
-            f"--attention={attention}: {first}; use --attention=sdpa"
+            f"--attention={attention}: {first}; use --attention=auto"
         ) from None
     if model.config._attn_implementation != attention:
         raise ModelError(
             f"--attention={attention}: {name} keeps its own attention "
-            f"({model.config._attn_implementation}); use --attention=sdpa"
+            f"({model.config._attn_implementation}); use --attention=auto"
         )
 
 
