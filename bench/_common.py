@@ -46,20 +46,38 @@ def generate(recipe: str, root: Path, *overrides: str) -> Path:
     return dest
 
 
-def train(project: Path, workdir: Path, run_name: str, *args: str) -> list[dict]:
+# Runs train.py with runtime.monitor's clock set to the process's CPU time, so that the
+# logged train_s and step_ms count CPU seconds in training (evaluation and checkpoints
+# still excluded): on a shared machine other jobs inflate wall time, not CPU time.
+CPU_CLOCK = (
+    "import runpy, sys, time, types; import runtime.monitor as m; "
+    "m.time = types.SimpleNamespace(**{**vars(time), 'perf_counter': time.process_time}); "
+    "sys.argv = sys.argv[1:]; sys.path.insert(0, sys.argv[0].rpartition('/')[0]); "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def train(
+    project: Path, workdir: Path, run_name: str, *args: str, cpu_clock: bool = False
+) -> list[dict]:
     """Run the generated train.py (on the CPU unless `args` name a --device); return its
-    metrics records."""
+    metrics records. `cpu_clock`: train_s and step_ms in CPU seconds of the process
+    (CPU_CLOCK), torch on one thread unless OMP_NUM_THREADS says otherwise."""
     named = any(arg.startswith("--device=") for arg in args)
+    env = bench_env()
+    if cpu_clock:
+        env.setdefault("OMP_NUM_THREADS", "1")
     result = subprocess.run(
         [
             sys.executable,
+            *(["-c", CPU_CLOCK] if cpu_clock else []),
             str(project / "train.py"),
             *([] if named else ["--device=cpu"]),
             f"--run_name={run_name}",
             *args,
         ],
         cwd=workdir,
-        env=bench_env(),
+        env=env,
         capture_output=True,
         text=True,
     )
@@ -67,6 +85,23 @@ def train(project: Path, workdir: Path, run_name: str, *args: str) -> list[dict]
         raise RuntimeError(f"train.py failed:\n{result.stderr[-3000:]}")
     path = workdir / "runs" / run_name / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def budget_args(steps: int, eval_every: int) -> list[str]:
+    """train.py arguments of a time-to-quality arm: `steps` batches, an evaluation every
+    `eval_every`, one checkpoint at the end, a fresh run whatever runs/ holds."""
+    return [
+        f"--max_duration={steps}ba",
+        f"--eval_interval={eval_every}ba",
+        f"--save_interval={steps}ba",
+        "--autoresume=false",
+    ]
+
+
+def print_conditions() -> None:
+    """The allocator settings and the machine's load, printed before the numbers."""
+    print(f"allocator: {' '.join(f'{k}={v}' for k, v in ALLOCATOR.items())}")
+    print(f"load average at the start (1, 5, 15 min): {os.getloadavg()}")
 
 
 def median(values: list[float]) -> float:

@@ -26,11 +26,12 @@ import sys
 from pathlib import Path
 
 from _common import (
-    ALLOCATOR,
     REPO,
     bench_env,
+    budget_args,
     median,
     plot_curves,
+    print_conditions,
     scratch,
     speedup_line,
     train,
@@ -205,14 +206,8 @@ def main() -> None:
     root = scratch()
     projects = {arm: generate(arm, root) for arm in arms}
     batch, seq_len = 16, 128  # the recipes' global_batch_size and seq_len
-    common = [
-        f"--max_duration={args.steps}ba",
-        f"--eval_interval={args.eval_every}ba",
-        f"--save_interval={args.steps}ba",
-        "--autoresume=false",
-    ]
-    print(f"allocator: {' '.join(f'{k}={v}' for k, v in ALLOCATOR.items())}")
-    print(f"load average at the start (1, 5, 15 min): {os.getloadavg()}")
+    common = budget_args(args.steps, args.eval_every)
+    print_conditions()
     print(
         f"corpus (sha256[:16], train bytes, val bytes): {corpus_hash(projects['gpt2-baseline'])}"
     )

@@ -222,7 +222,11 @@ def export_bert(
     weights, step, checkpoint, _ = export.read_weights(source)
     tokenizer = config_file.parent / "tokenizer"
     if not (tokenizer / "tokenizer_config.json").is_file():
-        raise CheckpointError(f"{tokenizer}: no saved tokenizer beside the run")
+        raise CheckpointError(
+            f"{tokenizer}: no saved tokenizer beside the run (a masked_lm run saves the "
+            "one it trains with there); save that tokenizer there (save_pretrained), e.g. "
+            "a copy of another run's with the same --data, --tokenizer and --vocab_size"
+        )
     from transformers import AutoTokenizer
 
     pad_id = AutoTokenizer.from_pretrained(tokenizer).pad_token_id

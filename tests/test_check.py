@@ -647,3 +647,38 @@ def test_remove_of_an_intact_algorithm_needs_no_force(project: Path) -> None:
         result.changes.conflicted == []
         and "gradient_clipping" not in (project / "train.py").read_text()
     )
+
+
+def test_an_edited_masked_lm_project_checks_diffs_and_upgrades(
+    generated: dict[str, Path],
+    project_copy: Callable[[Path], Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """mosaicbert (task masked_lm, bert pack): an edit inside unpadding's block of
+    model.py is reported `edited` under unpadding (low_precision_layernorm intact),
+    diffed under its algorithm, and kept by an upgrade that brings a newer masked_lm
+    train.py."""
+    project = project_copy(generated["mosaicbert"])
+    line = "        qkv = repad(qkv, keep, keep.shape[-1])\n"
+    replace_once(project / "model.py", line, line.replace(")\n", ").contiguous()\n"))
+    commit_all(project, "hand edit")
+
+    report = check(project)
+    assert report.ok, report.problems
+    assert status(report, "unpadding") == EDITED
+    assert status(report, "low_precision_layernorm") == INTACT
+    assert "model.py:" in report.state("unpadding").detail
+    lines = diff(project)
+    assert "=== model.py: algorithm unpadding" in lines
+    assert sum(line.startswith("@@") for line in lines) == 1
+
+    template = make_template(
+        tmp_path_factory.mktemp("newer-masked-lm"),
+        {"tasks/masked_lm/train.py.jinja": ('f"done: step', 'f"finished: step')},
+        {},
+    )
+    major, minor, patch = __version__.split("+")[0].split(".")
+    upgrade(project, TemplateRelease(template, f"{major}.{minor}.{int(patch) + 1}"))
+    assert "keep.shape[-1]).contiguous()" in (project / "model.py").read_text()
+    train = (project / "train.py").read_text()
+    assert 'f"finished: step' in train and 'f"done: step' not in train

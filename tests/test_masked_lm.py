@@ -18,7 +18,7 @@ tokenizers = pytest.importorskip("tokenizers")
 import torch  # noqa: E402
 
 from conftest import scaffold_cli  # noqa: E402
-from projects import project_modules, run_train  # noqa: E402
+from projects import project_modules, read_metrics, run_train  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -335,6 +335,36 @@ def test_hf_pack_trains_a_saved_masked_lm(
     assert [r["step"] for r in records] == [1, 2] and "val_loss" in records[-1]
 
 
+def test_tensorboard_reads_back_a_masked_lm_runs_metrics(
+    modules, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--trackers=tensorboard on a masked_lm run (train.main() in this process):
+    TensorBoard's own reader gets the task's loss, val_loss and mlm_accuracy at the
+    steps and values metrics.jsonl has."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train = modules[0]["train"]
+    workdir = Path.cwd()  # `modules`' scratch folder: its tokenizer is cached there
+    args = ["--model=tiny", "--seq_len=32", "--global_batch_size=8", "--vocab_size=512"]
+    args += ["--max_duration=2ba", "--eval_interval=1ba", "--eval_batches=1"]
+    args += ["--trackers=tensorboard", "--run_name=tb"]
+    monkeypatch.setattr("sys.argv", ["train.py", "--device=cpu", *args])
+    try:
+        train.main()
+    finally:
+        train.dist.shutdown()
+    events = EventAccumulator(str(workdir / "runs" / "tb" / "tensorboard"))
+    events.Reload()
+    records = read_metrics(workdir, "tb")
+    for key in ("loss", "val_loss", "mlm_accuracy"):
+        logged = [(r["step"], r[key]) for r in records if key in r]
+        read = [(e.step, e.value) for e in events.Scalars(key)]
+        assert [s for s, _ in read] == [s for s, _ in logged] == [1, 2], key
+        for (_, value), (_, want) in zip(read, logged):
+            assert value == pytest.approx(want, rel=1e-6), key
+
+
 def test_mosaicbert_builds_every_layernorm_in_low_precision(modules) -> None:
     """mosaicbert's low_precision_layernorm: every LayerNorm of the encoder and its head
     is the bf16 kind (BERT's eps kept); under autocast it normalizes in bf16, and its
@@ -380,7 +410,17 @@ def test_pretrain_export_fine_tune_hands_the_encoder_over_unchanged(
         "--project", str(project),
     )  # fmt: skip
     assert exported.returncode == 0, exported.stderr
-    from runtime.checkpoint import export
+    from runtime.checkpoint import CheckpointError, export
+    from runtime.hf import export_gpt2
+
+    # Without the run's tokenizer there is nothing to fine-tune with: refused, nothing
+    # written (the CLI prints the error as one line, exit 2).
+    saved = tmp_path / "runs" / "pre" / "tokenizer"
+    saved.rename(tmp_path / "moved")
+    with pytest.raises(CheckpointError, match="no saved tokenizer beside the run"):
+        export_gpt2(tmp_path / "runs" / "pre", tmp_path / "no-tok", project=project)
+    assert not (tmp_path / "no-tok").exists()
+    (tmp_path / "moved").rename(saved)
 
     ours, _, _, _ = export.read_weights(str(tmp_path / "runs" / "pre"))
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
@@ -456,8 +496,6 @@ def torchrun(project: Path, workdir: Path, ranks: int, *args: str) -> None:
 
 def logged(workdir: Path, run: str, after: int = 0) -> list[tuple[int, str, float]]:
     """(step, key, value) of the losses and accuracy a run logged after step `after`."""
-    from projects import read_metrics
-
     keys = ("loss", "val_loss", "mlm_accuracy")
     rows = read_metrics(workdir, run)
     return [

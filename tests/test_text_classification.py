@@ -223,6 +223,54 @@ def test_bad_input_is_one_line_and_writes_nothing(
     assert model_dir.is_dir()
 
 
+def test_a_folder_whose_weights_do_not_fit_its_model_is_refused(
+    generated: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A folder whose weights lack some of its encoder's tensors, or hold them in another
+    shape, would fine-tune with those tensors random and no word said (transformers
+    initialises them): one line, exit 2, nothing written. (A masked LM's folder, with no
+    pooler and no classifier, loads: test_fine_tunes_a_saved_model_...) train.main() in
+    this process."""
+    from safetensors.torch import load_file, save_file
+
+    good = write_csv(tmp_path / "good.csv", toy_rows(40))
+    cases = {
+        "missing": (lambda k, v: None if ".layer.1." in k else v, "16 of"),
+        "shape": (lambda k, v: v[:, :16] if k.endswith("query.weight") else v, "2 of"),
+    }
+    with project_modules(generated[RECIPE]) as found:
+        for name, (change, expected) in cases.items():
+            folder = pretrained_bert(tmp_path / name)
+            weights = load_file(folder / "model.safetensors")
+            changed = {k: change(k, v) for k, v in weights.items()}
+            save_file(
+                {k: v.contiguous() for k, v in changed.items() if v is not None},
+                folder / "model.safetensors",
+            )
+            workdir = tmp_path / f"work-{name}"
+            workdir.mkdir()
+            monkeypatch.chdir(workdir)
+            argv = ["train.py", "--device=cpu", *SMALL, f"--data={good}"]
+            monkeypatch.setattr("sys.argv", [*argv, f"--model={folder}"])
+            capsys.readouterr()
+            try:
+                with pytest.raises(SystemExit) as exited:
+                    found["train"].main()
+            finally:
+                found["train"].dist.shutdown()
+            lines = capsys.readouterr().err.strip().splitlines()
+            assert exited.value.code == 2, lines
+            assert len(lines) == 1 and lines[0].startswith("error: "), lines
+            assert (
+                f"{expected} its encoder's tensors are not in its weights" in lines[0]
+            )
+            assert "would start random" in lines[0], lines[0]
+            assert not (workdir / "runs").exists(), name
+
+
 def test_data_formats_cache_key_and_dynamic_padding(
     generated: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -152,11 +152,29 @@ def load_pretrained(
     """A hub id's or a saved folder's model, checked against its tokenizer and its
     length."""
     try:
-        model = transformers.AutoModelForSequenceClassification.from_pretrained(
-            name, num_labels=num_labels, ignore_mismatched_sizes=True
+        model, loaded = transformers.AutoModelForSequenceClassification.from_pretrained(
+            name,
+            num_labels=num_labels,
+            ignore_mismatched_sizes=True,
+            output_loading_info=True,
         )
     except (OSError, ValueError) as error:
         raise ModelError(not_found(name, "model", error)) from None
+    # transformers starts what the weights lack (or hold in another shape) from random
+    # values, silently: only the new head may (the classifier; the pooler, which a
+    # masked LM's folder has none of).
+    fresh = [*loaded["missing_keys"], *(key for key, *_ in loaded["mismatched_keys"])]
+    fresh = sorted(
+        k
+        for k in fresh
+        if k.startswith(f"{model.base_model_prefix}.") and ".pooler." not in k
+    )
+    if fresh:
+        raise ModelError(
+            f"--model={name}: {len(fresh)} of its encoder's tensors are not in its "
+            f"weights (e.g. {fresh[0]}) and would start random; pass a folder "
+            "written by save_pretrained or by scaffold export --format hf"
+        )
     embeddings = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > embeddings:
         raise ModelError(
