@@ -46,13 +46,34 @@ def generate(recipe: str, root: Path, *overrides: str) -> Path:
     return dest
 
 
-def train(project: Path, workdir: Path, run_name: str, *args: str) -> list[dict]:
+# Runs a train.py with the monitor's clock swapped for the process's CPU time, so its
+# `train_s` (evaluation and checkpoints still excluded) counts the work, not the waiting for
+# a core on a shared machine. argv: the train.py, then its arguments.
+CPU_CLOCK = """
+import runpy, sys, time, types
+import runtime.monitor as monitor
+clock = types.SimpleNamespace(**vars(time))
+clock.perf_counter = time.process_time
+monitor.time = clock
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+sys.path.insert(0, script.rsplit("/", 1)[0])
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def train(
+    project: Path, workdir: Path, run_name: str, *args: str, cpu_clock: bool = False
+) -> list[dict]:
     """Run the generated train.py (on the CPU unless `args` name a --device); return its
-    metrics records."""
+    metrics records. `cpu_clock`: `train_s` counts the process's CPU seconds (CPU_CLOCK);
+    set OMP_NUM_THREADS=1 with it, so that CPU time is one core's work."""
     named = any(arg.startswith("--device=") for arg in args)
+    launcher = ["-c", CPU_CLOCK] if cpu_clock else []
     result = subprocess.run(
         [
             sys.executable,
+            *launcher,
             str(project / "train.py"),
             *([] if named else ["--device=cpu"]),
             f"--run_name={run_name}",
