@@ -46,15 +46,20 @@ def generate(recipe: str, root: Path, *overrides: str) -> Path:
     return dest
 
 
-# Runs train.py with runtime.monitor's clock set to the process's CPU time, so that the
-# logged train_s and step_ms count CPU seconds in training (evaluation and checkpoints
-# still excluded): on a shared machine other jobs inflate wall time, not CPU time.
-CPU_CLOCK = (
-    "import runpy, sys, time, types; import runtime.monitor as m; "
-    "m.time = types.SimpleNamespace(**{**vars(time), 'perf_counter': time.process_time}); "
-    "sys.argv = sys.argv[1:]; sys.path.insert(0, sys.argv[0].rpartition('/')[0]); "
-    "runpy.run_path(sys.argv[0], run_name='__main__')"
-)
+# Runs a train.py with the monitor's clock swapped for the process's CPU time, so its
+# `train_s` (evaluation and checkpoints still excluded) counts the work, not the waiting for
+# a core on a shared machine. argv: the train.py, then its arguments.
+CPU_CLOCK = """
+import runpy, sys, time, types
+import runtime.monitor as monitor
+clock = types.SimpleNamespace(**vars(time))
+clock.perf_counter = time.process_time
+monitor.time = clock
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+sys.path.insert(0, script.rsplit("/", 1)[0])
+runpy.run_path(script, run_name="__main__")
+"""
 
 
 def train(

@@ -11,6 +11,10 @@ evaluation every `--eval-every` steps. The target is gpt2-baseline's validation 
 `--target-at` (85%) of its budget, for the same seed, interpolated between evaluations. For
 each arm: the steps, tokens and training seconds (`train_s`: the clock stops for evaluation;
 nothing is compiled) to first reach the target, and the ratio of the baseline's to the arm's.
+`--clock cpu` (the default) makes those seconds the training process's CPU time, with
+OMP_NUM_THREADS=1 (one core's work, insensitive to other jobs on a shared machine); each
+run's whole wall and CPU seconds (start-up and evaluation included) are printed beside it.
+`--clock wall` is the wall clock with torch's default threads (the numbers before issue 31).
 Arms run interleaved (every arm for seed 1, then every arm for seed 2, ...), so load on the
 machine spreads over all of them. Medians over seeds; one `speedup: <arm> = X` line each.
 
@@ -21,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from _common import (
@@ -58,6 +64,7 @@ ON_MODERN: dict[str, tuple[str, list[str]]] = {
         [],
     ),
     "polar_express": ("", ["--set", "muon.orthogonalizer=polar_express"]),
+    "normuon": ("", [*("--set", "muon.normuon=true"), *("--set", "muon.beta2=0.9")]),
     "cautious_weight_decay": (
         "",
         [
@@ -66,6 +73,7 @@ ON_MODERN: dict[str, tuple[str, list[str]]] = {
         ],
     ),
     "logit_cap_15": ("", ["--set", "logit_softcap.cap=15.0"]),
+    "unet_skips": ("[algorithms.unet_skips]\n", []),
 }
 
 
@@ -139,6 +147,12 @@ def corpus_hash(project: Path) -> str:
     return out.stdout.strip()
 
 
+def children_cpu() -> float:
+    """User + system CPU seconds of this process's finished children."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def curve(
     records: list[dict], batch: int, seq_len: int
 ) -> list[tuple[int, int, float, float]]:
@@ -199,15 +213,25 @@ def main() -> None:
         ],
     )
     parser.add_argument(
+        "--clock",
+        choices=["cpu", "wall"],
+        default="cpu",
+        help="training seconds as the process's CPU time (1 thread) or the wall clock",
+    )
+    parser.add_argument(
         "--plot", type=Path, default=Path(__file__).resolve().parent / "lm_recipe.png"
     )
     args = parser.parse_args()
+    if args.clock == "cpu":
+        os.environ["OMP_NUM_THREADS"] = "1"
     arms = ["gpt2-baseline", *(arm for arm in args.arms if arm != "gpt2-baseline")]
     root = scratch()
     projects = {arm: generate(arm, root) for arm in arms}
     batch, seq_len = 16, 128  # the recipes' global_batch_size and seq_len
     common = budget_args(args.steps, args.eval_every)
     print_conditions()
+    threads = os.environ.get("OMP_NUM_THREADS", "torch's default")
+    print(f"clock: {args.clock} (training seconds); OMP_NUM_THREADS={threads}")
     print(
         f"corpus (sha256[:16], train bytes, val bytes): {corpus_hash(projects['gpt2-baseline'])}"
     )
@@ -216,7 +240,8 @@ def main() -> None:
         f"validation loss at {args.target_at:.0%} of its steps"
     )
     print(
-        f"{'seed':>4} {'arm':22} {'final val':>9} {'target':>7} {'steps':>7} {'tokens':>9} {'seconds':>8}"
+        f"{'seed':>4} {'arm':22} {'final val':>9} {'target':>7} {'steps':>7} {'tokens':>9} "
+        f"{'seconds':>8} {'run wall':>8} {'run cpu':>8}"
     )
     curves: dict[str, list] = {arm: [] for arm in arms}
     ratios: dict[str, dict[str, list[float]]] = {
@@ -226,14 +251,18 @@ def main() -> None:
     runs_by_seed: dict[int, dict[str, list]] = {}
     for seed in args.seeds:
         runs = runs_by_seed.setdefault(seed, {})
+        whole: dict[str, tuple[float, float]] = {}
         for arm, project in projects.items():
+            wall, cpu = time.perf_counter(), children_cpu()
             records = train(
                 project,
                 root,
                 f"{arm.replace('+', 'plus-')}-{seed}",
                 f"--seed={seed}",
                 *common,
+                cpu_clock=args.clock == "cpu",
             )
+            whole[arm] = (time.perf_counter() - wall, children_cpu() - cpu)
             runs[arm] = curve(records, batch, seq_len)
             curves[arm].append(runs[arm])
         target = at_fraction(runs["gpt2-baseline"], args.target_at * args.steps)
@@ -246,7 +275,8 @@ def main() -> None:
                 else (f"{reached[0]:.0f}", f"{reached[1]:.0f}", f"{reached[2]:.1f}")
             )
             print(
-                f"{seed:4d} {arm:22} {points[-1][3]:9.4f} {target:7.4f} {shown[0]:>7} {shown[1]:>9} {shown[2]:>8}",
+                f"{seed:4d} {arm:22} {points[-1][3]:9.4f} {target:7.4f} {shown[0]:>7} {shown[1]:>9} "
+                f"{shown[2]:>8} {whole[arm][0]:8.1f} {whole[arm][1]:8.1f}",
                 flush=True,
             )
             if reached is not None:
@@ -261,9 +291,9 @@ def main() -> None:
     if plot_curves(
         seconds_and_loss,
         args.plot,
-        xlabel="training time (s, CPU; evaluation excluded)",
+        xlabel=f"training time (s, {args.clock} clock; evaluation excluded)",
         ylabel="validation loss (nats/byte)",
-        title="time to loss: gpt2 recipes and each modern algorithm alone, tiny preset",
+        title="time to loss: gpt2 recipes, algorithms alone (tiny preset)",
     ):
         print(f"plot: {args.plot}")
     print(f"load average at the end (1, 5, 15 min): {os.getloadavg()}")

@@ -406,6 +406,11 @@ def test_attention_inputs_exist_only_where_an_algorithm_fills_them(
     assert "attn_bias" in alibi and "layer_input" not in alibi
     value_embeddings = (alone["value_embeddings"] / "model.py").read_text()
     assert "layer_inputs[i]" in value_embeddings and "attn_bias" not in value_embeddings
+    # The blocks' outputs are kept only for an algorithm that changes a block's input.
+    for recipe, project in recipes.items():
+        assert "outputs.append" not in (project / "model.py").read_text(), recipe
+    unet = (alone["unet_skips"] / "model.py").read_text()
+    assert "outputs.append(x)" in unet and "outputs[mirror]" in unet
 
 
 def _docstring(project: Path) -> str:

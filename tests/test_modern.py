@@ -437,7 +437,12 @@ def test_muon_under_fsdp_on_two_ranks_equals_one_process_with_two_collectives_pe
 
 
 @pytest.mark.parametrize(
-    "recipe", ["gpt2-modern", pytest.param("gpt2-speedrun", marks=pytest.mark.slow)]
+    "recipe",
+    [
+        "gpt2-modern",
+        pytest.param("gpt2-speedrun", marks=pytest.mark.slow),
+        pytest.param("gpt2-modern+unet_skips", marks=pytest.mark.slow),
+    ],
 )
 def test_modern_recipe_on_two_fsdp_ranks_equals_one_process_and_resumes_on_one(
     recipe: str, generated: dict[str, Path], tmp_path: Path
@@ -446,14 +451,19 @@ def test_modern_recipe_on_two_fsdp_ranks_equals_one_process_and_resumes_on_one(
     process; its step-2 checkpoint (Muon's momentum sharded over 2 ranks) resumes on 1 process
     and continues as the 1-process run does (step 4's loss depends on the restored momentum).
     gpt2-speedrun (--slow): the same with Polar Express, cautious weight decay on sharded
-    rows and the bigram table in FSDP2's root unit.
+    rows and the bigram table in FSDP2's root unit. gpt2-modern+unet_skips (--slow): the
+    skip weights in the root unit, the blocks' outputs kept across FSDP2's block units.
     """
     import subprocess
     import sys
 
     from projects import checkout_env, read_metrics, run_train
 
-    project = generated[recipe]
+    base, _, added = recipe.partition("+")
+    project = generated[base]
+    if added:
+        modern = (TEMPLATE / "recipes" / f"{base}.toml").read_text()
+        project = make_project(tmp_path / "made", f"{modern}\n[algorithms.{added}]\n")
     small = [
         "--seq_len=32",
         "--global_batch_size=12",

@@ -1,6 +1,6 @@
-"""The 2025-26 speedrun entries (modded-nanogpt records 38, 43, 62): Polar Express and
-cautious weight decay as Muon options, the bigram hash embedding; each one's effect, checked
-in the code the generator writes."""
+"""The speedrun entries (modded-nanogpt records 11, 38, 43, 62): Polar Express and cautious
+weight decay as Muon options, the bigram hash embedding, U-net skip connections; each one's
+effect, checked in the code the generator writes."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from test_modern import make_project
 
 SPEEDRUN_ENTRIES = """
 [algorithms.bigram_hash_embedding]
+[algorithms.unet_skips]
 [algorithms.muon]
 orthogonalizer = "polar_express"
 cautious_weight_decay = true
@@ -173,3 +174,31 @@ def test_bigram_table_starts_at_zero_and_adds_its_row_to_the_embedding(
     after.sum().backward()
     assert gpt.bigram_lambda.grad.abs().sum() > 0
     assert gpt.bigram_embed.weight.grad[target].abs().sum() > 0
+
+
+# ---------------------------------------------------------------- U-net skips
+
+
+@pytest.mark.parametrize("layers", [4, 5])
+def test_unet_skips_feed_each_late_block_its_mirrors_output(entries, layers) -> None:
+    model_module = entries["model"]
+    torch.manual_seed(0)
+    gpt = model_module.GPT(small(model_module, n_layer=layers))
+    skips = layers // 2
+    assert gpt.skip_weights.tolist() == [1.0] * skips
+    with torch.no_grad():  # distinct weights: each skip must use its own
+        gpt.skip_weights.copy_(torch.tensor([0.5, 2.0][:skips]))
+    inputs, outputs = [], []
+    for block in gpt.blocks:
+        block.register_forward_pre_hook(lambda _, args: inputs.append(args[0]))
+        block.register_forward_hook(lambda _, __, out: outputs.append(out))
+    logits = gpt(torch.randint(0, 64, (2, 16)))
+    for i in range(1, layers):
+        mirror = layers - 1 - i
+        expected = outputs[i - 1]
+        if mirror < skips:  # the last `skips` blocks; an odd model's middle block: none
+            expected = expected + gpt.skip_weights[mirror] * outputs[mirror]
+        torch.testing.assert_close(inputs[i], expected, atol=0, rtol=0)
+        assert not torch.equal(outputs[mirror], torch.zeros_like(outputs[mirror]))
+    logits.float().pow(2).mean().backward()
+    assert (gpt.skip_weights.grad.abs() > 0).all()
