@@ -114,6 +114,7 @@ def test_every_fault_recovers_and_loses_nothing(
         recipe,
     )
     report = {k: v for k, v in row.items() if k != "log"}
+    print(f"\n{recipe} {fault} {setup}: {report}")  # with -s: the row, as the bench's
     assert row["recovered"], (report, row["log"][-4000:])
     assert row["lost"] == 0, report
     largest = max(abs(r["loss"]) for r in want)
