@@ -22,17 +22,20 @@ under `--max-restarts=0`: restarting into a full disk or a missing store only fa
 - kill-launcher: SIGKILL of torchrun and its workers (a node lost); the command again.
 - sigterm: SIGTERM to torchrun (scancel, a time limit); the ranks save and stop; again.
 - sigusr1: SIGUSR1 to every worker (SLURM's --signal notice); save, stop; again.
-- disk-full: the checkpoints folder is a fresh 256 MB tmpfs (root only), filled to the
-  last byte when step `--at` is logged, so the next save runs out of space mid-write; the
-  filler is deleted (space again) and the command runs again.
+- disk-full: the checkpoints folder is a fresh 256 MB tmpfs (root only), shrunk to what it
+  holds plus 64 KiB (a remount) when step `--at` - 1 is logged, so the next save runs out
+  of space mid-write; it is remounted at 256 MB (space again) and the command runs again.
 - store-down: the checkpoints folder is s3://ckpt/RUN on moto's S3 server (a process on
   127.0.0.1) behind a TCP relay; the relay stops (connections cut and refused) when step
-  `--at` is logged, so the next save's upload fails; it starts again (the server's data
+  `--at` - 1 is logged, so the next save's upload fails; it starts again (the server's data
   kept, as a real store's is: moto keeps its buckets in memory, so its process is not
   killed) and the command runs again.
 - corrupt-newest: SIGTERM as above, then the first shard of the newest complete checkpoint
   is overwritten with garbage (same size); the command runs again and falls back to the
   previous complete checkpoint (runtime/checkpoint, DESIGN.md §7).
+A storage fault strikes one step early, two steps before the next save, so it lands before
+that save however fast the steps are; a launch it did not fail (exit 0) is reported MISSED,
+never as recovered.
 """
 
 from __future__ import annotations
@@ -141,13 +144,13 @@ class Stores:
         return where
 
     @staticmethod
-    def fill(disk: Path) -> None:
-        """The disk full to its last byte (a filler file)."""
-        with open(disk / "filler", "wb") as handle:
-            free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
-            with contextlib.suppress(OSError):
-                handle.write(b"\0" * free)
-                handle.write(b"\0" * 65536)  # whatever the estimate missed
+    def fill(disk: Path, full: bool = True) -> None:
+        """The disk full: shrunk to what it holds plus 64 KiB (a remount: instant, so it
+        lands before the next save however fast the steps are); or back to 256 MB."""
+        stat = os.statvfs(disk)
+        used = (stat.f_blocks - stat.f_bfree) * stat.f_frsize
+        size = used + 65536 if full else 256 << 20
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(disk)], check=True)
 
     def s3(self) -> dict[str, str]:
         if self._moto is None:
@@ -205,7 +208,7 @@ def strike(fault: str, launcher: subprocess.Popen, stores: Stores, disk) -> None
 def mend(fault: str, stores: Stores, disk, checkpoints: Path) -> None:
     """What the operator does before the command runs again."""
     if fault == "disk-full":
-        (disk / "filler").unlink()
+        stores.fill(disk, full=False)
     elif fault == "store-down":
         stores.relay.start()
     elif fault == "corrupt-newest":
@@ -272,7 +275,8 @@ def one_row(
         if not seen["watch"]:
             seen["last"] = max([seen["last"], *done])
         if seen["struck"] is None:
-            if done and done[-1] >= at:
+            # The storage faults one step early: two steps before the next save.
+            if done and done[-1] >= at - (fault in ("disk-full", "store-down")):
                 seen["struck"] = time.perf_counter()
                 seen["watch"] = fault == "kill-worker"  # recovers in this launch
                 strike(fault, launcher, stores, disk)
@@ -286,6 +290,8 @@ def one_row(
     logs = workdir / f"{run}.log"
     with logs.open("w") as log:
         status = follow(argv, workdir, run, log, watch, env)
+        # A storage fault that struck fails a save: the launch exits 1.
+        missed = status == 0 and fault in ("disk-full", "store-down")
         if status != 0 or fault != "kill-worker":
             # The fault ended the command: mend, run it again, as a requeued job.
             mend(fault, stores, disk, workdir / "runs" / run / "checkpoints")
@@ -299,7 +305,9 @@ def one_row(
     text = logs.read_text()
     return {
         "recovered": status == 0
+        and not missed
         and [r["step"] for r in rows] == list(range(1, steps + 1)),
+        "missed": missed,
         "redone": seen["last"] - resumed_from(text),
         "lost": len(set(want) - set(got)),
         "loss_diff": max(diffs) if diffs else float("nan"),
@@ -393,7 +401,8 @@ def main() -> None:
                     failed += not good
                     print(
                         f"| {recipe} | {fault} | {parallelism} | {nproc} | "
-                        f"{'yes' if row['recovered'] else 'NO'} | {row['redone']} | "
+                        f"{'yes' if row['recovered'] else 'MISSED' if row['missed'] else 'NO'}"
+                        f" | {row['redone']} | "
                         f"{row['lost']} | {row['loss_diff']:.3g} | {row['recover_s']} |",
                         flush=True,
                     )
