@@ -1,8 +1,8 @@
 """The fault matrix (bench/faults.py) as assertions: every fault recovers, nothing is lost.
 
 A slice of the matrix that holds every fault, recipe and parallelism at least once: each
-case runs the recipe's tiny model under torchrun, strikes when step 5 of 8 is logged
-(SIGKILL of a worker, SIGKILL of the launcher and its workers, SIGTERM to the launcher,
+case runs the recipe's tiny model under torchrun, strikes when step 5 of 8 is logged (the
+storage faults at step 4, two steps before the step-6 save) (SIGKILL of a worker, SIGKILL of the launcher and its workers, SIGTERM to the launcher,
 SIGUSR1 to the workers, the disk of the checkpoints filled, the object store gone, the
 newest checkpoint corrupted after a SIGTERM stop), mends what the fault broke, runs the
 command again where the fault ended it, and asserts: the run reached its last step with
