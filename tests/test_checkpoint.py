@@ -567,6 +567,73 @@ def test_resume_load_path_errors(saved: dict, tmp_path: Path) -> None:
     ).is_dir()  # never deleted: not this run's folder
 
 
+def garbage_header(step: Path) -> str:
+    shard = sorted(step.glob("*.distcp"))[0]
+    shard.write_bytes(b"\0" * 64 + shard.read_bytes()[64:])
+    return f"{shard} is unreadable"
+
+
+def truncated_shard(step: Path) -> str:
+    shard = sorted(step.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    return f"{shard} is truncated"
+
+
+def unreadable_train_state(step: Path) -> str:
+    (step / TRAIN_STATE).write_text("{")
+    return f"{step / TRAIN_STATE} is unreadable"
+
+
+@pytest.mark.parametrize(
+    "damage", [garbage_header, truncated_shard, unreadable_train_state]
+)
+def test_a_damaged_newest_checkpoint_falls_back_when_resuming_on_its_own(
+    saved: dict, damage
+) -> None:
+    """Autoresume: one note names the damaged newest checkpoint and why, the previous one
+    is loaded (the model exactly as saved), the damaged one is kept until this run saves
+    its step again, which replaces it. Named as load_path, it is refused."""
+    folder, model, optimizer, progress = (
+        saved[k] for k in ("folder", "model", "optimizer", "progress")
+    )
+    at_7 = {k: v.clone() for k, v in model.state_dict().items()}
+    train(model, optimizer, progress, 2)
+    newest = checkpoint.Checkpointer(folder).save(state(model, optimizer, progress))
+    why = damage(newest)
+    damaged = snapshot(newest)
+
+    resumed, again, again_optimizer, again_progress, checkpointer = fresh_resume(folder)
+    assert resumed.step == 7 and again_progress.batch == 7
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in at_7.items())
+    first, last = resumed.describe()
+    assert first.startswith(f"skipped the damaged checkpoint {newest} ({why}")
+    assert "the damaged one is kept" in first
+    assert last == f"resumed from {saved['path']} at step 7"
+    assert layout_complete(newest) and snapshot(newest) == damaged
+
+    with pytest.raises(CheckpointError, match="load_path") as refused:
+        fresh_resume(folder.parent / "other", load_path=str(newest))
+    assert why in str(refused.value)
+
+    train(again, again_optimizer, again_progress, 2)
+    assert checkpointer.save(state(again, again_optimizer, again_progress)) == newest
+    assert snapshot(newest) != damaged
+    resumed, *_ = fresh_resume(folder)
+    assert resumed.describe() == [f"resumed from {newest} at step 9"]
+
+
+def test_every_checkpoint_damaged_is_an_error(saved: dict) -> None:
+    why = garbage_header(saved["path"])
+    with pytest.raises(CheckpointError, match="damaged") as raised:
+        fresh_resume(saved["folder"])
+    assert why in str(raised.value)
+    assert layout_complete(saved["path"])
+
+
+def layout_complete(step: Path) -> bool:
+    return (step / MARKER).is_file()
+
+
 def test_load_path_weights_only_then_restart_continues(
     saved: dict, tmp_path: Path
 ) -> None:

@@ -428,19 +428,38 @@ def test_bad_checkpoints_fail_clearly_and_delete_nothing(
         and "in the checkpoint but not in this model" in line
     )
 
-    # A truncated shard in the newest checkpoint: the file is named; it is not deleted.
-    shard = sorted((runs / "good" / "checkpoints" / "step-2").glob("*.distcp"))[0]
+    # A truncated shard in a checkpoint named as load_path: the file is named, exit 2,
+    # nothing deleted (an explicit checkpoint is never swapped for another).
+    newest = runs / "good" / "checkpoints" / "step-2"
+    shard = sorted(newest.glob("*.distcp"))[0]
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
     truncated = snapshot(runs)
-    line = error_line(python(speedup, *common, "--run_name=good", cwd=tmp_path))
-    assert f"{shard.relative_to(tmp_path)} is truncated" in line and "delete" in line
+    explicit = ["--run_name=x", f"--load_path={newest}"]
+    line = error_line(python(speedup, *common, *explicit, cwd=tmp_path))
+    assert f"{shard} is truncated" in line and "load_path" in line
     # A corrupted one (same size, garbage header): named as well.
     shard.write_bytes(b"\0" * 64 + data[64:])
-    line = error_line(python(speedup, *common, "--run_name=good", cwd=tmp_path))
-    assert f"{shard.relative_to(tmp_path)} is unreadable" in line
+    line = error_line(python(speedup, *common, *explicit, cwd=tmp_path))
+    assert f"{shard} is unreadable" in line
     shard.write_bytes(data[: len(data) // 2])
     assert (
         snapshot(runs) == truncated
     )  # no checkpoint deleted or changed by the failed loads
     assert before.keys() == truncated.keys()
+
+    # The run resuming on its own: one line names the damaged newest checkpoint and why,
+    # it resumes from the previous one (kept until then), and its save of step 2
+    # replaces the damaged one with a readable one: the same loss as before.
+    first = {r["step"]: r["loss"] for r in read_metrics(tmp_path, "good")}
+    shard.write_bytes(b"\0" * 64 + data[64:])
+    result = ok(python(speedup, *common, "--run_name=good", cwd=tmp_path))
+    skipped = [x for x in result.stdout.splitlines() if "damaged checkpoint" in x]
+    assert len(skipped) == 1 and f"{newest.relative_to(tmp_path)}" in skipped[0]
+    assert "is unreadable" in skipped[0] and "kept" in skipped[0]
+    assert "checkpoints/step-1 at step 1" in result.stdout
+    assert (newest / "COMPLETE").is_file() and shard.read_bytes() != b"\0" * 64 + data[
+        64:
+    ]
+    again = {r["step"]: r["loss"] for r in read_metrics(tmp_path, "good")}
+    assert again == first

@@ -459,6 +459,46 @@ def test_s3_wrong_credentials_is_one_line(
         assert secret not in str(raised.value)
 
 
+def test_s3_damaged_newest_checkpoint_falls_back_and_is_replaced(
+    s3_env: dict,
+) -> None:
+    """In a bucket as on disk: autoresume skips a damaged newest checkpoint (one note, the
+    object kept), resumes the previous one, and the run's save of that step replaces it.
+    """
+    url = "s3://ckpt/damaged"
+    model, optimizer = build()
+    progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
+    checkpointer = checkpoint.Checkpointer(url)
+    train(model, optimizer, progress, 1)
+    checkpointer.save(state(model, optimizer, progress))
+    at_1 = {k: v.clone() for k, v in model.state_dict().items()}
+    train(model, optimizer, progress, 1)
+    checkpointer.save(state(model, optimizer, progress))
+    remote = checkpoint.storage.Remote(url)
+    shard = remote.join("step-2", "__0_0.distcp")
+    garbage = b"\0" * 64 + remote.fs.cat_file(shard)[64:]
+    remote.fs.pipe_file(shard, garbage)
+
+    again, again_optimizer = build(seed=1)
+    progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
+    checkpointer = checkpoint.Checkpointer(url)
+    resumed = checkpointer.resume(state(again, again_optimizer, progress))
+    skipped, loaded = resumed.describe()
+    assert skipped.startswith(f"skipped the damaged checkpoint {url}/step-2 (")
+    assert "__0_0.distcp is unreadable" in skipped
+    assert loaded == f"resumed from {url}/step-1 at step 1"
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in at_1.items())
+    assert sorted(listing(url)) == ["step-1", "step-2"]
+    assert remote.fs.cat_file(shard) == garbage  # kept
+
+    train(again, again_optimizer, progress, 1)
+    checkpointer.save(state(again, again_optimizer, progress))
+    remote.fs.invalidate_cache()
+    assert remote.fs.cat_file(shard) != garbage
+    resumed = checkpoint.Checkpointer(url).resume(state(*build(seed=2), progress))
+    assert resumed.describe() == [f"resumed from {url}/step-2 at step 2"]
+
+
 def test_s3_store_gone_mid_upload(
     s3_env: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -95,7 +95,14 @@ def load(
     elif restore_rng:
         digest = hashlib.sha256(f"{seed}/{step}/{dist.rank()}".encode()).digest()
         torch.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    return Resumed(path, step, False, rng_restored, train_state["world_size"])
+    return Resumed(
+        path,
+        step,
+        False,
+        rng_restored,
+        train_state["world_size"],
+        origin=train_state.get("origin"),
+    )
 
 
 def progress_of(state: dict[str, Any]) -> Progress:
@@ -140,6 +147,7 @@ class Resumed:
     rng_restored: bool
     saved_world_size: int
     notes: list[str] = field(default_factory=list)
+    origin: str | None = None  # the load_path the saving run started from
 
     def describe(self) -> list[str]:
         if self.weights_only:
@@ -207,6 +215,7 @@ class Checkpointer:
         self.trainable_only = trainable_only  # modules: requires_grad parameters only
         self.origin: str | None = None  # carried into every checkpoint of this run
         self.last_complete: str | None = None  # where a rerun would resume from
+        self.damaged: set[str] = set()  # complete checkpoints resume found damaged
         self._pending: tuple[str, Future] | None = (
             None  # an asynchronous save in flight
         )
@@ -253,30 +262,71 @@ class Checkpointer:
             )
         if plan is None:
             return None
-        source, self.origin, weights_only, notes = plan
+        source, self.origin, weights_only, notes, older = plan
+        while True:
+            resumed = self._try(source, state, weights_only, seed, notes, bool(older))
+            if resumed is not None:
+                break
+            # A damaged newest checkpoint of this run: the previous one, and say why. It
+            # is kept (a person may want it); the save of its step replaces it.
+            self.damaged.add(source)
+            source, older = older[0], older[1:]
         self.last_complete = source
+        if self.origin is None:  # autoresumed: the run's origin is the checkpoint's
+            self.origin = resumed.origin
+        return resumed
+
+    def _try(
+        self,
+        source: str,
+        state: dict[str, Any],
+        weights_only: bool,
+        seed: int,
+        notes: list[str],
+        fall_back: bool,
+    ) -> Resumed | None:
+        """Load `source`; None (and a note) when it is damaged on any rank and `fall_back`
+        (a failed load may have changed `state`: the next load restores all of it)."""
         local = self._each_rank(
             lambda: self._fetch(source), f"cannot download {storage.redact(source)}"
         )
+        error: layout.Damaged | None = None
         try:
             resumed = self._load(local, state, weights_only, seed, notes)
+        except layout.Damaged as exc:
+            if not fall_back:
+                raise
+            error = exc
         finally:
             if storage.is_remote(source):
                 shutil.rmtree(local, ignore_errors=True)
+        if fall_back and dist.any_rank(error is not None):
+            why = error.what if error else "it is damaged on another rank"
+            notes.append(
+                f"skipped the damaged checkpoint {storage.redact(source)} ({why}); "
+                "resuming from the previous complete one (the damaged one is kept)"
+            )
+            return None
         resumed.path = source if storage.is_remote(source) else local
         return resumed
 
     def _plan(
         self, load_path: str, autoresume: bool, weights_only: bool
-    ) -> tuple[str, str | None, bool, list[str]] | None:
-        """(checkpoint to load, the run's origin, weights only, notes), or None for a fresh start."""
-        if self.remote is not None:
+    ) -> tuple[str, str | None, bool, list[str], list[str]] | None:
+        """(checkpoint to load, the run's origin, weights only, notes, the older complete
+        checkpoints to fall back to, newest first), or None for a fresh start."""
+        if not autoresume:
+            complete = []
+        elif self.remote is not None:
             self.remote.remove_incomplete()
-            latest = self.remote.latest()
-            own = self.remote.url_of(latest) if autoresume and latest else None
+            complete = [
+                self.remote.url_of(path)
+                for _, path in reversed(self.remote.steps())
+                if self.remote.is_complete(path)
+            ]
         else:
-            found = layout.latest(self.folder) if autoresume else None
-            own = str(found) if found else None
+            complete = [str(path) for path in layout.complete_newest_first(self.folder)]
+        own = complete[0] if complete else None
         notes = []
         if load_path:
             origin = _origin(load_path)
@@ -294,10 +344,12 @@ class Checkpointer:
                     explicit = remote.url_of(remote.resolve(remote.root))
                 else:
                     explicit = str(layout.resolve(load_path))
-                return explicit, origin, weights_only, notes
+                return explicit, origin, weights_only, notes, []
         if own is None:
             return None
-        return own, self._train_state(own).get("origin"), False, notes
+        # Only a run that resumes on its own falls back; `load_path` names what to load.
+        older = [] if load_path else complete[1:]
+        return own, None, False, notes, older  # the origin: the loaded one's
 
     @staticmethod
     def _train_state(checkpoint: str) -> dict[str, Any]:
@@ -428,6 +480,9 @@ class Checkpointer:
         path = self.folder / name
         target = self._target(name)
         result = target if self.remote is not None else path
+        if target in self.damaged:  # known damaged (resume fell back): replaced
+            self.damaged.discard(target)
+            self._agree(name, lambda: self._remove(name) if dist.rank() == 0 else None)
         if self.remote is None and layout.is_complete(path):
             return path  # e.g. the final save landing on a save_interval step
         if self.remote is not None and target == self.last_complete:
@@ -499,6 +554,12 @@ class Checkpointer:
             self._discard(path)
         self.last_complete = target
         return result
+
+    def _remove(self, name: str) -> None:
+        if self.remote is not None:
+            self.remote.remove(self.remote.join(name))
+        else:
+            layout.remove(self.folder / name)
 
     def _discard(self, path: Path) -> None:
         """A remote save's staged files, once uploaded or failed (local saves stay)."""

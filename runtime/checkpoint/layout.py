@@ -29,12 +29,21 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be used; the message names the folder or file and what to do."""
 
 
-def damaged(path: Path, what: str) -> CheckpointError:
-    # Autoresume picks the newest complete checkpoint, so the way back is removing this one.
-    return CheckpointError(
-        f"{what}; the checkpoint is damaged: delete {path} to resume from "
-        "the previous complete checkpoint"
-    )
+class Damaged(CheckpointError):
+    """A complete checkpoint whose files are unreadable: `what` says which and why. A run
+    that resumes on its own falls back to the previous complete checkpoint (and says so);
+    one told to load this checkpoint stops with this message."""
+
+    def __init__(self, path: Path, what: str) -> None:
+        super().__init__(
+            f"{what}; the checkpoint is damaged: pass an earlier step-<N> folder as "
+            f"load_path, or delete {path}"
+        )
+        self.what = what
+
+
+def damaged(path: Path, what: str) -> Damaged:
+    return Damaged(path, what)
 
 
 def step_dirs(folder: Path) -> list[tuple[int, Path]]:
@@ -50,8 +59,18 @@ def is_complete(path: Path) -> bool:
 
 def latest(folder: Path) -> Path | None:
     """The newest complete checkpoint under `folder`, or None."""
-    complete = [path for _, path in step_dirs(folder) if is_complete(path)]
-    return complete[-1] if complete else None
+    complete = complete_newest_first(folder)
+    return complete[0] if complete else None
+
+
+def complete_newest_first(folder: Path) -> list[Path]:
+    return [path for _, path in reversed(step_dirs(folder)) if is_complete(path)]
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint, the marker first (a kill mid-delete leaves it incomplete)."""
+    (path / MARKER).unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def remove_incomplete(folder: Path) -> list[Path]:
@@ -85,10 +104,7 @@ def rotate(folder: Path, keep: int, current: Path) -> None:
         # Count complete checkpoints only: an interrupted save must not push a good one out.
         complete = [old for _, old in step_dirs(folder) if is_complete(old)]
         for old in (old for old in complete[:-keep] if old != current):
-            (old / MARKER).unlink(
-                missing_ok=True
-            )  # a kill mid-delete leaves it incomplete
-            shutil.rmtree(old, ignore_errors=True)
+            remove(old)
 
 
 def read_train_state(

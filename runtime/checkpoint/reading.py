@@ -60,6 +60,10 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+class Unreadable(RuntimeError):
+    """A shard file DCP could not read (names the file and why)."""
+
+
 class SafeReader(dcp.FileSystemReader):
     """DCP's file reader, except that `.metadata` may name only DCP's own metadata classes."""
 
@@ -97,7 +101,7 @@ class SafeReader(dcp.FileSystemReader):
             else:
                 first = (str(error).splitlines() or [""])[0]
                 why = f"{type(error).__name__}: {first[:200]}"
-            raise RuntimeError(f"{file} is unreadable ({why})") from error
+            raise Unreadable(f"{file} is unreadable ({why})") from error
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -190,6 +194,17 @@ def describe(error: BaseException) -> str:
     return one(error)
 
 
+def _unreadable(error: BaseException) -> Unreadable | None:
+    """The `Unreadable` behind DCP's error (its per-rank failures, or the chain)."""
+    failures = getattr(error, "failures", None)
+    found = [exc for exc, _ in failures.values()] if isinstance(failures, dict) else []
+    seen: BaseException | None = error
+    while seen is not None:
+        found.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    return next((exc for exc in found if isinstance(exc, Unreadable)), None)
+
+
 def load(
     state: dict[str, Any], path: Path, hint: str = "", no_dist: bool | None = None
 ) -> None:
@@ -208,6 +223,9 @@ def load(
     ) as error:  # DCP's CheckpointException derives from BaseException
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise
+        unreadable = _unreadable(error)
+        if unreadable is not None:
+            raise damaged(path, str(unreadable)) from error
         raise CheckpointError(
             f"cannot load {path}: {describe(error)[:2000]}{hint}"
         ) from error
