@@ -207,10 +207,16 @@ def export_bert(
     run: dict[str, Any],
     config_file: Path,
 ) -> dict[str, Any]:
-    """A masked_lm checkpoint as a Hugging Face BertForMaskedLM folder, with the run's
-    tokenizer (runs/<name>/tokenizer/): what a text_classification project loads with
-    --model=FOLDER."""
-    if not hasattr(model, "to_hf_bert"):
+    """A masked_lm checkpoint with the run's tokenizer (runs/<name>/tokenizer/): what a
+    text_classification project loads with --model=FOLDER. BERT's layout: a Hugging Face
+    BertForMaskedLM folder (`to_hf_bert`, transformers fine-tunes it); a layout of its
+    own (algorithms changed BERT's): the encoder's weights as they are, with its sizes
+    and the algorithms' LAYOUT in config.json (`to_encoder_export`), for a project of
+    the bert pack."""
+    convert = getattr(model, "to_hf_bert", None) or getattr(
+        model, "to_encoder_export", None
+    )
+    if convert is None:  # projects before the bert pack wrote its own layout out
         raise CheckpointError(
             "BertForMaskedLM cannot hold this model: its algorithms change BERT's layout "
             "(the docstring of its model.py says how); export it with --format safetensors"
@@ -230,14 +236,15 @@ def export_bert(
     from transformers import AutoTokenizer
 
     pad_id = AutoTokenizer.from_pretrained(tokenizer).pad_token_id
+    positions = weights.get("wpe.weight")  # none where ALiBi replaced the table
     encoder_config = model.EncoderConfig(
         vocab_size=weights["wte.weight"].shape[0],
-        max_seq_len=weights["wpe.weight"].shape[0],
+        max_seq_len=int(run["seq_len"]) if positions is None else positions.shape[0],
         pad_id=pad_id,
         dropout=float(run.get("dropout", 0.0)),
         **model.PRESETS[run["model"]],
     )
-    hf_config, hf_weights = model.to_hf_bert(weights, encoder_config)
+    hf_config, hf_weights = convert(weights, encoder_config)
     metadata = {"checkpoint": str(checkpoint), "step": str(step)}
     out = write_gpt2(out_dir, hf_config, hf_weights, metadata)
     AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out)

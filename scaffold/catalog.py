@@ -177,6 +177,10 @@ class Algorithm:
     # The device types it runs on (e.g. ("cuda",): CUDA memory snapshots; its train.checks
     # refuses any other in one line); empty: any.
     devices: tuple[str, ...] = ()
+    # Tasks where it changes model.py only and writes nothing into train.py (e.g. ALiBi in
+    # a classifier fine-tuned from an encoder pretrained with it: the architecture, not the
+    # pretraining's row split).
+    model_only_tasks: tuple[str, ...] = ()
 
     @property
     def events(self) -> tuple[str, ...]:
@@ -407,6 +411,12 @@ def load_algorithms(template: Path) -> dict[str, Algorithm]:
         ):
             snippets.add("train.checks")
         spots = tuple(sorted(snippets | set(replaces)))
+        model_only_tasks = tuple(meta.get("model_only_tasks", ()))
+        if not set(model_only_tasks) <= set(meta.get("tasks", ())):
+            raise CatalogError(
+                f"{meta_path}: model_only_tasks {list(model_only_tasks)} must be among "
+                "its tasks"
+            )
         try:
             str(meta.get("architecture", "")).format(
                 **{k: hp.default for k, hp in hyperparameters.items()}
@@ -432,6 +442,7 @@ def load_algorithms(template: Path) -> dict[str, Algorithm]:
             architecture=str(meta.get("architecture", "")),
             hub_models=hub_models,
             devices=tuple(meta.get("devices", ())),
+            model_only_tasks=model_only_tasks,
         )
     return {name: algorithms[name] for name in catalog_order(algorithms)}
 

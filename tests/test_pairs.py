@@ -84,11 +84,13 @@ def allowed(a: str, b: str) -> bool:
 
 def on_cpu(task: str) -> list[str]:
     """The algorithms of `task` that run on a CPU (these runs'; the CUDA-only memory
-    recorders refuse a CPU run in one line, test_packs.py)."""
+    recorders refuse a CPU run in one line, test_packs.py) on its first model family."""
     return sorted(
         name
         for name, spec in CATALOG.items()
-        if task in spec.tasks and (not spec.devices or "cpu" in spec.devices)
+        if task in spec.tasks
+        and (not spec.devices or "cpu" in spec.devices)
+        and (not spec.models or FAMILY[task] in spec.models)
     )
 
 

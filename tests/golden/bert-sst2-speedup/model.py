@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from pathlib import Path
 
 import torch.nn as nn
 
@@ -151,6 +152,14 @@ def load_pretrained(
 ) -> nn.Module:
     """A hub id's or a saved folder's model, checked against its tokenizer and its
     length."""
+    exported = Path(name) / "config.json"
+    if exported.is_file() and '"scaffold_bert"' in exported.read_text():
+        raise ModelError(
+            f"--model={name}: an encoder `scaffold export` wrote in the bert pack's "
+            "own layout (its algorithms change BERT's); fine-tune it in a project of "
+            "the bert pack with the same algorithms, e.g. scaffold new --recipe "
+            "mosaicbert-sst2 DIR for mosaicbert's"
+        )
     try:
         model, loaded = transformers.AutoModelForSequenceClassification.from_pretrained(
             name,

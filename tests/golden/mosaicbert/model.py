@@ -1,23 +1,30 @@
 """BERT encoder and masked-LM head: post-LayerNorm layers, LayerNorms in bf16 under
-autocast, learned position embeddings, padding masked out of attention, GELU MLP, output
-layer tied to the token embedding.
+autocast, ALiBi (a per-head linear distance penalty on the attention scores) instead of
+position embeddings, gated linear unit MLP (gelu gate), output layer tied to the token
+embedding.
 
 Sizes follow BERT (Devlin et al. 2019); `tiny` trains at several steps per second on 2
 CPU cores. Every sequence of a batch is padded to the same length; `keep` (True: a real
-token) keeps padding out of every attention. This is BERT's layout: `to_hf_bert` maps
-the weights to Hugging Face's BertForMaskedLM (`scaffold export --format hf`), which a
-text_classification project fine-tunes. Algorithms that change the architecture are
-written in where they act, each fenced `# algorithm: NAME` ... `# end algorithm: NAME`.
+token) keeps padding out of every attention. Its algorithms change BERT's layout:
+`to_encoder_export` writes the encoder as it is (`scaffold export --format hf`) for a
+text_classification project of the bert pack with the same algorithms. Algorithms that
+change the architecture are written in where they act, each fenced `# algorithm: NAME`
+... `# end algorithm: NAME`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+# algorithm: alibi
+import math
+
+# end algorithm: alibi
 
 
 @dataclass
@@ -61,6 +68,48 @@ class LowPrecisionLayerNorm(nn.LayerNorm):
 
 
 # end algorithm: low_precision_layernorm
+
+
+# algorithm: alibi
+# ALiBi (Press et al. 2022) in an encoder (Composer's Alibi on BERT, MosaicBERT):
+# instead of position embeddings, each head adds -slope * |i - j| to the scores,
+# symmetric because every token attends both ways.
+def alibi_slopes(n_head: int) -> torch.Tensor:
+    """Per-head slopes for n heads: the geometric sequence 2^(-8/n), 2^(-16/n) ... 2^-8.
+
+    For a head count that is not a power of two, take the slopes of the nearest lower
+    power of two and fill up with every other slope of the next one (as in the paper).
+    """
+
+    def geometric(n: int) -> list[float]:
+        ratio = 2 ** (-8 / n)
+        return [ratio ** (i + 1) for i in range(n)]
+
+    closest = 2 ** math.floor(math.log2(n_head))
+    slopes = geometric(closest)
+    if closest < n_head:
+        slopes += geometric(2 * closest)[0::2][: n_head - closest]
+    return torch.tensor(slopes)
+
+
+def alibi_encoder_bias(
+    n_head: int, keep: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """(batch, n_head, seq, seq) additive attention bias: -slope * |i - j| between
+    query i and key j, and the dtype's lowest value at padding keys (`keep` False).
+
+    The lowest finite value, not -inf: a row of padding only (a piece of a split row)
+    attends evenly instead of making NaN; its outputs are never predicted.
+    """
+    seq = keep.shape[-1]
+    position = torch.arange(seq, device=keep.device)
+    distance = (position[:, None] - position[None, :]).abs()
+    slopes = alibi_slopes(n_head).to(keep.device)[:, None, None]
+    bias = (-slopes * distance).to(dtype)
+    return bias.where(keep, torch.finfo(dtype).min)
+
+
+# end algorithm: alibi
 
 
 # algorithm: unpadding
@@ -122,7 +171,14 @@ class SelfAttention(nn.Module):
             for t in qkv.split(width, dim=2)
         )
         dropout = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout)
+
+        # algorithm: alibi
+        # The distance penalty and the padding mask, one additive bias per layer (a
+        # dense bias keeps SDPA off its flash kernel: math or memory-efficient runs).
+        bias = alibi_encoder_bias(self.n_head, keep, q.dtype)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout)
+        # end algorithm: alibi
+
         y = y.transpose(1, 2).reshape(batch, seq, width)
         # algorithm: unpadding
         # The real tokens again: the output projection skips padding.
@@ -135,13 +191,27 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+
+        # algorithm: gated_linear_units
+        # Composer's BERT form (MosaicBERT's BertGatedLinearUnitMLP): one bias-free
+        # layer makes gate and value halves at BERT's width 4 * n_embd: 3 matrices
+        # where BERT's MLP has 2 (more parameters, as Composer's).
+        self.fc = nn.Linear(config.n_embd, 2 * 4 * config.n_embd, bias=False)
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        # end algorithm: gated_linear_units
+
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
-        h = F.gelu(h)
+
+        # algorithm: gated_linear_units
+        # The gate half (the first, as Composer's), through the activation, scales the
+        # value half.
+        gate, value = h.chunk(2, dim=-1)
+        h = F.gelu(gate) * value  # exact GELU, BERT's own (GeGLU)
+        # end algorithm: gated_linear_units
+
         return F.dropout(self.proj(h), self.dropout, self.training)
 
 
@@ -167,7 +237,6 @@ class Encoder(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.max_seq_len, config.n_embd)
         self.ln_e = layer_norm(config.n_embd)
         self.blocks = nn.ModuleList(Layer(config) for _ in range(config.n_layer))
         # The masked-LM head (BERT's): dense, GELU, LayerNorm, then the token embedding
@@ -195,8 +264,12 @@ class Encoder(nn.Module):
         assert seq <= self.config.max_seq_len, f"sequence of {seq} > max_seq_len"
         # True where a real token is: padding is never attended to.
         keep = (input_ids != self.config.pad_id)[:, None, None, :]
-        position = torch.arange(seq, device=input_ids.device)
-        x = self.wte(input_ids) + self.wpe(position)
+
+        # algorithm: alibi
+        # No position embedding: positions enter as the attention bias.
+        x = self.wte(input_ids)
+        # end algorithm: alibi
+
         x = F.dropout(self.ln_e(x), self.config.dropout, self.training)
         # algorithm: unpadding
         # The layers see the real tokens only, as one (tokens, width) tensor.
@@ -238,57 +311,25 @@ class Encoder(nn.Module):
         return 6 * n + 12 * self.config.n_layer * seq_len * self.config.n_embd
 
 
-# Hugging Face BERT (`BertForMaskedLM`) weights out (`scaffold export --format hf`): the
-# same function under other names; the fused qkv is split into query, key and value, and
-# BERT's token-type table (unused here) is zeros, which adds nothing.
-HF_LAYER_NAMES = {
-    "attn.proj": "attention.output.dense",
-    "ln_1": "attention.output.LayerNorm",
-    "mlp.fc": "intermediate.dense",
-    "mlp.proj": "output.dense",
-    "ln_2": "output.LayerNorm",
+# What the algorithms change in BERT's weights or function, each with what it makes of
+# the encoder: `scaffold export` records it, and a fine-tune project loads the encoder
+# only where its own model.py renders the same.
+LAYOUT: dict[str, str] = {
+    "gated_linear_units": "gated linear unit MLP (gelu gate)",
+    "alibi": (
+        "ALiBi (a per-head linear distance penalty on the attention "
+        "scores) instead of position embeddings"
+    ),
 }
 
 
-def to_hf_bert(
+def to_encoder_export(
     weights: dict[str, torch.Tensor], config: EncoderConfig
 ) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
-    """Our weights -> BertForMaskedLM's config.json and safetensors weights."""
-    hf_config = {
-        "architectures": ["BertForMaskedLM"],
-        "model_type": "bert",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.n_embd,
-        "num_hidden_layers": config.n_layer,
-        "num_attention_heads": config.n_head,
-        "intermediate_size": 4 * config.n_embd,
-        "hidden_act": "gelu",  # exact GELU, as F.gelu
-        "max_position_embeddings": config.max_seq_len,
-        "type_vocab_size": 2,
-        "layer_norm_eps": 1e-12,
-        "pad_token_id": config.pad_id,
-        "hidden_dropout_prob": config.dropout,
-        "attention_probs_dropout_prob": config.dropout,
-        "tie_word_embeddings": True,
+    """Our weights -> the encoder's config.json (its sizes and LAYOUT) and weights, the
+    masked-LM head left out: what `scaffold export --format hf` writes for a
+    text_classification project of the bert pack."""
+    encoder = {
+        k: v.contiguous() for k, v in weights.items() if not k.startswith("head_")
     }
-    out = {
-        "bert.embeddings.word_embeddings.weight": weights["wte.weight"],
-        "bert.embeddings.position_embeddings.weight": weights["wpe.weight"],
-        "bert.embeddings.token_type_embeddings.weight": torch.zeros(
-            2, config.n_embd, dtype=weights["wte.weight"].dtype
-        ),
-        "cls.predictions.transform.dense.weight": weights["head_fc.weight"],
-        "cls.predictions.transform.dense.bias": weights["head_fc.bias"],
-        "cls.predictions.bias": weights["head_bias"],
-    }
-    for kind in ("weight", "bias"):
-        out[f"bert.embeddings.LayerNorm.{kind}"] = weights[f"ln_e.{kind}"]
-        out[f"cls.predictions.transform.LayerNorm.{kind}"] = weights[f"head_ln.{kind}"]
-        for i in range(config.n_layer):
-            ours, theirs = f"blocks.{i}.", f"bert.encoder.layer.{i}."
-            qkv = weights[f"{ours}attn.qkv.{kind}"].chunk(3, dim=0)
-            for part, tensor in zip(("query", "key", "value"), qkv):
-                out[f"{theirs}attention.self.{part}.{kind}"] = tensor
-            for name, hf_name in HF_LAYER_NAMES.items():
-                out[f"{theirs}{hf_name}.{kind}"] = weights[f"{ours}{name}.{kind}"]
-    return hf_config, {k: v.contiguous() for k, v in out.items()}
+    return {"scaffold_bert": asdict(config), "layout": LAYOUT}, encoder

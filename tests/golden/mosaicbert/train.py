@@ -5,7 +5,7 @@
     python train.py --config run.toml   # keys as in Config below; flags override it
     python train.py --help              # every key, its default and meaning
 
-Algorithms: low_precision_layernorm, unpadding.
+Algorithms: gated_linear_units, low_precision_layernorm, alibi, unpadding.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
 hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end algorithm:
 NAME`. `scaffold upgrade` merges newer template versions in and keeps your edits.
@@ -68,6 +68,11 @@ class Config:
     beta1: float = 0.9
     beta2: float = 0.98
     eps: float = 1e-6
+
+    # algorithm: alibi
+    # Fraction of the length trained on (rows split into 1/it as many shorter rows).
+    alibi_train_sequence_length_scaling: float = 1.0
+    # end algorithm: alibi
 
     # evaluation, logging, checkpoints
     eval_interval: Time = Time.parse("100ba")  # validation loss every ...
@@ -145,6 +150,22 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     with config.failing(ValueError, prefix="lr_warmup: "):
         check_fraction(cfg.lr_warmup, cfg.max_duration)
 
+    # algorithm: alibi
+    config.check_ranges(cfg, alibi_train_sequence_length_scaling="(0, 1]")
+    alibi_pieces = round(1 / cfg.alibi_train_sequence_length_scaling)
+    if abs(alibi_pieces * cfg.alibi_train_sequence_length_scaling - 1) > 1e-6:
+        scaling = cfg.alibi_train_sequence_length_scaling
+        config.fail(
+            f"alibi_train_sequence_length_scaling={scaling} must be 1/k for a whole k "
+            "(0.5, 0.25, 0.125, ...)"
+        )
+    if cfg.seq_len % alibi_pieces:
+        config.fail(
+            f"seq_len={cfg.seq_len} must be a multiple of {alibi_pieces} "
+            "(1/alibi_train_sequence_length_scaling: rows split evenly)"
+        )
+    # end algorithm: alibi
+
     # FSDP and DDP need a process group, on one process too (a group of one rank).
     timeout = timedelta(seconds=cfg.dist_timeout)
     dist.init_process_group(env, timeout, required=parallel.parallelism != "none")
@@ -162,6 +183,16 @@ def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
         return cfg.lr * fraction / warmup
     decayed = min(1.0, (fraction - warmup) / max(1.0 - warmup, 1e-9))
     return cfg.lr * (1.0 - (1.0 - cfg.min_lr_ratio) * decayed)
+
+
+# algorithm: alibi
+def alibi_split_rows(rows: torch.Tensor, pieces: int) -> torch.Tensor:
+    """Rows of n tokens as `pieces` times as many rows of n / pieces tokens (a masked-LM
+    row's inputs and targets line up, so every token and target is kept once)."""
+    return rows.reshape(-1, rows.shape[1] // pieces)
+
+
+# end algorithm: alibi
 
 
 @torch.no_grad()
@@ -384,6 +415,15 @@ def main() -> None:
             targets = batch.targets.to(env.device, non_blocking=True)
 
             # event: BATCH_START
+
+            # algorithm: alibi
+            # ALiBi extrapolates to longer sequences than it trained on (Press et al.
+            # 2022), so train on short rows and evaluate at full length: split each row
+            # and its targets into 1/alibi_train_sequence_length_scaling shorter rows
+            # (Composer's reshape of every batch tensor). The same tokens and targets.
+            pieces = round(1 / cfg.alibi_train_sequence_length_scaling)
+            inputs, targets = (alibi_split_rows(t, pieces) for t in (inputs, targets))
+            # end algorithm: alibi
 
             fraction = progress.fraction(cfg.max_duration)
             lr = lr_at(fraction, cfg, progress.batches_per_epoch)
