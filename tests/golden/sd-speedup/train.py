@@ -109,6 +109,9 @@ class Config:
     samples_per_prompt: int = 4  # sample grid: rows (seeds) of the prompts (columns)
     sample_steps: int = 25  # DDIM steps per sample
     guidance_scale: float = 1.0  # classifier-free guidance (1: none)
+    # CFG rescale of the grid's sampler (Lin et al. 2023 §3.4; diffusers'
+    # guidance_rescale; 0: none, the paper: 0.7)
+    guidance_rescale: float = 0.0
     log_interval: Time = Time.parse("1ba")  # a metrics.jsonl line every ...
     trackers: str = ""  # also log to: tensorboard,mlflow,wandb
     # early stopping: when early_stop_metric (e.g. val_loss; "": never)
@@ -308,6 +311,12 @@ def sample(
                 model(torch.cat([latents] * 2), t, states).sample.float().chunk(2)
             )
             guided = unconditional + cfg.guidance_scale * (conditional - unconditional)
+            if cfg.guidance_rescale:  # CFG rescale: the guided prediction's std pulled
+                # back towards the conditional one's (guidance overexposes otherwise)
+                dims = tuple(range(1, guided.dim()))
+                wanted = conditional.std(dims, keepdim=True)
+                scaled = guided * wanted / guided.std(dims, keepdim=True)
+                guided = torch.lerp(guided, scaled, cfg.guidance_rescale)
             latents = sampler.step(guided, t, latents).prev_sample
         images = parts.vae.decode(latents / parts.latent_scale).sample
     model.train()
