@@ -97,7 +97,14 @@ def generated_auto(
     """Recipes generated with the out-of-memory search (`--set auto_microbatching=true`)."""
     root = tmp_path_factory.mktemp("generated-auto")
     projects = {}
-    for recipe in ("gpt2-baseline", "gpt2-speedup", RECIPE_AUTO_IMAGE, "llm-lora"):
+    auto = (
+        "gpt2-baseline",
+        "gpt2-speedup",
+        RECIPE_AUTO_IMAGE,
+        "llm-lora",
+        "sd-speedup",
+    )
+    for recipe in auto:
         dest = root / recipe / PROJECT_NAME
         result = scaffold_cli(
             "new", "--recipe", recipe, "--set", "auto_microbatching=true", str(dest)

@@ -302,3 +302,55 @@ def test_zero_terminal_snr_with_epsilon_is_one_line(
     assert not (tmp_path / "runs").exists() or not any(
         p for p in (tmp_path / "runs").iterdir() if p.name != ".scaffold-cache"
     )
+
+
+def test_cfg_rescale_samples_as_diffusers_guidance_rescale(
+    project: Path, tmp_path: Path
+) -> None:
+    """The grid's sampler with guidance 3 and CFG rescale 0.7 (Lin et al. 2023 §3.4) on
+    the v-prediction, zero-terminal-SNR parts draws what diffusers' StableDiffusionPipeline
+    draws from the same parts and latents with `guidance_rescale=0.7`; without the
+    rescale, other images."""
+    from runtime.dist import DistEnv
+
+    prompts = ["a handwritten digit one", "a handwritten digit two"]
+    env = DistEnv(0, 0, 1, 1, torch.device("cpu"))
+    with project_modules(project) as modules:
+        train, model, data = modules["train"], modules["model"], modules["data"]
+        parts = tiny(model, tmp_path, "v_prediction")
+        ids = data.token_ids(parts.tokenizer, prompts)
+
+        def ours(rescale: float) -> torch.Tensor:
+            cfg = train.Config(
+                guidance_scale=3.0, guidance_rescale=rescale, sample_steps=3
+            )
+            return train.sample(parts.unet, parts, ids, (4, 8, 8), cfg, env)
+
+        rescaled, plain = ours(0.7), ours(0.0)
+        pipeline = StableDiffusionPipeline(
+            vae=parts.vae,
+            text_encoder=parts.text_encoder,
+            tokenizer=parts.tokenizer,
+            unet=parts.unet,
+            scheduler=DDIMScheduler.from_config(parts.scheduler.config),
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+        seed = train.Config().seed
+        latents = torch.randn(
+            (2, 4, 8, 8), generator=torch.Generator().manual_seed(seed)
+        )
+        theirs = pipeline(
+            prompts,
+            height=16,
+            width=16,
+            num_inference_steps=3,
+            guidance_scale=3.0,
+            guidance_rescale=0.7,
+            latents=latents.clone(),
+            output_type="pt",
+        ).images
+    expected = (theirs * 2 - 1).clamp(-1, 1)  # ours: [-1, 1]
+    assert torch.allclose(rescaled, expected, atol=1e-5)
+    assert (rescaled - plain).abs().max() > 1e-2

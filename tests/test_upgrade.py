@@ -928,35 +928,21 @@ def test_a_0_1_0_project_with_a_hand_edit_upgrades_to_task_packs_and_trains_the_
     assert losses(project, tmp_path / "work-new") == before
 
 
-def test_an_image_classification_project_upgrades_keeping_hand_edits_and_trains(
-    tmp_path: Path,
-) -> None:
-    """The vision task pack upgrades like the language one: template change merged, edits kept."""
-    from projects import read_metrics, run_train
-
+def upgraded_with_edits(
+    tmp_path: Path, task: str, recipe: str, edits: list[tuple[str, str]]
+) -> tuple[Path, dict]:
+    """`recipe` generated at template 0.1.0 as `tmp_path/my-project`, `edits` (old, new)
+    made and committed, upgraded to a 0.2.0 that changes OLD_LINE in the task's train.py:
+    train.py gets exactly that change on top of the edits, no conflict. The project and
+    its answers."""
     root = tmp_path / "versions"
     old = TemplateRelease(make_template(root / "0.1.0", {}, {}), "0.1.0")
-    new = TemplateRelease(
-        make_template(
-            root / "0.2.0",
-            {"tasks/image_classification/train.py.jinja": (OLD_LINE, NEW_LINE)},
-            {},
-        ),
-        "0.2.0",
-    )
-    project = generate_at(tmp_path / "my-cnn", old, "cifar-resnet56-baseline")
+    change = {f"tasks/{task}/train.py.jinja": (OLD_LINE, NEW_LINE)}
+    new = TemplateRelease(make_template(root / "0.2.0", change, {}), "0.2.0")
+    project = generate_at(tmp_path / "my-project", old, recipe)
     train = project / "train.py"
-    replace_once(
-        train,
-        "    beta2: float = 0.999  # adamw\n",
-        "    beta2: float = 0.99  # adamw\n",
-    )
-    replace_once(
-        train,
-        "            inputs = data.normalize(pixels, images)\n",
-        "            inputs = data.normalize(pixels, images)\n"
-        "            inputs = inputs.contiguous()  # hand edit: inside the loop\n",
-    )
+    for before, after in edits:
+        replace_once(train, before, after)
     commit_all(project, "hand edits")
     edited = train.read_text()
 
@@ -968,11 +954,26 @@ def test_an_image_classification_project_upgrades_keeping_hand_edits_and_trains(
         and result.changes.conflicted == []
     )
     answers = yaml.safe_load((project / ".copier-answers.yml").read_text())
-    assert (
-        answers["_commit"] == "0.2.0"
-        and answers["bn_group_size"] == 128
-        and answers["momentum"] == 0.9
+    assert answers["_commit"] == "0.2.0"
+    return project, answers
+
+
+def test_an_image_classification_project_upgrades_keeping_hand_edits_and_trains(
+    tmp_path: Path,
+) -> None:
+    """The vision task pack upgrades like the language one: template change merged, edits kept."""
+    from projects import read_metrics, run_train
+
+    beta2 = "    beta2: float = 0.999  # adamw\n"
+    step = "            inputs = data.normalize(pixels, images)\n"
+    edit = "            inputs = inputs.contiguous()  # hand edit: inside the loop\n"
+    project, answers = upgraded_with_edits(
+        tmp_path,
+        "image_classification",
+        "cifar-resnet56-baseline",
+        [(beta2, beta2.replace("0.999", "0.99")), (step, step + edit)],
     )
+    assert answers["bn_group_size"] == 128 and answers["momentum"] == 0.9
     trained = run_train(
         project,
         tmp_path,
@@ -1032,3 +1033,20 @@ def test_upgrade_records_the_values_older_projects_trained_with() -> None:
     complete = {name: filled(name, **params) for name, params in recorded.items()}
     whole = ProjectState(Path("p"), {"algorithms": complete}, "0.3.0", __version__)
     assert _recorded_values(whole, catalog) == {}
+
+
+def test_a_diffusion_project_upgrades_keeping_hand_edits(tmp_path: Path) -> None:
+    """The diffusion task pack upgrades like the others: sd-speedup (four algorithms'
+    fences) with a changed default and a line inside the training step gets the
+    template's change and nothing else (that such a train.py trains: test_diffusion*).
+    """
+    guidance = "    guidance_scale: float = 1.0"
+    step = "            inputs, targets = noised(parts, latents, states, noise, timesteps)\n"
+    edit = '            inputs["noisy"] = inputs["noisy"].contiguous()  # hand edit\n'
+    _, answers = upgraded_with_edits(
+        tmp_path,
+        "diffusion",
+        "sd-speedup",
+        [(guidance, guidance.replace("1.0", "2.0")), (step, step + edit)],
+    )
+    assert answers["task"] == "diffusion"

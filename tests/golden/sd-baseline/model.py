@@ -102,6 +102,11 @@ class Parts:
         """Latents are multiplied by this before the UNet sees them (unit variance)."""
         return self.vae.config.scaling_factor
 
+    def latent_shape(self, resolution: int) -> tuple[int, int, int]:
+        """One image's latents (channels, height, width) at `resolution` pixels."""
+        side = resolution // 2 ** (len(self.vae.config.block_out_channels) - 1)
+        return (self.vae.config.latent_channels, side, side)
+
 
 def load_parts(name: str, from_scratch: bool, seed: int, prediction_type: str) -> Parts:
     """A pipeline folder's or hub id's parts (`tiny` is built by tiny_parts), the UNet

@@ -109,6 +109,9 @@ class Config:
     samples_per_prompt: int = 4  # sample grid: rows (seeds) of the prompts (columns)
     sample_steps: int = 25  # DDIM steps per sample
     guidance_scale: float = 1.0  # classifier-free guidance (1: none)
+    # CFG rescale of the grid's sampler (Lin et al. 2023 §3.4; diffusers'
+    # guidance_rescale; 0: none, the paper: 0.7)
+    guidance_rescale: float = 0.0
     log_interval: Time = Time.parse("1ba")  # a metrics.jsonl line every ...
     trackers: str = ""  # also log to: tensorboard,mlflow,wandb
     # early stopping: when early_stop_metric (e.g. val_loss; "": never)
@@ -308,6 +311,12 @@ def sample(
                 model(torch.cat([latents] * 2), t, states).sample.float().chunk(2)
             )
             guided = unconditional + cfg.guidance_scale * (conditional - unconditional)
+            if cfg.guidance_rescale:  # CFG rescale: the guided prediction's std pulled
+                # back towards the conditional one's (guidance overexposes otherwise)
+                dims = tuple(range(1, guided.dim()))
+                wanted = conditional.std(dims, keepdim=True)
+                scaled = guided * wanted / guided.std(dims, keepdim=True)
+                guided = torch.lerp(guided, scaled, cfg.guidance_rescale)
             latents = sampler.step(guided, t, latents).prev_sample
         images = parts.vae.decode(latents / parts.latent_scale).sample
     model.train()
@@ -452,7 +461,6 @@ def evaluate(
     model: torch.nn.Module,
     parts: Parts,
     val: dict[str, torch.Tensor],
-    shape: tuple[int, ...],
     cfg: Config,
     env: dist.DistEnv,
 ) -> dict[str, float]:
@@ -466,6 +474,7 @@ def evaluate(
     count = len(val["pixels"])
     if cfg.eval_batches:  # the same first images at every evaluation
         count = min(count, cfg.eval_batches * cfg.global_batch_size)
+    shape = parts.latent_shape(val["pixels"].shape[-1])
     generator = torch.Generator().manual_seed(0)
     noise = torch.randn((count, *shape), generator=generator)
     spacing = parts.scheduler.config.num_train_timesteps // cfg.eval_timesteps
@@ -596,12 +605,7 @@ def main() -> None:
     for frozen in (parts.vae, parts.text_encoder):
         frozen.to(env.device)
     model = parts.unet.to(env.device)
-    factor = 2 ** (len(parts.vae.config.block_out_channels) - 1)
-    latent_shape = (
-        parts.vae.config.latent_channels,
-        resolution // factor,
-        resolution // factor,
-    )
+    latent_shape = parts.latent_shape(resolution)
     num_params = sum(p.numel() for p in model.parameters())
 
     # One live start per run (a requeue racing a dying job is refused): an OS lock that
@@ -795,16 +799,17 @@ def main() -> None:
                 # algorithm: ema
                 # The averaged weights, same evaluation: ema_val_loss, ema_val_top1, ...
                 with monitor.paused():
-                    scores = evaluate(ema_model, parts, val, latent_shape, cfg, env)
+                    scores = evaluate(ema_model, parts, val, cfg, env)
                 metrics.update({f"ema_{name}": value for name, value in scores.items()})
                 # end algorithm: ema
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
-                    metrics.update(evaluate(model, parts, val, latent_shape, cfg, env))
+                    metrics.update(evaluate(model, parts, val, cfg, env))
                     samples = sample(model, parts, prompt_ids, latent_shape, cfg, env)
                     grid = run_dir / "samples" / f"step-{progress.batch}.png"
                     metrics.update(show(samples, judge, grid, cfg, env))
+                    monitor.log_image("images/samples", grid, progress.batch)
             if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
                 metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks
                 metrics["lr"] = lr
