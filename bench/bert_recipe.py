@@ -13,9 +13,10 @@ runs with torch on one thread and the monitor's clock set to the process's CPU t
 (`_common.CPU_CLOCK`; evaluation and checkpoints excluded, as from `train_s`); each
 run's wall seconds (start-up and evaluation included) are printed beside it.
 
-Then each pretrained run is exported (`scaffold export --format hf`) and fine-tuned in a
-`bert-sst2` project with `--model=<export>`, as the README's pretrain -> fine-tune
-commands do, on that recipe's offline data (standard-library lines, prose or code),
+Then each pretrained run is exported (`scaffold export --format hf`) and fine-tuned with
+`--model=<export>` in its recipe family's fine-tune project (bert-pretrain-baseline's
+BertForMaskedLM folder in `bert-sst2`, mosaicbert's own layout, ALiBi and GeGLU, in
+`mosaicbert-sst2`), as the README's pretrain -> fine-tune commands do, on that recipe's offline data (standard-library lines, prose or code),
 3 epochs, the same seed, at `--finetune-lr` (bert-sst2's 2e-5 is for bert-base: the tiny
 encoder barely moves at it); its final validation accuracy is printed.
 
@@ -40,6 +41,8 @@ from _common import scratch, speedup_line, train
 from lm_recipe import reach
 
 BASELINE, ARM = "bert-pretrain-baseline", "mosaicbert"
+# Each pretrained arm fine-tunes in the project of its family (README).
+FINETUNE = {BASELINE: "bert-sst2", ARM: "mosaicbert-sst2"}
 
 
 def curve(records: list[dict]) -> list[tuple[int, int, float, float]]:
@@ -87,12 +90,13 @@ def main() -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"  # nothing downloads
     root = scratch()
     projects = {arm: generate(arm, root) for arm in (BASELINE, ARM)}
-    finetune = generate("bert-sst2", root)
+    finetunes = {arm: generate(recipe, root) for arm, recipe in FINETUNE.items()}
     common = budget_args(args.steps, args.eval_every)
     print_conditions()
     print(
         f"{args.steps} steps, recipes as generated (tiny, 32 x 128); target: the "
-        f"baseline's final val_loss; fine-tune: bert-sst2, lr {args.finetune_lr}"
+        f"baseline's final val_loss; fine-tune: bert-sst2 / mosaicbert-sst2, lr "
+        f"{args.finetune_lr}"
     )
     print(
         f"{'seed':>4} {'recipe':22} {'final val':>9} {'target':>7} {'steps':>6} "
@@ -111,7 +115,7 @@ def main() -> None:
             run_cpu = children_cpu() - cpu
             export(project, root / "runs" / name, root / f"{name}-hf")
             tuned, tuned_wall = timed(
-                finetune, root, f"ft-{name}", f"--model={root / f'{name}-hf'}",
+                finetunes[arm], root, f"ft-{name}", f"--model={root / f'{name}-hf'}",
                 f"--lr={args.finetune_lr}", f"--seed={seed}", "--autoresume=false",
             )  # fmt: skip
             accuracy[arm].append([r for r in tuned if "accuracy" in r][-1]["accuracy"])
