@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 # algorithm: alibi
 import functools
+from collections.abc import Callable
 
 from torch.nn.attention.flex_attention import (
     BlockMask,
@@ -153,9 +154,12 @@ def alibi_bias(
     return bias.masked_fill(distance < 0, float("-inf"))
 
 
-# FlexAttention, compiled: one fused kernel that computes the ALiBi penalty from the
-# indices as it goes, so the (heads, seq, seq) bias is never built or read.
-fused_flex_attention = torch.compile(flex_attention)
+@functools.cache
+def fused_flex_attention() -> Callable[..., torch.Tensor]:
+    """FlexAttention, compiled: one fused kernel that computes the ALiBi penalty from
+    the indices as it goes, so the (heads, seq, seq) bias is never built or read.
+    Compiled on first use: a CPU run (SDPA) never pays for torch.compile's import."""
+    return torch.compile(flex_attention)
 
 
 def alibi_uses_flex(device: torch.device, dropout: float) -> bool:
@@ -183,7 +187,7 @@ def alibi_flex_attention(
     def alibi(score, batch, head, q_idx, kv_idx):
         return score - slopes[head] * (q_idx - kv_idx)
 
-    return fused_flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask)
+    return fused_flex_attention()(q, k, v, score_mod=alibi, block_mask=block_mask)
 
 
 # end algorithm: alibi
