@@ -10,7 +10,11 @@ images says which digit each generated image shows (train.py).
 - a JSON Lines file of `{"file": ..., "caption": ...}` rows, file paths relative to the
   .jsonl file (`--val_data`: its own file; without it a seeded 10% is held out);
 - a folder written by `datasets`' `save_to_disk` with an `image` column and a `text` or
-  `caption` column (its `train` and `validation`/`test` splits).
+  `caption` column (its `train` and `validation`/`test` splits);
+- MDS shards (a folder or URL holding train/ and val/ as mosaicml-streaming's MDSWriter
+  writes them; Composer's and mosaicml/diffusion's data) with mosaicml/diffusion's
+  columns: `image` (encoded bytes, or a jpeg/png/pil image) and `caption`. Every row is
+  read into memory at start-up, as a file's: a captioned set at this task's scale fits.
 Every image is decoded once, converted to RGB, resized on its short side and centre
 cropped to `resolution`. Epoch e visits the samples in a permutation seeded by
 (seed, e): any batch is a pure function of (seed, epoch, batch index), on any number of
@@ -30,8 +34,12 @@ import numpy as np
 import torch
 from PIL import Image
 
+from runtime import shards
+
 DIGIT_WORDS = "zero one two three four five six seven eight nine".split()
 DIGITS_VAL_FRACTION = 0.2
+# MDS columns: mosaicml/diffusion's StreamingImageCaptionDataset image_key, caption_key.
+IMAGE_COLUMN, CAPTION_COLUMN = "image", "caption"
 
 
 @dataclass
@@ -60,6 +68,13 @@ def load_captioned(data: str, val_data: str, resolution: int, seed: int) -> Capt
     if not data:
         return digits(resolution)
     path = Path(data).expanduser()
+    if shards.is_shards(data):  # MDS shards: a folder or URL holding train/ and val/
+        if val_data:
+            raise ValueError(
+                f"--val_data={val_data}: --data={data} holds its own val/ split; "
+                "remove --val_data"
+            )
+        return mds_captioned(data, resolution)
     if path.suffix == ".jsonl" and path.is_file():
         rows = read_jsonl(path, resolution)
         if val_data:
@@ -74,9 +89,9 @@ def load_captioned(data: str, val_data: str, resolution: int, seed: int) -> Capt
     if path.is_dir() and (path / "dataset_dict.json").is_file():
         return saved_dataset(path, resolution)
     raise FileNotFoundError(
-        f"--data={data}: not a .jsonl file or a datasets folder; pass JSON Lines of "
-        '{"file", "caption"} rows, a save_to_disk folder, or leave it empty for the '
-        "default"
+        f"--data={data}: not a .jsonl file, a datasets folder or MDS shards; pass JSON "
+        'Lines of {"file", "caption"} rows, a save_to_disk folder, MDS shards, or '
+        "leave it empty for the default"
     )
 
 
@@ -164,14 +179,56 @@ def saved_dataset(path: Path, resolution: int) -> CaptionData:
             raise ValueError(
                 f"--data={path}: split {split} needs columns image and text"
             )
-        images = []
-        for i, image in enumerate(table["image"]):
-            buffer = io.BytesIO()
-            image.save(buffer, format="PNG")
-            images.append(decode(buffer.getvalue(), resolution, f"{path} {split}[{i}]"))
+        images = [
+            decode(png(image), resolution, f"{path} {split}[{i}]")
+            for i, image in enumerate(table["image"])
+        ]
         return Captioned(np.stack(images), [str(text) for text in table[column]])
 
     return CaptionData(read("train"), read(val_name), [], str(path))
+
+
+def mds_captioned(data: str, resolution: int) -> CaptionData:
+    """The train/ and val/ splits of MDS shards, every row read into memory (a captioned
+    set at this task's scale fits): columns `image` (bytes of a jpeg or png file, or a
+    jpeg/png/pil image) and `caption`, as mosaicml/diffusion reads them."""
+    if not shards.is_mds(data):
+        raise shards.ShardError(
+            f"--data={data}: no MDS index in train/ (index.json with `shards`); the "
+            "diffusion task reads MDS shards written by MDSWriter, JSON Lines or a "
+            "datasets folder"
+        )
+
+    def read(split: str) -> Captioned:
+        found = shards.open_split(data, split)
+        if IMAGE_COLUMN not in found.columns or CAPTION_COLUMN not in found.columns:
+            raise shards.ShardError(
+                f"--data={data}: {split}/ has columns {', '.join(found.columns)}; "
+                f"image-caption MDS shards need {IMAGE_COLUMN} and {CAPTION_COLUMN} "
+                "(mosaicml/diffusion's); write them with those columns"
+            )
+        images, captions = [], []
+        for i in range(len(found)):
+            sample, where = found[i], f"--data={data} {split}/ sample {i}"
+            image = sample[IMAGE_COLUMN]
+            content = png(image) if isinstance(image, Image.Image) else image
+            if not isinstance(content, bytes):
+                raise ValueError(
+                    f"{where}: {IMAGE_COLUMN} is not image bytes or an image; write "
+                    "bytes or a pil image"
+                )
+            images.append(decode(content, resolution, where))
+            captions.append(str(sample[CAPTION_COLUMN]))
+        return Captioned(np.stack(images), captions)
+
+    return CaptionData(read("train"), read("val"), [], data)
+
+
+def png(image: Image.Image) -> bytes:
+    """A decoded image as PNG bytes (lossless), for `decode`."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def decode(content: bytes, resolution: int, where: str) -> np.ndarray:
