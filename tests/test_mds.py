@@ -522,7 +522,8 @@ def test_mds_image_captions_train_as_the_same_images_in_jsonl(
     png file bytes, val/: a pil image; `caption`) reads the same pixels and captions
     as the same images given as JSON Lines (--data, --val_data), and trains to the same
     losses and validation losses, step by step. Shards without those columns, an empty
-    split and an image that does not decode are one error line each."""
+    split and an image that does not decode are one error line each. `python data.py
+    convert OUT` of the JSON Lines writes shards that read back as the same images."""
     from test_diffusion import SMALL, write_jsonl
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -567,6 +568,17 @@ def test_mds_image_captions_train_as_the_same_images_in_jsonl(
 
     args = [*SMALL, "--max_duration=2ba", "--eval_interval=2ba"]
     files = [f"--data={jsonl['train']}", f"--val_data={jsonl['val']}"]
+    converted = tmp_path / "converted"
+    convert_data(project, converted, *files, "--resolution=16", "--chunk_bytes=1kB")
+    index = json.loads((converted / "train" / "index.json").read_text())
+    assert len(index["shards"]) > 2
+    assert index["shards"][0]["column_names"] == ["caption", "image"]
+    with project_modules(project) as found:
+        back = found["data"].load_captioned(str(converted), "", 16, 0)
+    for split in ("train", "val"):
+        got, want = getattr(back, split), getattr(theirs, split)
+        assert got.captions == want.captions
+        np.testing.assert_array_equal(got.images, want.images)
     ok(run_train(project, tmp_path, *args, *files, "--run_name=jsonl"))
     ok(run_train(project, tmp_path, *args, f"--data={mds}", "--run_name=mds"))
     keys = ("step", "loss", "val_loss")
