@@ -15,6 +15,7 @@ images says which digit each generated image shows (train.py).
   writes them; Composer's and mosaicml/diffusion's data) with mosaicml/diffusion's
   columns: `image` (encoded bytes, or a jpeg/png/pil image) and `caption`. Every row is
   read into memory at start-up, as a file's: a captioned set at this task's scale fits.
+  `python data.py convert OUT --data=...` writes any of these as such shards.
 Every image is decoded once, converted to RGB, resized on its short side and centre
 cropped to `resolution`. Epoch e visits the samples in a permutation seeded by
 (seed, e): any batch is a pure function of (seed, epoch, batch index), on any number of
@@ -23,10 +24,12 @@ ranks, after any resume.
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import importlib.util
 import io
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -299,3 +302,79 @@ def rows(
     images = torch.from_numpy(data.images[ids]).permute(0, 3, 1, 2).float() / 127.5 - 1
     index = torch.from_numpy(ids)
     return {"pixels": images, "input_ids": token_ids[index], "index": index}
+
+
+def convert(
+    data: str,
+    output: str,
+    chunk_bytes: str = "64MB",
+    val_data: str = "",
+    resolution: int = 16,
+    seed: int = 42,
+) -> None:
+    """Write the captioned images `--data` names (with --val_data and --seed as
+    train.py takes them), decoded, resized and cropped to `resolution`, as MDS shards in
+    folder `output` (mosaicml-streaming's MDSWriter, zstd): train/ and val/, the split
+    train.py would make, in mosaicml/diffusion's columns `image` (png) and `caption`
+    (str). The digits' class labels are not written: a run on the shards has no judge.
+    """
+    captioned = load_captioned(data, val_data, resolution, seed)
+    for split in ("train", "val"):
+        part = getattr(captioned, split)
+        rows = (
+            {IMAGE_COLUMN: Image.fromarray(image), CAPTION_COLUMN: caption}
+            for image, caption in zip(part.images, part.captions, strict=True)
+        )
+        columns = {IMAGE_COLUMN: "png", CAPTION_COLUMN: "str"}
+        shards.write_mds(output, split, columns, rows, chunk_bytes)
+
+
+def main() -> None:
+    """`python data.py convert OUT --data=...`: write a streaming dataset."""
+    parser = argparse.ArgumentParser(description=convert.__doc__)
+    parser.add_argument("command", choices=["convert"])
+    parser.add_argument("output", help="the folder to write (train/, val/, meta.json)")
+    parser.add_argument(
+        "--data", default="", help="as train.py's --data; '': the default"
+    )
+    parser.add_argument(
+        "--chunk_bytes", default="64MB", help="the size of one chunk file"
+    )
+    parser.add_argument("--val_data", default="", help="as train.py's --val_data")
+    parser.add_argument(
+        "--resolution",
+        type=int,
+        default=16,
+        help="pixels a side of the written images (train.py's --resolution)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=42,
+        help="as train.py's --seed: the held-out share without --val_data",
+    )
+    args = parser.parse_args()
+    try:
+        convert(
+            args.data,
+            args.output,
+            args.chunk_bytes,
+            val_data=args.val_data,
+            resolution=args.resolution,
+            seed=args.seed,
+        )
+    except ImportError:
+        need = shards.MDS_INSTALL
+        print(f"error: MDS shards need mosaicml-streaming: {need}", file=sys.stderr)
+        sys.exit(2)
+    except (
+        OSError,
+        ValueError,
+    ) as error:  # a missing file, an image that does not decode
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote a streaming dataset to {args.output}")
+
+
+if __name__ == "__main__":
+    main()
