@@ -569,12 +569,13 @@ def test_mds_image_captions_train_as_the_same_images_in_jsonl(
     args = [*SMALL, "--max_duration=2ba", "--eval_interval=2ba"]
     files = [f"--data={jsonl['train']}", f"--val_data={jsonl['val']}"]
     converted = tmp_path / "converted"
-    convert_data(project, converted, *files, "--resolution=16", "--chunk_bytes=1kB")
+    with project_modules(project) as found:  # data.py's CLI: the text test's
+        data = found["data"]
+        data.convert(str(jsonl["train"]), str(converted), "1kB", str(jsonl["val"]), 16)
+        back = data.load_captioned(str(converted), "", 16, 0)
     index = json.loads((converted / "train" / "index.json").read_text())
     assert len(index["shards"]) > 2
     assert index["shards"][0]["column_names"] == ["caption", "image"]
-    with project_modules(project) as found:
-        back = found["data"].load_captioned(str(converted), "", 16, 0)
     for split in ("train", "val"):
         got, want = getattr(back, split), getattr(theirs, split)
         assert got.captions == want.captions
