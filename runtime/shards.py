@@ -230,6 +230,10 @@ def open_mds(
             f"--data={root}: {split}/{INDEX} is not an MDS index ({type(error).__name__}: "
             f"{error}); write the shards with mosaicml-streaming's MDSWriter"
         ) from None
+    if not sum(counts):
+        raise ShardError(
+            f"--data={root}: {split}/ holds no samples; write some with MDSWriter"
+        )
     if formats != {"mds"} or len(columns) != 1:
         raise ShardError(
             f"--data={root}: {split}/ holds {', '.join(sorted(formats))} shards with "

@@ -496,3 +496,103 @@ def test_mds_text_rows_train_as_the_same_rows_in_csv_files(
     (litdata_like / "meta.json").write_text("{}")
     wrong = run_train(project, bad, *args, f"--data={litdata_like}")
     assert "no MDS index in train/" in one_error_line(wrong, bad)
+
+
+# ------------------------------------------------ diffusion: image-caption MDS rows
+
+
+def write_caption_shards(root: Path, split: str, rows: list[dict], kind: str) -> None:
+    """Rows of mosaicml/diffusion's columns: `image` (`kind`: bytes of an image file,
+    or an image MDS stores as png/pil/jpeg) and `caption`; a few rows a shard."""
+    columns = {"image": kind, "caption": "str"}
+    with streaming.MDSWriter(
+        out=str(root / split), columns=columns, compression="zstd", size_limit=2000
+    ) as writer:
+        for row in rows:
+            writer.write(row)
+
+
+def test_mds_image_captions_train_as_the_same_images_in_jsonl(
+    generated: dict[str, Path],
+    tmp_path: Path,
+    shard_cache: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """sd-baseline with --data=MDS shards of the captioned digits (train/: `image` as
+    png file bytes, val/: a pil image; `caption`) reads the same pixels and captions
+    as the same images given as JSON Lines (--data, --val_data), and trains to the same
+    losses and validation losses, step by step. Shards without those columns, an empty
+    split and an image that does not decode are one error line each. `python data.py
+    convert OUT` of the JSON Lines writes shards that read back as the same images."""
+    from test_diffusion import SMALL, write_jsonl
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    project = generated["sd-baseline"]
+    (tmp_path / "img").mkdir()
+    mds, jsonl = tmp_path / "mds", {}
+    with project_modules(project) as found:
+        load = found["data"].load_captioned
+        digits = load("", "", 16, 0)
+        for split, count, kind in (("train", 40, "bytes"), ("val", 8, "pil")):
+            source = getattr(digits, split)
+            files, rows = [], []
+            for i in range(count):
+                image = Image.fromarray(source.images[i])
+                image.save(tmp_path / "img" / f"{split}{i}.png")
+                caption = source.captions[i]
+                files.append({"file": f"img/{split}{i}.png", "caption": caption})
+                content = (tmp_path / "img" / f"{split}{i}.png").read_bytes()
+                rows.append({"image": content if kind == "bytes" else image})
+                rows[-1]["caption"] = caption
+            write_caption_shards(mds, split, rows, kind)
+            jsonl[split] = write_jsonl(tmp_path / f"{split}.jsonl", files)
+        assert len(json.loads((mds / "train" / "index.json").read_text())["shards"]) > 2
+        ours = load(str(mds), "", 16, 0)
+        theirs = load(str(jsonl["train"]), str(jsonl["val"]), 16, 0)
+        for split in ("train", "val"):
+            got, want = getattr(ours, split), getattr(theirs, split)
+            assert got.captions == want.captions and len(got.captions) > 1
+            np.testing.assert_array_equal(got.images, want.images)
+        empty = tmp_path / "empty"
+        write_caption_shards(empty, "train", rows, "pil")
+        write_caption_shards(empty, "val", [], "pil")
+        with pytest.raises(ValueError, match="val/ holds no samples; write some"):
+            load(str(empty), "", 16, 0)
+        broken = tmp_path / "broken"
+        write_caption_shards(
+            broken, "train", [{"image": b"no", "caption": "x"}], "bytes"
+        )
+        write_caption_shards(broken, "val", rows, "pil")
+        with pytest.raises(ValueError, match="train/ sample 0: the image does not"):
+            load(str(broken), "", 16, 0)
+
+    args = [*SMALL, "--max_duration=2ba", "--eval_interval=2ba"]
+    files = [f"--data={jsonl['train']}", f"--val_data={jsonl['val']}"]
+    converted = tmp_path / "converted"
+    with project_modules(project) as found:  # data.py's CLI: the text test's
+        data = found["data"]
+        data.convert(str(jsonl["train"]), str(converted), "1kB", str(jsonl["val"]), 16)
+        back = data.load_captioned(str(converted), "", 16, 0)
+    index = json.loads((converted / "train" / "index.json").read_text())
+    assert len(index["shards"]) > 2
+    assert index["shards"][0]["column_names"] == ["caption", "image"]
+    for split in ("train", "val"):
+        got, want = getattr(back, split), getattr(theirs, split)
+        assert got.captions == want.captions
+        np.testing.assert_array_equal(got.images, want.images)
+    ok(run_train(project, tmp_path, *args, *files, "--run_name=jsonl"))
+    ok(run_train(project, tmp_path, *args, f"--data={mds}", "--run_name=mds"))
+    keys = ("step", "loss", "val_loss")
+    ours, theirs = (read_metrics(tmp_path, run) for run in ("mds", "jsonl"))
+    assert [[m.get(k) for k in keys] for m in ours] == [
+        [m.get(k) for k in keys] for m in theirs
+    ]
+    assert [m["step"] for m in ours if "val_loss" in m] == [2]
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    text = text_shards(tmp_path / "text")
+    assert one_error_line(run_train(project, bad, *args, f"--data={text}"), bad) == (
+        f"error: --data={text}: train/ has columns text; image-caption MDS shards "
+        "need image and caption (mosaicml/diffusion's); write them with those columns"
+    )

@@ -10,7 +10,12 @@ images says which digit each generated image shows (train.py).
 - a JSON Lines file of `{"file": ..., "caption": ...}` rows, file paths relative to the
   .jsonl file (`--val_data`: its own file; without it a seeded 10% is held out);
 - a folder written by `datasets`' `save_to_disk` with an `image` column and a `text` or
-  `caption` column (its `train` and `validation`/`test` splits).
+  `caption` column (its `train` and `validation`/`test` splits);
+- MDS shards (a folder or URL holding train/ and val/ as mosaicml-streaming's MDSWriter
+  writes them; Composer's and mosaicml/diffusion's data) with mosaicml/diffusion's
+  columns: `image` (encoded bytes, or a jpeg/png/pil image) and `caption`. Every row is
+  read into memory at start-up, as a file's: a captioned set at this task's scale fits.
+  `python data.py convert OUT --data=...` writes any of these as such shards.
 Every image is decoded once, converted to RGB, resized on its short side and centre
 cropped to `resolution`. Epoch e visits the samples in a permutation seeded by
 (seed, e): any batch is a pure function of (seed, epoch, batch index), on any number of
@@ -19,10 +24,12 @@ ranks, after any resume.
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import importlib.util
 import io
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,8 +37,12 @@ import numpy as np
 import torch
 from PIL import Image
 
+from runtime import shards
+
 DIGIT_WORDS = "zero one two three four five six seven eight nine".split()
 DIGITS_VAL_FRACTION = 0.2
+# MDS columns: mosaicml/diffusion's StreamingImageCaptionDataset image_key, caption_key.
+IMAGE_COLUMN, CAPTION_COLUMN = "image", "caption"
 
 
 @dataclass
@@ -60,6 +71,13 @@ def load_captioned(data: str, val_data: str, resolution: int, seed: int) -> Capt
     if not data:
         return digits(resolution)
     path = Path(data).expanduser()
+    if shards.is_shards(data):  # MDS shards: a folder or URL holding train/ and val/
+        if val_data:
+            raise ValueError(
+                f"--val_data={val_data}: --data={data} holds its own val/ split; "
+                "remove --val_data"
+            )
+        return mds_captioned(data, resolution)
     if path.suffix == ".jsonl" and path.is_file():
         rows = read_jsonl(path, resolution)
         if val_data:
@@ -74,9 +92,9 @@ def load_captioned(data: str, val_data: str, resolution: int, seed: int) -> Capt
     if path.is_dir() and (path / "dataset_dict.json").is_file():
         return saved_dataset(path, resolution)
     raise FileNotFoundError(
-        f"--data={data}: not a .jsonl file or a datasets folder; pass JSON Lines of "
-        '{"file", "caption"} rows, a save_to_disk folder, or leave it empty for the '
-        "default"
+        f"--data={data}: not a .jsonl file, a datasets folder or MDS shards; pass JSON "
+        'Lines of {"file", "caption"} rows, a save_to_disk folder, MDS shards, or '
+        "leave it empty for the default"
     )
 
 
@@ -164,14 +182,56 @@ def saved_dataset(path: Path, resolution: int) -> CaptionData:
             raise ValueError(
                 f"--data={path}: split {split} needs columns image and text"
             )
-        images = []
-        for i, image in enumerate(table["image"]):
-            buffer = io.BytesIO()
-            image.save(buffer, format="PNG")
-            images.append(decode(buffer.getvalue(), resolution, f"{path} {split}[{i}]"))
+        images = [
+            decode(png(image), resolution, f"{path} {split}[{i}]")
+            for i, image in enumerate(table["image"])
+        ]
         return Captioned(np.stack(images), [str(text) for text in table[column]])
 
     return CaptionData(read("train"), read(val_name), [], str(path))
+
+
+def mds_captioned(data: str, resolution: int) -> CaptionData:
+    """The train/ and val/ splits of MDS shards, every row read into memory (a captioned
+    set at this task's scale fits): columns `image` (bytes of a jpeg or png file, or a
+    jpeg/png/pil image) and `caption`, as mosaicml/diffusion reads them."""
+    if not shards.is_mds(data):
+        raise shards.ShardError(
+            f"--data={data}: no MDS index in train/ (index.json with `shards`); the "
+            "diffusion task reads MDS shards written by MDSWriter, JSON Lines or a "
+            "datasets folder"
+        )
+
+    def read(split: str) -> Captioned:
+        found = shards.open_split(data, split)
+        if IMAGE_COLUMN not in found.columns or CAPTION_COLUMN not in found.columns:
+            raise shards.ShardError(
+                f"--data={data}: {split}/ has columns {', '.join(found.columns)}; "
+                f"image-caption MDS shards need {IMAGE_COLUMN} and {CAPTION_COLUMN} "
+                "(mosaicml/diffusion's); write them with those columns"
+            )
+        images, captions = [], []
+        for i in range(len(found)):
+            sample, where = found[i], f"--data={data} {split}/ sample {i}"
+            image = sample[IMAGE_COLUMN]
+            content = png(image) if isinstance(image, Image.Image) else image
+            if not isinstance(content, bytes):
+                raise ValueError(
+                    f"{where}: {IMAGE_COLUMN} is not image bytes or an image; write "
+                    "bytes or a pil image"
+                )
+            images.append(decode(content, resolution, where))
+            captions.append(str(sample[CAPTION_COLUMN]))
+        return Captioned(np.stack(images), captions)
+
+    return CaptionData(read("train"), read("val"), [], data)
+
+
+def png(image: Image.Image) -> bytes:
+    """A decoded image as PNG bytes (lossless), for `decode`."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def decode(content: bytes, resolution: int, where: str) -> np.ndarray:
@@ -242,3 +302,79 @@ def rows(
     images = torch.from_numpy(data.images[ids]).permute(0, 3, 1, 2).float() / 127.5 - 1
     index = torch.from_numpy(ids)
     return {"pixels": images, "input_ids": token_ids[index], "index": index}
+
+
+def convert(
+    data: str,
+    output: str,
+    chunk_bytes: str = "64MB",
+    val_data: str = "",
+    resolution: int = 16,
+    seed: int = 42,
+) -> None:
+    """Write the captioned images `--data` names (with --val_data and --seed as
+    train.py takes them), decoded, resized and cropped to `resolution`, as MDS shards in
+    folder `output` (mosaicml-streaming's MDSWriter, zstd): train/ and val/, the split
+    train.py would make, in mosaicml/diffusion's columns `image` (png) and `caption`
+    (str). The digits' class labels are not written: a run on the shards has no judge.
+    """
+    captioned = load_captioned(data, val_data, resolution, seed)
+    for split in ("train", "val"):
+        part = getattr(captioned, split)
+        rows = (
+            {IMAGE_COLUMN: Image.fromarray(image), CAPTION_COLUMN: caption}
+            for image, caption in zip(part.images, part.captions, strict=True)
+        )
+        columns = {IMAGE_COLUMN: "png", CAPTION_COLUMN: "str"}
+        shards.write_mds(output, split, columns, rows, chunk_bytes)
+
+
+def main() -> None:
+    """`python data.py convert OUT --data=...`: write a streaming dataset."""
+    parser = argparse.ArgumentParser(description=convert.__doc__)
+    parser.add_argument("command", choices=["convert"])
+    parser.add_argument("output", help="the folder to write (train/, val/, meta.json)")
+    parser.add_argument(
+        "--data", default="", help="as train.py's --data; '': the default"
+    )
+    parser.add_argument(
+        "--chunk_bytes", default="64MB", help="the size of one chunk file"
+    )
+    parser.add_argument("--val_data", default="", help="as train.py's --val_data")
+    parser.add_argument(
+        "--resolution",
+        type=int,
+        default=16,
+        help="pixels a side of the written images (train.py's --resolution)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=42,
+        help="as train.py's --seed: the held-out share without --val_data",
+    )
+    args = parser.parse_args()
+    try:
+        convert(
+            args.data,
+            args.output,
+            args.chunk_bytes,
+            val_data=args.val_data,
+            resolution=args.resolution,
+            seed=args.seed,
+        )
+    except ImportError:
+        need = shards.MDS_INSTALL
+        print(f"error: MDS shards need mosaicml-streaming: {need}", file=sys.stderr)
+        sys.exit(2)
+    except (
+        OSError,
+        ValueError,
+    ) as error:  # a missing file, an image that does not decode
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote a streaming dataset to {args.output}")
+
+
+if __name__ == "__main__":
+    main()
