@@ -85,7 +85,7 @@ def test_alibi_flex_attention_forward_matches_the_explicit_bias(
     from torch.nn.attention.flex_attention import flex_attention
 
     model = speedup["model"]
-    monkeypatch.setattr(model, "fused_flex_attention", flex_attention)
+    monkeypatch.setattr(model, "fused_flex_attention", lambda: flex_attention)
     generator = torch.Generator().manual_seed(0)
     for heads, seq in (
         (4, 16),

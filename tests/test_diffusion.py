@@ -215,6 +215,7 @@ def signalled(
     return output
 
 
+@pytest.mark.slow  # ~3 CI minutes of one worker; CI runs kill -9 resume on this task
 def test_preempted_twice_resumes_bitwise_into_the_same_trackers(
     generated: dict[str, Path],
     exported: Path,
