@@ -320,9 +320,7 @@ class Checkpointer:
         elif self.remote is not None:
             self.remote.remove_incomplete()
             complete = [
-                self.remote.url_of(path)
-                for _, path in reversed(self.remote.steps())
-                if self.remote.is_complete(path)
+                self.remote.url_of(path) for path in self.remote.complete_newest_first()
             ]
         else:
             complete = [str(path) for path in layout.complete_newest_first(self.folder)]

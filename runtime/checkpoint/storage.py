@@ -106,8 +106,12 @@ class Remote:
         return bool(self.fs.exists(f"{path}/{MARKER}"))
 
     def latest(self, folder: str | None = None) -> str | None:
-        complete = [path for _, path in self.steps(folder) if self.is_complete(path)]
-        return complete[-1] if complete else None
+        complete = self.complete_newest_first(folder)
+        return complete[0] if complete else None
+
+    def complete_newest_first(self, folder: str | None = None) -> list[str]:
+        steps = reversed(self.steps(folder))
+        return [path for _, path in steps if self.is_complete(path)]
 
     def remove(self, path: str) -> None:
         """Delete a step folder, the marker first (a kill mid-delete leaves it incomplete)."""
