@@ -13,7 +13,7 @@ token against the device's dense bf16 peak).
 Targets (issue 17): generated >= 1.0x nanoGPT's tokens/s; baseline MFU >= 50% on an H100;
 gpt2-speedup's per-token step time within 5% of the baseline's at full length.
 
-    python bench/gpu.py [--steps 40] [--batch 32] [--micro 16]
+    python bench/gpu.py [--steps 40] [--batch 32] [--micro 16] [--compile both|on|off]
 
 Without CUDA it prints "skipped" and exits 0. `--smoke` runs the same script on the CPU with the
 tiny preset, a short sequence and compilation off (a check that the bench itself works, no
@@ -136,13 +136,22 @@ def main() -> None:
     )
     parser.add_argument("--micro", type=int, default=16, help="microbatch (sequences)")
     parser.add_argument(
+        "--compile",
+        choices=("both", "on", "off"),
+        default="both",
+        help="which torch.compile settings to run (on: the CUDA default; both: the "
+        "compile-off runs too, as a check of the eager path)",
+    )
+    parser.add_argument(
         "--smoke", action="store_true", help="tiny, on the CPU, compile off"
     )
     args = parser.parse_args()
     import torch  # after argparse: --help works anywhere
 
     global WARMUP_STEPS, SEQ_LEN, PRESET, N_LAYER, N_HEAD, N_EMBD, DEVICE
-    compile_options = (True, False)
+    compile_options = {"both": (True, False), "on": (True,), "off": (False,)}[
+        args.compile
+    ]
     if args.smoke:
         WARMUP_STEPS, SEQ_LEN, PRESET, (N_LAYER, N_HEAD, N_EMBD), DEVICE = (
             2,
