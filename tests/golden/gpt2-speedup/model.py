@@ -187,7 +187,11 @@ def alibi_flex_attention(
     def alibi(score, batch, head, q_idx, kv_idx):
         return score - slopes[head] * (q_idx - kv_idx)
 
-    return fused_flex_attention()(q, k, v, score_mod=alibi, block_mask=block_mask)
+    # Inside compiled blocks (compile=True) the block's graph takes flex_attention as
+    # it is (dynamo would trace through the cache, with a warning at every compile).
+    compiling = torch.compiler.is_compiling()
+    attend = flex_attention if compiling else fused_flex_attention()
+    return attend(q, k, v, score_mod=alibi, block_mask=block_mask)
 
 
 # end algorithm: alibi
