@@ -5,7 +5,7 @@
     python train.py --config run.toml   # keys as in Config below; flags override it
     python train.py --help              # every key, its default and meaning
 
-Algorithms: gated_linear_units, low_precision_layernorm, alibi, unpadding.
+Algorithms: gated_linear_units, low_precision_layernorm, unpadding, alibi.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
 hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end algorithm:
 NAME`. `scaffold upgrade` merges newer template versions in and keeps your edits.
