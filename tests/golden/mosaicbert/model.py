@@ -142,10 +142,7 @@ def varlen_attention(
 @functools.cache
 def compiled_flex_attention() -> Callable[..., torch.Tensor]:
     """FlexAttention compiled to one fused kernel, on first use: a CPU run never
-    pays for torch.compile's import. Inside compiled layers (compile=True), the
-    layer's own compilation fuses flex_attention itself."""
-    if torch.compiler.is_compiling():
-        return flex_attention
+    pays for torch.compile's import."""
     return torch.compile(flex_attention)
 
 
@@ -162,7 +159,9 @@ def flex_varlen_attention(
         def score_mod(score, batch, head, q_idx, kv_idx):
             return score + bias(head, position[q_idx], position[kv_idx])
 
-    attend = compiled_flex_attention()
+    # Inside compiled layers (compile=True) their compilation fuses flex_attention.
+    compiling = torch.compiler.is_compiling()
+    attend = flex_attention if compiling else compiled_flex_attention()
     return attend(q, k, v, score_mod=score_mod, block_mask=keep.block_mask)
 
 
