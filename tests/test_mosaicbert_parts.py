@@ -79,13 +79,14 @@ def test_alibi_is_a_symmetric_distance_penalty_that_orders_a_position_free_encod
     ids = torch.tensor([[2, 10, 11, 12, 13, 14, 3]])
     swapped = ids[:, [0, 1, 4, 3, 2, 5, 6]]  # tokens 11 and 13 trade places
     others = [0, 1, 3, 5, 6]
+    every = torch.ones_like(ids, dtype=torch.bool)  # the head at every position
     with torch.no_grad():
-        padding = torch.full((1, 7), PAD)
-        assert torch.isfinite(alibi(torch.cat([ids, padding]))).all()
-        a, b = alibi(ids)[0], alibi(swapped)[0]
+        padding = torch.cat([ids, torch.full((1, 7), PAD)])
+        assert torch.isfinite(alibi(padding, padding >= 0)).all()
+        a, b = alibi(ids, every), alibi(swapped, every)
         assert not torch.allclose(a[others], b[others], atol=1e-3)
         monkeypatch.setattr(model_py, "alibi_slopes", torch.zeros)
-        a, b = alibi(ids)[0], alibi(swapped)[0]
+        a, b = alibi(ids, every), alibi(swapped, every)
         assert torch.allclose(a[others], b[others], atol=1e-5)
         assert torch.allclose(a[2], b[4], atol=1e-5)
 
@@ -157,8 +158,8 @@ def loss_logits_grads(
     model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     model.zero_grad()
-    logits = model(ids)
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    logits = model(ids, targets != -100)  # the head at the labelled tokens only
+    loss = F.cross_entropy(logits.float(), targets[targets != -100])
     loss.backward()
     return loss, logits, [p.grad for p in model.parameters()]
 
@@ -168,8 +169,8 @@ def test_unpadding_keeps_the_loss_and_spends_no_flops_on_padding(
     projects: dict[str, Path], bias: str
 ) -> None:
     """The same weights with and without unpadding (with ALiBi and GLU in both, or
-    neither), rows of 20, 7, 13 and 1 real tokens padded to 32: equal logits at real
-    tokens, loss and gradients. Attention costs 4 * width FLOPs per layer per pair of
+    neither), rows of 20, 7, 13 and 1 real tokens padded to 32: equal logits at the
+    labelled tokens, loss and gradients. Attention costs 4 * width FLOPs per layer per pair of
     tokens of one sequence (sum of length^2 over the rows); the layers' matmuls 2 FLOPs
     per weight per real token; more padding costs nothing; the padded model pays for
     every position of every row."""
@@ -180,8 +181,7 @@ def test_unpadding_keeps_the_loss_and_spends_no_flops_on_padding(
     ids, targets = batch_of(lengths, 32)
     loss_u, logits_u, grads_u = loss_logits_grads(unpadded, ids, targets)
     loss_p, logits_p, grads_p = loss_logits_grads(padded, ids, targets)
-    real = ids != PAD
-    assert torch.allclose(logits_u[real], logits_p[real], atol=1e-5)
+    assert torch.allclose(logits_u, logits_p, atol=1e-5)  # at the labelled tokens
     assert torch.allclose(loss_u, loss_p, rtol=1e-6)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads_u, grads_p))
 
@@ -240,7 +240,7 @@ def test_cuda_unpaddings_flex_attention_equals_the_padded_model(
     dtype: torch.dtype,
 ) -> None:
     """On CUDA, unpadding's attention is compiled FlexAttention (the per-row path made
-    to fail, so it cannot stand in): loss, logits at real tokens and every gradient
+    to fail, so it cannot stand in): loss, logits at labelled tokens and every gradient
     equal the padded model's (SDPA, same weights), in fp32 and under bf16 autocast."""
     unpadded, model_py = encoder(projects[UNPADDED[bias][0]])
     padded, _ = encoder(projects[UNPADDED[bias][1]])
@@ -257,10 +257,9 @@ def test_cuda_unpaddings_flex_attention_equals_the_padded_model(
         loss_u, logits_u, grads_u = loss_logits_grads(unpadded, ids, targets)
         loss_p, logits_p, grads_p = loss_logits_grads(padded, ids, targets)
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
-    real = ids != PAD
     assert torch.allclose(loss_u, loss_p, rtol=tolerance)
     assert torch.allclose(
-        logits_u[real].float(), logits_p[real].float(), rtol=tolerance, atol=tolerance
+        logits_u.float(), logits_p.float(), rtol=tolerance, atol=tolerance
     )
     for a, b in zip(grads_u, grads_p):
         assert (a - b).norm() <= tolerance * b.norm() + 1e-6
