@@ -129,12 +129,6 @@ class SelfAttention(nn.Module):
             for t in qkv.split(width, dim=2)
         )
         dropout = self.dropout if self.training else 0.0
-        # algorithm: alibi
-        # The distance penalty and the padding mask as one additive bias per layer, for
-        # the attention below (a dense bias keeps SDPA off its flash kernel).
-        keep = alibi_encoder_bias(self.n_head, keep, q.dtype)
-        # end algorithm: alibi
-
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout)
         y = y.transpose(1, 2).reshape(batch, seq, width)
         return F.dropout(self.proj(y), dropout, self.training)
@@ -217,6 +211,12 @@ class Encoder(nn.Module):
         # end algorithm: alibi
 
         x = F.dropout(self.ln_e(x), self.config.dropout, self.training)
+        # algorithm: alibi
+        # The distance penalty and the padding mask as one additive bias that every layer's
+        # attention takes as its mask (a dense bias keeps SDPA off its flash kernel).
+        keep = alibi_encoder_bias(self.config.n_head, keep, x.dtype)
+        # end algorithm: alibi
+
         for block in self.blocks:
             x = block(x, keep)
         return x
