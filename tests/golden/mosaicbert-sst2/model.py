@@ -212,8 +212,8 @@ class Encoder(nn.Module):
 
         x = F.dropout(self.ln_e(x), self.config.dropout, self.training)
         # algorithm: alibi
-        # The distance penalty and the padding mask as one additive bias that every layer's
-        # attention takes as its mask (a dense bias keeps SDPA off its flash kernel).
+        # The distance penalty and the padding mask as one additive bias, every layer's
+        # attention mask (a dense bias keeps SDPA off its flash kernel).
         keep = alibi_encoder_bias(self.config.n_head, keep, x.dtype)
         # end algorithm: alibi
 
