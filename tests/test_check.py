@@ -659,7 +659,7 @@ def test_an_edited_masked_lm_project_checks_diffs_and_upgrades(
     diffed under its algorithm, and kept by an upgrade that brings a newer masked_lm
     train.py."""
     project = project_copy(generated["mosaicbert"])
-    line = "        qkv = repad(qkv, keep, keep.shape[-1])\n"
+    line = "        y = varlen_attention(q, k, v, keep, dropout)\n"
     replace_once(project / "model.py", line, line.replace(")\n", ").contiguous()\n"))
     commit_all(project, "hand edit")
 
@@ -679,6 +679,6 @@ def test_an_edited_masked_lm_project_checks_diffs_and_upgrades(
     )
     major, minor, patch = __version__.split("+")[0].split(".")
     upgrade(project, TemplateRelease(template, f"{major}.{minor}.{int(patch) + 1}"))
-    assert "keep.shape[-1]).contiguous()" in (project / "model.py").read_text()
+    assert "keep, dropout).contiguous()" in (project / "model.py").read_text()
     train = (project / "train.py").read_text()
     assert 'f"finished: step' in train and 'f"done: step' not in train

@@ -84,7 +84,9 @@ def test_batches_do_not_depend_on_the_world_size(modules) -> None:
 
 def test_gradient_is_the_global_masked_token_mean_for_any_microbatch(modules) -> None:
     """forward_backward with loss_scale = 1 / masked tokens: the same gradient as the mean
-    cross-entropy over the batch's masked tokens, in 1 or 4 microbatches."""
+    cross-entropy over the batch's masked tokens, in 1 or 4 microbatches. The head
+    computes logits at the masked tokens only (Google's BERT), and their loss is the
+    one of the head over every position with the others ignored."""
     found, corpus, tokenizer = modules
     data, model_py, train_py = found["data"], found["model"], found["train"]
     train, _ = data.sequences(corpus, tokenizer, 32, seed=0)
@@ -95,9 +97,20 @@ def test_gradient_is_the_global_masked_token_mean_for_any_microbatch(modules) ->
     torch.manual_seed(0)
     model = model_py.Encoder(config)
     cfg = train_py.Config(precision="fp32")
-    logits = model(batch.inputs)
     picked = batch.targets != data.IGNORE
-    reference = torch.nn.functional.cross_entropy(logits[picked], batch.targets[picked])
+    logits = model(batch.inputs, picked)  # (masked tokens, vocab)
+    assert logits.shape == (batch.num_masked, config.vocab_size)
+    reference = torch.nn.functional.cross_entropy(logits, batch.targets[picked])
+    # The same loss as the head over every position with the unmasked ones ignored.
+    every = model(batch.inputs, torch.ones_like(picked)).view(*picked.shape, -1)
+    everywhere = torch.nn.functional.cross_entropy(
+        every.flatten(0, 1), batch.targets.flatten(), ignore_index=data.IGNORE
+    )
+    assert torch.allclose(everywhere, reference, atol=1e-6)
+    head = model.head_fc.weight.numel() + model.wte.weight.numel()  # MFU's count too
+    assert model.flops_per_token(32, 0.3) == pytest.approx(
+        model.flops_per_token(32, 0.0) + 6 * 0.3 * head
+    )
     expected = torch.autograd.grad(reference, list(model.parameters()))
     for microbatch in (8, 2):
         model.zero_grad()
@@ -122,7 +135,8 @@ def test_padding_is_never_attended_to(modules) -> None:
     padded = torch.full((2, 16), pad)
     padded[0, :5], padded[1] = short[0], torch.arange(30, 46)
     with torch.no_grad():
-        assert torch.allclose(model(short)[0], model(padded)[0, :5], atol=1e-5)
+        alone = model(short, short != pad)
+        assert torch.allclose(alone, model(padded, padded != pad)[:5], atol=1e-5)
 
 
 def test_data_sources(modules, tmp_path: Path) -> None:
@@ -384,10 +398,10 @@ def test_mosaicbert_builds_every_layernorm_in_low_precision(modules) -> None:
     with torch.autocast("cpu", torch.bfloat16):
         assert norms[0](x).dtype == torch.bfloat16
         ids = torch.randint(5, len(tokenizer), (2, 16))
-        low = model(ids).float()
+        low = model(ids, ids > 0).float()
         for norm in norms:
             norm.__class__ = torch.nn.LayerNorm
-        plain = model(ids).float()
+        plain = model(ids, ids > 0).float()
     assert norms[0](x).dtype == torch.float32
     assert torch.allclose(low, plain, atol=0.1) and not torch.equal(low, plain)
 

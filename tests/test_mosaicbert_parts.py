@@ -13,6 +13,8 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from projects import project_modules  # noqa: E402
@@ -26,7 +28,11 @@ PROJECTS = {
     "padded": "[algorithms.alibi]\n[algorithms.gated_linear_units]\n",
     "unpadded": "[algorithms.alibi]\n[algorithms.gated_linear_units]\n"
     "[algorithms.unpadding]\n",
+    "unpadding": "[algorithms.unpadding]\n",
 }
+# Each unpadded project beside the padded one with the same weights, with and without
+# ALiBi (then a score bias in unpadding's varlen attention).
+UNPADDED = {"alibi": ("unpadded", "padded"), "plain": ("unpadding", "plain")}
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +79,14 @@ def test_alibi_is_a_symmetric_distance_penalty_that_orders_a_position_free_encod
     ids = torch.tensor([[2, 10, 11, 12, 13, 14, 3]])
     swapped = ids[:, [0, 1, 4, 3, 2, 5, 6]]  # tokens 11 and 13 trade places
     others = [0, 1, 3, 5, 6]
+    every = torch.ones_like(ids, dtype=torch.bool)  # the head at every position
     with torch.no_grad():
-        padding = torch.full((1, 7), PAD)
-        assert torch.isfinite(alibi(torch.cat([ids, padding]))).all()
-        a, b = alibi(ids)[0], alibi(swapped)[0]
+        padding = torch.cat([ids, torch.full((1, 7), PAD)])
+        assert torch.isfinite(alibi(padding, padding >= 0)).all()
+        a, b = alibi(ids, every), alibi(swapped, every)
         assert not torch.allclose(a[others], b[others], atol=1e-3)
         monkeypatch.setattr(model_py, "alibi_slopes", torch.zeros)
-        a, b = alibi(ids)[0], alibi(swapped)[0]
+        a, b = alibi(ids, every), alibi(swapped, every)
         assert torch.allclose(a[others], b[others], atol=1e-5)
         assert torch.allclose(a[2], b[4], atol=1e-5)
 
@@ -139,38 +146,46 @@ def batch_of(lengths: list[int], seq: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def encode_flops(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, int]:
+    """FLOPs of `encode` by operator; SDPA through its math kernel, whose matmuls the
+    counter sees (aten.bmm: attention only; addmm/mm: the linear layers)."""
     counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad():
+    with counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
         model.encode(ids)
     return {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
 
 
-def test_unpadding_keeps_the_loss_and_spends_no_layer_flops_on_padding(
-    projects: dict[str, Path],
+def loss_logits_grads(
+    model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad()
+    logits = model(ids, targets != -100)  # the head at the labelled tokens only
+    loss = F.cross_entropy(logits.float(), targets[targets != -100])
+    loss.backward()
+    return loss, logits, [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("bias", UNPADDED)
+def test_unpadding_keeps_the_loss_and_spends_no_flops_on_padding(
+    projects: dict[str, Path], bias: str
 ) -> None:
-    """The same weights with and without unpadding (alibi and GLU in both): equal
-    logits at real tokens, loss and gradients. The layers' matmuls cost 2 FLOPs per
-    weight per real token, whatever the padding; more padding after the longest row
-    costs nothing; the padded model pays for every position."""
-    unpadded, _ = encoder(projects["unpadded"])
-    padded, _ = encoder(projects["padded"])
+    """The same weights with and without unpadding (with ALiBi and GLU in both, or
+    neither), rows of 20, 7, 13 and 1 real tokens padded to 32: equal logits at the
+    labelled tokens, loss and gradients. Attention costs 4 * width FLOPs per layer per pair of
+    tokens of one sequence (sum of length^2 over the rows); the layers' matmuls 2 FLOPs
+    per weight per real token; more padding costs nothing; the padded model pays for
+    every position of every row."""
+    unpadded, model_py = encoder(projects[UNPADDED[bias][0]])
+    padded, _ = encoder(projects[UNPADDED[bias][1]])
     padded.load_state_dict(unpadded.state_dict())
-    ids, targets = batch_of([20, 7, 13, 1], 32)
-    losses = []
-    for model in (unpadded, padded):
-        model.zero_grad()
-        logits = model(ids)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        loss.backward()
-        losses.append((loss, logits, [p.grad for p in model.parameters()]))
-    (loss_u, logits_u, grads_u), (loss_p, logits_p, grads_p) = losses
-    real = ids != PAD
-    assert torch.allclose(logits_u[real], logits_p[real], atol=1e-5)
-    assert torch.allclose(loss_u, loss_p, atol=1e-6)
+    lengths = [20, 7, 13, 1]
+    ids, targets = batch_of(lengths, 32)
+    loss_u, logits_u, grads_u = loss_logits_grads(unpadded, ids, targets)
+    loss_p, logits_p, grads_p = loss_logits_grads(padded, ids, targets)
+    assert torch.allclose(logits_u, logits_p, atol=1e-5)  # at the labelled tokens
+    assert torch.allclose(loss_u, loss_p, rtol=1e-6)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads_u, grads_p))
 
-    tokens = int(real.sum())
-    assert tokens < ids[:, :20].numel()  # padding within the longest row's length too
+    config = unpadded.config
     weights = sum(
         m.weight.numel()
         for m in unpadded.blocks.modules()
@@ -179,9 +194,72 @@ def test_unpadding_keeps_the_loss_and_spends_no_layer_flops_on_padding(
     short = encode_flops(unpadded, ids[:, :20])  # padded to the longest row only
     long = encode_flops(unpadded, ids)
     assert short == long
+    pairs = sum(length**2 for length in lengths)
+    assert long["aten.bmm"] == config.n_layer * 4 * config.n_embd * pairs
     matmuls = long.get("aten.addmm", 0) + long.get("aten.mm", 0)
-    assert matmuls == 2 * tokens * weights
-    assert encode_flops(padded, ids) != encode_flops(padded, ids[:, :20])
+    assert matmuls == 2 * sum(lengths) * weights
+    flops = encode_flops(padded, ids)
+    assert flops["aten.bmm"] == config.n_layer * 4 * config.n_embd * 4 * 32**2
+    assert flops != encode_flops(padded, ids[:, :20])
     nothing = torch.full((2, 8), PAD)  # a microbatch of padding only (split rows)
     with torch.no_grad():
         assert (unpadded.encode(nothing) == 0).all()
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("bias", UNPADDED)
+def test_unpaddings_flex_attention_path_equals_its_rowwise_path(
+    projects: dict[str, Path], monkeypatch: pytest.MonkeyPatch, bias: str
+) -> None:
+    """CUDA's path (FlexAttention over the packed tokens: the document mask and
+    ALiBi's score bias from positions within each row) equals the CPU's per-row SDPA:
+    forward, in eager FlexAttention on the CPU (no backward there: the CUDA test
+    checks it)."""
+    _, model_py = encoder(projects[UNPADDED[bias][0]])
+    monkeypatch.setattr(model_py, "compiled_flex_attention", lambda: flex_attention)
+    ids, _ = batch_of([20, 7, 13, 1, 0, 32], 32)
+    x, keep = model_py.unpad(torch.zeros(*ids.shape, 1), (ids != PAD)[:, None, None])
+    keep.block_mask = model_py.document_mask(keep.row)  # built on CUDA only
+    if bias == "alibi":
+        slopes = model_py.alibi_slopes(4)
+        keep.score_bias = lambda head, query, key: -slopes[head] * (query - key).abs()
+    q, k, v = torch.randn(3, 1, 4, len(x), 8).unbind()
+    flex = model_py.flex_varlen_attention(q, k, v, keep)
+    assert torch.allclose(
+        flex, model_py.rowwise_attention(q, k, v, keep, 0.0), atol=1e-5
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention needs CUDA")
+@pytest.mark.parametrize("bias", UNPADDED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_unpaddings_flex_attention_equals_the_padded_model(
+    projects: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    bias: str,
+    dtype: torch.dtype,
+) -> None:
+    """On CUDA, unpadding's attention is compiled FlexAttention (the per-row path made
+    to fail, so it cannot stand in): loss, logits at labelled tokens and every gradient
+    equal the padded model's (SDPA, same weights), in fp32 and under bf16 autocast."""
+    unpadded, model_py = encoder(projects[UNPADDED[bias][0]])
+    padded, _ = encoder(projects[UNPADDED[bias][1]])
+    padded.load_state_dict(unpadded.state_dict())
+    unpadded, padded = unpadded.cuda(), padded.cuda()
+
+    def no_fallback(*args: object) -> None:
+        raise AssertionError("the per-row path ran on CUDA without dropout")
+
+    monkeypatch.setattr(model_py, "rowwise_attention", no_fallback)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    ids, targets = (t.cuda() for t in batch_of([20, 7, 13, 1, 32, 3], 32))
+    with torch.autocast("cuda", dtype, enabled=dtype != torch.float32):
+        loss_u, logits_u, grads_u = loss_logits_grads(unpadded, ids, targets)
+        loss_p, logits_p, grads_p = loss_logits_grads(padded, ids, targets)
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    assert torch.allclose(loss_u, loss_p, rtol=tolerance)
+    assert torch.allclose(
+        logits_u.float(), logits_p.float(), rtol=tolerance, atol=tolerance
+    )
+    for a, b in zip(grads_u, grads_p):
+        assert (a - b).norm() <= tolerance * b.norm() + 1e-6

@@ -140,29 +140,35 @@ class Encoder(nn.Module):
             x = block(x, keep)
         return x
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.head_ln(F.gelu(self.head_fc(self.encode(input_ids))))
+    def forward(self, input_ids: torch.Tensor, predict: torch.Tensor) -> torch.Tensor:
+        """Masked-LM logits (predicted tokens, vocab) at the positions `predict` (batch,
+        seq) marks True, in row order. As in Google's BERT (run_pretraining.py gathers
+        `masked_lm_positions` before its head), the head computes there only."""
+        h = self.encode(input_ids)[predict]
+        h = self.head_ln(F.gelu(self.head_fc(h)))
         return F.linear(h, self.wte.weight, self.head_bias)
 
     def num_params(self) -> int:
         """Parameter count (the tied output layer is the token embedding)."""
         return sum(p.numel() for p in self.parameters())
 
-    def flops_per_token(self, seq_len: int) -> float:
+    def flops_per_token(self, seq_len: int, mask_rate: float) -> float:
         """Training FLOPs per token (forward + backward), for MFU: 6N + attention.
 
         6N: each weight is one multiply-add (2 FLOPs) forward and two backward; N
         counts the weights that multiply: the position table is looked up, and the
-        token embedding counts once, as the output layer's matmul. Attention: QK^T
-        and the weighted sum of V, 2 * 2 * seq_len * width per layer forward, times 3
-        with backward (PaLM, appendix B), padding included.
+        token embedding counts once, as the output layer's matmul; the head's weights
+        (its dense layer and the output layer) count at the `mask_rate` share of tokens
+        it predicts. Attention: QK^T and the weighted sum of V, 2 * 2 * seq_len * width
+        per layer forward, times 3 with backward (PaLM, appendix B), padding included.
         """
         lookups = sum(
             m.weight.numel()
             for m in self.modules()
             if isinstance(m, nn.Embedding) and m is not self.wte
         )
-        n = self.num_params() - lookups
+        head = self.head_fc.weight.numel() + self.wte.weight.numel()
+        n = self.num_params() - lookups - head + mask_rate * head
         return 6 * n + 12 * self.config.n_layer * seq_len * self.config.n_embd
 
 

@@ -1,6 +1,6 @@
 """BERT encoder and a classifier on its [CLS] state: post-LayerNorm layers, ALiBi (a
 per-head linear distance penalty on the attention scores) instead of position
-embeddings, gated linear unit MLP (gelu gate).
+embeddings, padding masked out of attention, gated linear unit MLP (gelu gate).
 
 `--model=tiny` builds a small random encoder over a WordPiece tokenizer of the training
 text's words; `--model=FOLDER` loads the encoder `scaffold export --format hf` wrote
@@ -129,14 +129,7 @@ class SelfAttention(nn.Module):
             for t in qkv.split(width, dim=2)
         )
         dropout = self.dropout if self.training else 0.0
-
-        # algorithm: alibi
-        # The distance penalty and the padding mask, one additive bias per layer (a
-        # dense bias keeps SDPA off its flash kernel: math or memory-efficient runs).
-        bias = alibi_encoder_bias(self.n_head, keep, q.dtype)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout)
-        # end algorithm: alibi
-
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout)
         y = y.transpose(1, 2).reshape(batch, seq, width)
         return F.dropout(self.proj(y), dropout, self.training)
 
@@ -218,6 +211,12 @@ class Encoder(nn.Module):
         # end algorithm: alibi
 
         x = F.dropout(self.ln_e(x), self.config.dropout, self.training)
+        # algorithm: alibi
+        # The distance penalty and the padding mask as one additive bias, every layer's
+        # attention mask (a dense bias keeps SDPA off its flash kernel).
+        keep = alibi_encoder_bias(self.config.n_head, keep, x.dtype)
+        # end algorithm: alibi
+
         for block in self.blocks:
             x = block(x, keep)
         return x

@@ -21,6 +21,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# algorithm: unpadding
+import functools
+from collections.abc import Callable
+
+from torch.nn.attention.flex_attention import (
+    BlockMask,
+    create_block_mask,
+    flex_attention,
+)
+
+# end algorithm: unpadding
+
 # algorithm: alibi
 import math
 
@@ -70,6 +82,115 @@ class LowPrecisionLayerNorm(nn.LayerNorm):
 # end algorithm: low_precision_layernorm
 
 
+# algorithm: unpadding
+# Unpadding (MosaicBERT): padding is gathered out of the layers' input, so every
+# linear layer, LayerNorm and MLP computes for real tokens only, and attention runs
+# over each sequence's own tokens (varlen): padding costs no FLOPs in the layers.
+@dataclass
+class Packed:
+    """Where the real tokens of a padded batch went: `unpad` keeps them as one
+    (tokens, width) stream, row after row; attention keeps each row to itself."""
+
+    real: torch.Tensor  # (batch, seq): True at a real token
+    row: torch.Tensor  # (tokens,): the row (sequence) of each token
+    position: torch.Tensor  # (tokens,): its column in that row
+    # FlexAttention's document mask (CUDA): a query sees its own row's keys only.
+    block_mask: BlockMask | None
+    # (head, query position, key position) -> added to the attention scores; set by
+    # an algorithm that biases attention by position (alibi), else None.
+    score_bias: Callable[..., torch.Tensor] | None = None
+
+
+def unpad(x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, Packed]:
+    """x (batch, seq, width) -> its real tokens (tokens, width) and where they were;
+    on CUDA with the block mask, built once for all layers (outside compiled code)."""
+    real = keep[:, 0, 0, :]
+    row, position = real.nonzero(as_tuple=True)
+    block_mask = document_mask(row) if x.is_cuda and len(row) else None
+    return x[real], Packed(real, row, position, block_mask)
+
+
+def document_mask(row: torch.Tensor) -> BlockMask:
+    """Which (query, key) pairs of the packed tokens may attend: those of one row. The
+    kernel skips every 128 x 128 block without such a pair."""
+
+    def same_row(batch, head, q_idx, kv_idx):
+        return row[q_idx] == row[kv_idx]
+
+    tokens = len(row)
+    return create_block_mask(same_row, None, None, tokens, tokens, device=row.device)
+
+
+def repad(x: torch.Tensor, keep: Packed, seq: int) -> torch.Tensor:
+    """Real tokens (tokens, width) back to (batch, seq, width), zeros at padding."""
+    rows = x.new_zeros(keep.real.shape[0], seq, x.shape[-1])
+    rows[keep.row, keep.position] = x
+    return rows
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: Packed, dropout: float
+) -> torch.Tensor:
+    """q, k, v and the result (1, head, tokens, head_dim), every real token in one
+    row: each token attends to its own sequence's tokens only, which is what SDPA
+    over the padded rows computes at real tokens, without the padding's FLOPs."""
+    if q.is_cuda and dropout == 0.0 and q.shape[2] > 0:
+        return flex_varlen_attention(q, k, v, keep)
+    return rowwise_attention(q, k, v, keep, dropout)
+
+
+@functools.cache
+def compiled_flex_attention() -> Callable[..., torch.Tensor]:
+    """FlexAttention compiled to one fused kernel, on first use: a CPU run never
+    pays for torch.compile's import."""
+    return torch.compile(flex_attention)
+
+
+def flex_varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: Packed
+) -> torch.Tensor:
+    """CUDA without dropout (FlexAttention has none): the packed tokens as one
+    sequence under the document mask, any score bias added inside the kernel from
+    each token's position in its own sequence."""
+    score_mod = None
+    if keep.score_bias is not None:
+        bias, position = keep.score_bias, keep.position
+
+        def score_mod(score, batch, head, q_idx, kv_idx):
+            return score + bias(head, position[q_idx], position[kv_idx])
+
+    # Inside compiled layers (compile=True) their compilation fuses flex_attention.
+    compiling = torch.compiler.is_compiling()
+    attend = flex_attention if compiling else compiled_flex_attention()
+    return attend(q, k, v, score_mod=score_mod, block_mask=keep.block_mask)
+
+
+def rowwise_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: Packed, dropout: float
+) -> torch.Tensor:
+    """The CPU's path (FlexAttention has no backward there) and CUDA's with dropout:
+    SDPA over each row's own tokens, the rows of one length in one call."""
+    counts = keep.real.sum(1)
+    first = counts.cumsum(0) - counts  # each row's first token in the stream
+    y = q.new_zeros(q.shape[1:])  # (head, tokens, head_dim)
+    for length in counts[counts > 0].unique().tolist():
+        # (rows, length): the tokens of the rows this long, in order
+        index = first[counts == length, None] + torch.arange(length, device=q.device)
+        parts = (t[0][:, index].transpose(0, 1) for t in (q, k, v))  # rows, head, ...
+        bias = None
+        if keep.score_bias is not None:
+            head = torch.arange(q.shape[1], device=q.device)[:, None, None]
+            position = keep.position[index][:, None]  # (rows, 1, length)
+            query, key = position[..., :, None], position[..., None, :]
+            bias = keep.score_bias(head, query, key).to(q.dtype)
+        out = F.scaled_dot_product_attention(*parts, attn_mask=bias, dropout_p=dropout)
+        y[:, index] = out.transpose(0, 1)
+    return y[None]
+
+
+# end algorithm: unpadding
+
+
 # algorithm: alibi
 # ALiBi (Press et al. 2022) in an encoder (Composer's Alibi on BERT, MosaicBERT):
 # instead of position embeddings, each head adds -slope * |i - j| to the scores,
@@ -92,48 +213,7 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
     return torch.tensor(slopes)
 
 
-def alibi_encoder_bias(
-    n_head: int, keep: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """(batch, n_head, seq, seq) additive attention bias: -slope * |i - j| between
-    query i and key j, and the dtype's lowest value at padding keys (`keep` False).
-
-    The lowest finite value, not -inf: a row of padding only (a piece of a split row)
-    attends evenly instead of making NaN; its outputs are never predicted.
-    """
-    seq = keep.shape[-1]
-    position = torch.arange(seq, device=keep.device)
-    distance = (position[:, None] - position[None, :]).abs()
-    slopes = alibi_slopes(n_head).to(keep.device)[:, None, None]
-    bias = (-slopes * distance).to(dtype)
-    return bias.where(keep, torch.finfo(dtype).min)
-
-
 # end algorithm: alibi
-
-
-# algorithm: unpadding
-# Unpadding (MosaicBERT): padding is gathered out of the layers' input, so the
-# token-wise work (linear layers, LayerNorms, MLP) is done for real tokens only.
-def unpad(x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (batch, seq, width) -> its real tokens (tokens, width), and `keep` cut after
-    the batch's last real column (attention then spans the longest sequence only)."""
-    seen = keep.flatten(1).any(dim=0).nonzero()  # columns with a real token
-    # 1 where there is none: a microbatch of padding only (ALiBi's split rows).
-    columns = int(seen.max()) + 1 if len(seen) else 1
-    keep = keep[..., :columns]
-    return x[:, :columns][keep[:, 0, 0, :]], keep
-
-
-def repad(x: torch.Tensor, keep: torch.Tensor, seq: int) -> torch.Tensor:
-    """Real tokens (tokens, width) back to (batch, seq, width), zeros at padding."""
-    real = keep[:, 0, 0, :]
-    rows = x.new_zeros(real.shape[0], seq, x.shape[-1])
-    rows[:, : real.shape[1]][real] = x
-    return rows
-
-
-# end algorithm: unpadding
 
 
 def layer_norm(width: int) -> nn.LayerNorm:
@@ -159,9 +239,9 @@ class SelfAttention(nn.Module):
         seq)."""
         qkv = self.qkv(x)
         # algorithm: unpadding
-        # qkv of the real tokens back in their (batch, seq) places for attention, zeros
-        # at padding (masked out by keep).
-        qkv = repad(qkv, keep, keep.shape[-1])
+        # All real tokens of the batch in one row, (1, tokens, 3*width); attention keeps
+        # each sequence to itself (`keep`), so no padding is put back.
+        qkv = qkv[None]
         # end algorithm: unpadding
 
         batch, seq, width = *qkv.shape[:2], qkv.shape[2] // 3
@@ -172,17 +252,15 @@ class SelfAttention(nn.Module):
         )
         dropout = self.dropout if self.training else 0.0
 
-        # algorithm: alibi
-        # The distance penalty and the padding mask, one additive bias per layer (a
-        # dense bias keeps SDPA off its flash kernel: math or memory-efficient runs).
-        bias = alibi_encoder_bias(self.n_head, keep, q.dtype)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout)
-        # end algorithm: alibi
+        # algorithm: unpadding
+        # Each real token attends to the tokens of its own sequence only (varlen).
+        y = varlen_attention(q, k, v, keep, dropout)
+        # end algorithm: unpadding
 
         y = y.transpose(1, 2).reshape(batch, seq, width)
         # algorithm: unpadding
-        # The real tokens again: the output projection skips padding.
-        y = y[keep[:, 0, 0, :]]
+        # Back to the (tokens, width) stream of real tokens.
+        y = y[0]
         # end algorithm: unpadding
 
         return F.dropout(self.proj(y), dropout, self.training)
@@ -272,9 +350,17 @@ class Encoder(nn.Module):
 
         x = F.dropout(self.ln_e(x), self.config.dropout, self.training)
         # algorithm: unpadding
-        # The layers see the real tokens only, as one (tokens, width) tensor.
+        # The layers see the real tokens only, as one (tokens, width) tensor; `keep` now
+        # says which row and column each came from.
         x, keep = unpad(x, keep)
         # end algorithm: unpadding
+
+        # algorithm: alibi
+        # Unpadded: unpadding's attention adds the distance penalty to the scores, from
+        # each token's column in its own row (no dense bias is built).
+        slopes = alibi_slopes(self.config.n_head).to(x.device)
+        keep.score_bias = lambda head, query, key: -slopes[head] * (query - key).abs()
+        # end algorithm: alibi
 
         for block in self.blocks:
             x = block(x, keep)
@@ -285,29 +371,35 @@ class Encoder(nn.Module):
 
         return x
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.head_ln(F.gelu(self.head_fc(self.encode(input_ids))))
+    def forward(self, input_ids: torch.Tensor, predict: torch.Tensor) -> torch.Tensor:
+        """Masked-LM logits (predicted tokens, vocab) at the positions `predict` (batch,
+        seq) marks True, in row order. As in Google's BERT (run_pretraining.py gathers
+        `masked_lm_positions` before its head), the head computes there only."""
+        h = self.encode(input_ids)[predict]
+        h = self.head_ln(F.gelu(self.head_fc(h)))
         return F.linear(h, self.wte.weight, self.head_bias)
 
     def num_params(self) -> int:
         """Parameter count (the tied output layer is the token embedding)."""
         return sum(p.numel() for p in self.parameters())
 
-    def flops_per_token(self, seq_len: int) -> float:
+    def flops_per_token(self, seq_len: int, mask_rate: float) -> float:
         """Training FLOPs per token (forward + backward), for MFU: 6N + attention.
 
         6N: each weight is one multiply-add (2 FLOPs) forward and two backward; N
         counts the weights that multiply: the position table is looked up, and the
-        token embedding counts once, as the output layer's matmul. Attention: QK^T
-        and the weighted sum of V, 2 * 2 * seq_len * width per layer forward, times 3
-        with backward (PaLM, appendix B), padding included.
+        token embedding counts once, as the output layer's matmul; the head's weights
+        (its dense layer and the output layer) count at the `mask_rate` share of tokens
+        it predicts. Attention: QK^T and the weighted sum of V, 2 * 2 * seq_len * width
+        per layer forward, times 3 with backward (PaLM, appendix B), padding included.
         """
         lookups = sum(
             m.weight.numel()
             for m in self.modules()
             if isinstance(m, nn.Embedding) and m is not self.wte
         )
-        n = self.num_params() - lookups
+        head = self.head_fc.weight.numel() + self.wte.weight.numel()
+        n = self.num_params() - lookups - head + mask_rate * head
         return 6 * n + 12 * self.config.n_layer * seq_len * self.config.n_embd
 
 

@@ -5,7 +5,7 @@
     python train.py --config run.toml   # keys as in Config below; flags override it
     python train.py --help              # every key, its default and meaning
 
-Algorithms: gated_linear_units, low_precision_layernorm, alibi, unpadding.
+Algorithms: gated_linear_units, low_precision_layernorm, unpadding, alibi.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
 hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end algorithm:
 NAME`. `scaffold upgrade` merges newer template versions in and keeps your edits.
@@ -217,13 +217,14 @@ def evaluate(
             micro = share[start : min(start + cfg.device_microbatch_size, real)].to(
                 env.device
             )
-            micro_inputs, targets = micro[:, 0], micro[:, 1]
+            micro_inputs, micro_targets = micro[:, 0], micro[:, 1]
+            # Logits (masked tokens, vocab): at the masked tokens only.
             with torch.autocast(env.device.type, torch.bfloat16, enabled=is_amp(cfg)):
-                logits = model(micro_inputs).float()
-            picked = targets != -100
-            sums[0] += F.cross_entropy(logits[picked], targets[picked], reduction="sum")
-            sums[1] += (logits[picked].argmax(-1) == targets[picked]).sum()
-            sums[2] += picked.sum()
+                logits = model(micro_inputs, micro_targets != -100).float()
+            targets = micro_targets[micro_targets != -100]
+            sums[0] += F.cross_entropy(logits, targets, reduction="sum")
+            sums[1] += (logits.argmax(-1) == targets).sum()
+            sums[2] += len(targets)
     model.train()
     loss_sum, correct, count = dist.reduce_sum(sums).tolist()
     return {
@@ -257,14 +258,13 @@ def forward_backward(
         # Reduce gradients over ranks once, in the last backward.
         fsdp.sync_gradients(model, i == len(microbatches) - 1)
         with torch.autocast(targets.device.type, torch.bfloat16, enabled=is_amp(cfg)):
-            logits = model(micro_inputs)
+            logits = model(micro_inputs, micro_targets != -100)
 
         # event: AFTER_FORWARD
 
         loss = F.cross_entropy(
-            logits.flatten(0, 1).float(),
-            micro_targets.flatten(),
-            ignore_index=-100,
+            logits.float(),  # (masked tokens, vocab): the only tokens predicted
+            micro_targets[micro_targets != -100],
             reduction="sum",
         )
 
@@ -325,7 +325,7 @@ def main() -> None:
     # event: MODEL
 
     # Training FLOPs per token, for MFU (GPUs only): see model.py.
-    flops_per_token = model.flops_per_token(cfg.seq_len)
+    flops_per_token = model.flops_per_token(cfg.seq_len, cfg.mask_rate)
     # Shard or replicate for the launch: FSDP2 per layer then the root, DDP, or nothing.
     model = fsdp.parallelize(model, model.blocks, env, parallel)
 
