@@ -14,7 +14,10 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
+from torch.nn.attention.flex_attention import (  # noqa: E402
+    create_block_mask,
+    flex_attention,
+)
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from projects import project_modules  # noqa: E402
@@ -228,6 +231,47 @@ def test_unpaddings_flex_attention_path_equals_its_rowwise_path(
     assert torch.allclose(
         flex, model_py.rowwise_attention(q, k, v, keep, 0.0), atol=1e-5
     )
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_unpaddings_document_mask_equals_create_block_masks(
+    projects: dict[str, Path],
+) -> None:
+    """document_mask makes FlexAttention's block lists from each 128-token block's
+    first and last row: the same lists as create_block_mask, which evaluates every
+    (query, key) pair, and the same attention; rows shorter than, equal to and longer
+    than a block, and a stream that ends inside a block."""
+    _, model_py = encoder(projects[UNPADDED["plain"][0]])
+    generator = torch.Generator().manual_seed(0)
+    for lengths in (
+        [20, 7, 13, 1, 32, 3],
+        [128, 128],
+        [300, 1, 77, 129, 128, 5],
+        [1] * 130,
+        torch.randint(1, 200, (40,), generator=generator).tolist(),
+    ):
+        row = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        tokens = len(row)
+
+        def same_row(batch, head, q_idx, kv_idx):
+            return row[q_idx] == row[kv_idx]
+
+        ours = model_py.document_mask(row)
+        theirs = create_block_mask(same_row, None, None, tokens, tokens, device="cpu")
+        for count, index in (
+            ("kv_num_blocks", "kv_indices"),
+            ("full_kv_num_blocks", "full_kv_indices"),
+        ):
+            counts = getattr(theirs, count)
+            assert torch.equal(getattr(ours, count), counts), lengths
+            for block, n in enumerate(counts[0, 0].tolist()):
+                listed = (getattr(m, index)[0, 0, block, :n] for m in (ours, theirs))
+                assert torch.equal(*listed), lengths
+        q, k, v = torch.randn(3, 1, 2, tokens, 8, generator=generator).unbind()
+        assert torch.equal(
+            flex_attention(q, k, v, block_mask=ours),
+            flex_attention(q, k, v, block_mask=theirs),
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention needs CUDA")
