@@ -25,11 +25,7 @@ import torch.nn.functional as F
 import functools
 from collections.abc import Callable
 
-from torch.nn.attention.flex_attention import (
-    BlockMask,
-    create_block_mask,
-    flex_attention,
-)
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 # end algorithm: unpadding
 
@@ -110,15 +106,41 @@ def unpad(x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, Packed]:
     return x[real], Packed(real, row, position, block_mask)
 
 
-def document_mask(row: torch.Tensor) -> BlockMask:
-    """Which (query, key) pairs of the packed tokens may attend: those of one row. The
-    kernel skips every 128 x 128 block without such a pair."""
+def document_mask(row: torch.Tensor, block: int = 128) -> BlockMask:
+    """Which (query, key) pairs of the packed tokens may attend: those of one row. Made
+    from each 128-token block's first and last row, not by create_block_mask, which
+    evaluates every pair (tokens^2 work and memory per batch): the kernel skips the
+    blocks that share no row, and masks pairs only in blocks that hold more than one."""
+    tokens = len(row)
+    starts = torch.arange(0, tokens, block, device=row.device)
+    first, last = row[starts], row[(starts + block).clamp(max=tokens) - 1]
+    # Each row is one run of the stream, so two blocks share a row iff their spans meet.
+    shared = (first[:, None] <= last[None, :]) & (first[None, :] <= last[:, None])
+    inside = first == last  # the block lies in one row...
+    if tokens % block:
+        inside[-1] = (
+            False  # ...and is all tokens (the last block's tail is past the end)
+        )
+    same = inside[:, None] & inside[None, :] & (first[:, None] == first[None, :])
 
     def same_row(batch, head, q_idx, kv_idx):
         return row[q_idx] == row[kv_idx]
 
-    tokens = len(row)
-    return create_block_mask(same_row, None, None, tokens, tokens, device=row.device)
+    return BlockMask.from_kv_blocks(
+        *kv_blocks(shared & ~same),  # blocks where same_row decides
+        *kv_blocks(same),  # blocks attended whole
+        BLOCK_SIZE=block,
+        mask_mod=same_row,
+        seq_lengths=(tokens, tokens),
+    )
+
+
+def kv_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query block, key block) booleans -> FlexAttention's lists: each query block's
+    number of key blocks, and their indices, first in the row."""
+    order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True)
+    count = blocks.sum(-1, dtype=torch.int32)
+    return count[None, None], order.to(torch.int32)[None, None]
 
 
 def repad(x: torch.Tensor, keep: Packed, seq: int) -> torch.Tensor:
