@@ -99,7 +99,7 @@ class Layer(nn.Module):
 
 
 class Encoder(nn.Module):
-    """Token ids (batch, seq) -> masked-LM logits (batch, seq, vocab)."""
+    """Token ids (batch, seq) -> masked-LM logits at the masked tokens."""
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()

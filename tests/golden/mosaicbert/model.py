@@ -116,11 +116,10 @@ def document_mask(row: torch.Tensor, block: int = 128) -> BlockMask:
     first, last = row[starts], row[(starts + block).clamp(max=tokens) - 1]
     # Each row is one run of the stream, so two blocks share a row iff their spans meet.
     shared = (first[:, None] <= last[None, :]) & (first[None, :] <= last[:, None])
-    inside = first == last  # the block lies in one row...
+    inside = first == last  # the block lies in one row
     if tokens % block:
-        inside[-1] = (
-            False  # ...and is all tokens (the last block's tail is past the end)
-        )
+        # The last block's tail is past the stream's end: the mask decides there.
+        inside[-1] = False
     same = inside[:, None] & inside[None, :] & (first[:, None] == first[None, :])
 
     def same_row(batch, head, q_idx, kv_idx):
@@ -331,7 +330,7 @@ class Layer(nn.Module):
 
 
 class Encoder(nn.Module):
-    """Token ids (batch, seq) -> masked-LM logits (batch, seq, vocab)."""
+    """Token ids (batch, seq) -> masked-LM logits at the masked tokens."""
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
