@@ -137,6 +137,29 @@ def will_resume(
     return layout.latest(storage.local_path(folder)) is not None
 
 
+def check_access(folder: Path | str, load_path: str = "") -> str | None:
+    """The problem with the object stores a run will use, asked before it writes anything:
+    a remote `folder` is listed and written to (a small object, deleted at once), a remote
+    `load_path` must hold a complete checkpoint. A refusal (credentials, permissions, a
+    missing bucket, an endpoint that does not answer) is one line naming the URL and what
+    to check, instead of a traceback at the resume or the first save; None when all is
+    well. Local folders are left to those: their errors already name the path.
+    """
+    for name, url, ask in (
+        ("save_folder", str(folder), lambda remote: remote.check_writable()),
+        ("load_path", load_path, lambda remote: remote.resolve(remote.root)),
+    ):
+        if not storage.is_remote(url):
+            continue
+        try:
+            ask(storage.Remote(url))
+        except CheckpointError as error:  # it names the URL
+            return f"{name}: {error}"
+        except Exception as error:  # noqa: BLE001 - a store's client, refusing
+            return f"{name}={storage.redact(url)}: {cause(error)}"
+    return None
+
+
 @dataclass
 class Resumed:
     """What `resume()` loaded, and the lines that say so in the log."""
