@@ -251,6 +251,15 @@ class Monitor:
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(self.metrics_path)
 
+    def logged(self, key: str) -> list[tuple[int, float]]:
+        """(step, value) of every record in metrics.jsonl that holds `key`, oldest first:
+        the run's history over all its starts (rank 0; empty on the other ranks)."""
+        if not (self.enabled and self.metrics_path.exists()):
+            return []
+        lines = self.metrics_path.read_text().splitlines()
+        records = [json.loads(line) for line in lines if line.strip()]
+        return [(record["step"], record[key]) for record in records if key in record]
+
     def info(self, message: str) -> None:
         """A line for the console (above the bar) and the plain-text log."""
         if not self.enabled:

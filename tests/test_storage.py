@@ -455,9 +455,7 @@ def test_s3_wrong_credentials_is_one_line(
         )
     assert str(raised.value) == (
         "checkpoint step-2 was not saved to s3://ckpt/creds/step-2: ClientError: An error occurred "
-        "(SignatureDoesNotMatch) when calling the PutObject operation: The request signature we calculated "
-        "does not match the signature you provided. Check your key and signing method. "
-        f"({REFUSED}); a rerun "
+        f"(403) when calling the HeadObject operation: Forbidden ({REFUSED}); a rerun "
         "starts from scratch (no complete checkpoint yet)"
     )
     s3fs.S3FileSystem.clear_instance_cache()

@@ -501,13 +501,19 @@ class Checkpointer:
         path = self.folder / name
         target = self._target(name)
         result = target if self.remote is not None else path
-        if target in self.damaged:  # known damaged (resume fell back): replaced
-            self.damaged.discard(target)
-            self._agree(name, lambda: self._remove(name) if dist.rank() == 0 else None)
-        if self.remote is None and layout.is_complete(path):
-            return path  # e.g. the final save landing on a save_interval step
-        if self.remote is not None and target == self.last_complete:
-            return target
+        if target == self.last_complete:  # the final save on a save_interval step
+            return result
+
+        def replace_another_starts() -> None:
+            # A complete checkpoint of this step that this Checkpointer did not write: a
+            # damaged one resume fell back from, or one of an earlier start that went
+            # further (this run restarted from an earlier step: --load_path). It holds
+            # another state than this run's at this step: removed, the marker first.
+            if dist.rank() == 0 and (target in self.damaged or self._is_complete(name)):
+                self._remove(name)
+
+        self._agree(name, replace_another_starts)  # a barrier: then every rank writes
+        self.damaged.discard(target)
         saved, plain = contents.split(state, self.trainable_only)
         train_state = {
             "progress": plain.pop("progress"),
@@ -575,6 +581,24 @@ class Checkpointer:
             self._discard(path)
         self.last_complete = target
         return result
+
+    def complete(self) -> list[tuple[int, str]]:
+        """(step, where) of every complete checkpoint in the run's folder, oldest first;
+        where: a local folder or a URL. Reads the folder (or lists the store) now."""
+        if self.remote is not None:
+            found = self.remote.steps()
+            return [
+                (step, self.remote.url_of(path))
+                for step, path in found
+                if self.remote.is_complete(path)
+            ]
+        found = layout.step_dirs(self.folder)
+        return [(step, str(path)) for step, path in found if layout.is_complete(path)]
+
+    def _is_complete(self, name: str) -> bool:
+        if self.remote is not None:
+            return self.remote.is_complete(self.remote.join(name))
+        return layout.is_complete(self.folder / name)
 
     def _remove(self, name: str) -> None:
         if self.remote is not None:
