@@ -5,12 +5,14 @@ picks this rank's device; without them the script is a single process. `init_pro
 then joins the job (nccl on CUDA, gloo on CPU; on one process only when FSDP or DDP needs a
 group) with a timeout, so a rank that died makes the
 others fail instead of waiting forever. `shutdown()` leaves the group on the way out, also
-after an error.
+after an error. `end_with_parent` makes a DataLoader worker die with the rank that started it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -249,6 +251,25 @@ def exit_if_peer_lost(error: BaseException) -> None:
     if why is not None:
         print(f"error: {why}", file=sys.stderr, flush=True)
         raise SystemExit(1)
+
+
+# prctl(2) option: the signal this process gets when the thread that forked it ends.
+PR_SET_PDEATHSIG = 1
+
+
+def end_with_parent(worker_id: int = 0) -> None:
+    """Have the kernel kill this process the moment its parent ends (a DataLoader's
+    `worker_init_fn`; Linux's prctl, nothing elsewhere).
+
+    torch's workers look for their parent only between batches (every 5 s at most), so a
+    worker busy with a batch (a slow decode, a download) when its rank is killed lives on
+    until it is done, holding memory and files of a run that is gone. SIGKILL is right for
+    a worker: it holds nothing to save. The signal follows the thread that forked the worker
+    (the loop's, which iterates the loader); a parent that died before this call is left
+    to torch's own check.
+    """
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def print0(*args: object, **kwargs: object) -> None:

@@ -55,6 +55,10 @@ PEAK_FLOPS: tuple[tuple[str, dict[str, float]], ...] = (
 )
 
 
+# The key every task's evaluation reports: a record holding it is always printed.
+EVALUATED = "val_loss"
+
+
 def tf32_matmuls() -> bool:
     """Whether fp32 matmuls run on TF32 tensor cores. Read through the backend API of torch
     2.9+, which also reflects the legacy settings; the legacy getters raise once a script has
@@ -211,9 +215,21 @@ class Monitor:
         if progress is not None:
             self.start(progress)
 
-    def start(self, progress: Progress, keep_metrics: bool = True) -> None:
+    def start(
+        self,
+        progress: Progress,
+        console_interval: Time | None = None,
+        keep_metrics: bool = True,
+    ) -> None:
         """Measure from where training stands; drop metrics.jsonl lines logged after it
-        (a resumed run logs those steps again) and show the progress bar."""
+        (a resumed run logs those steps again) and show the progress bar.
+
+        Without a terminal there is no bar: records are printed (and go to log.txt)
+        instead, at most one per `console_interval` (None: every one), the first of
+        this start and every evaluation's included; metrics.jsonl keeps them all.
+        """
+        self._console_interval = console_interval
+        self._console_slot: int | None = None  # the interval of the last printed record
         self._last_time = time.perf_counter()
         self._last_samples = progress.sample
         self._last_tokens = progress.token
@@ -250,6 +266,15 @@ class Monitor:
         tmp = self.metrics_path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(self.metrics_path)
+
+    def logged(self, key: str) -> list[tuple[int, float]]:
+        """(step, value) of every record in metrics.jsonl that holds `key`, oldest first:
+        the run's history over all its starts (rank 0; empty on the other ranks)."""
+        if not (self.enabled and self.metrics_path.exists()):
+            return []
+        lines = self.metrics_path.read_text().splitlines()
+        records = [json.loads(line) for line in lines if line.strip()]
+        return [(record["step"], record[key]) for record in records if key in record]
 
     def info(self, message: str) -> None:
         """A line for the console (above the bar) and the plain-text log."""
@@ -415,7 +440,9 @@ class Monitor:
                 {k: f"{v:.4g}" for k, v in shown.items()}, refresh=False
             )
             self.update(progress)
-        if self._bar is None or self._bar.disable:
+        if (self._bar is None or self._bar.disable) and self._console_due(
+            progress, record
+        ):
             # No live bar (not a terminal): print the record so logs still show progress;
             # grouped metrics ("l2_norm/grad/wte.weight": one per layer) only in the files.
             self.info(
@@ -425,6 +452,21 @@ class Monitor:
                     if "/" not in k
                 )
             )
+
+    def _console_due(self, progress: Progress, record: dict[str, Any]) -> bool:
+        """Whether to print this record: the first one of a new console interval (by the
+        fraction of the run for a dur interval, so an epoch-long run prints within its
+        epoch), and every one holding an evaluation."""
+        interval = self._console_interval
+        if interval is None:
+            slot = progress.batch
+        elif interval.unit is TimeUnit.DURATION:  # 1e-9: 0.05dur at step 30 of 600
+            slot = int(progress.fraction(self._max_duration) / interval.value + 1e-9)
+        else:
+            slot = progress.count(interval.unit) // int(interval.value)
+        due = slot != self._console_slot or EVALUATED in record
+        self._console_slot = slot
+        return due
 
     def log_image(self, key: str, path: Path, step: int) -> None:
         """Send an image file written under the run folder to the trackers (rank 0)."""

@@ -2,20 +2,27 @@
 
     run_lock = runlock.acquire(run_dir)  # raises RunInUse (every rank) if another start holds it
 
-The lock is `flock(LOCK_EX | LOCK_NB)` on an open file, so the kernel drops it when the process
-ends in any way, kill -9 included: a lock is never stale, and there is nothing to clean up. The
-holder writes who it is (host, pid, SLURM job id, start time) into the file, so a refused start
-can name it. A refused start changes nothing: the file is opened without truncating it, and the
-caller stops before touching checkpoints or logs.
+The lock is a POSIX record lock (`fcntl(F_SETLK)`, a write lock on the whole file), held by the
+process: the kernel drops it when the process ends in any way, kill -9 included, so a lock is
+never stale and there is nothing to clean up. Unlike `flock`, it is not shared with the
+processes this one forks: DataLoader workers (and anything else forked while training) inherit
+the open file but not the lock, so a worker that outlives its killed rank for a moment does not
+keep the run locked against the restart. The price of POSIX locks: closing *any* descriptor of
+the file in this process drops the lock, so nothing here opens `run.lock` but `acquire`.
+
+The holder writes who it is (host, pid, SLURM job id, start time) into the file, so a refused
+start can name it. A refused start changes nothing: the file is opened without truncating it,
+and the caller stops before touching checkpoints or logs.
 
 Scope: the lock guards the run folder on this filesystem. Two starts on different machines
-meet only if `runs/` is on a filesystem both see with working `flock` (local disks, NFSv4 and
+meet only if `runs/` is on a filesystem both see with working POSIX locks (local disks, NFS,
 Lustre/GPFS with locking enabled); a remote `save_folder` (object storage) has no locks of its
 own, so keep every start of a run pointed at the same shared run folder.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -74,8 +81,11 @@ def _try_lock(run_dir: Path) -> tuple[IO[str] | None, str | None]:
     run_dir.mkdir(parents=True, exist_ok=True)
     handle = open(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+")
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # F_SETLK on the whole file
+    except OSError as error:
+        if error.errno not in (errno.EACCES, errno.EAGAIN):  # not "held by another"
+            handle.close()
+            raise
         who = describe(handle.read())
         handle.close()
         return None, (

@@ -31,12 +31,13 @@ is a chunk here.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,8 +81,24 @@ def _read_text(url: str) -> str:
         return Path(url).read_text()
     import fsspec
 
-    with fsspec.open(url, "r") as file:
+    with _asking(url), fsspec.open(url, "r") as file:
         return file.read()
+
+
+@contextlib.contextmanager
+def _asking(url: str) -> Iterator[None]:
+    """Inside, a store that refuses (credentials, permissions), has no such bucket or does
+    not answer is a ShardError naming the URL and what to check; other errors (a file
+    that is not there) pass for the caller to explain."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - any storage client's
+        from runtime.checkpoint.failures import store_problem
+
+        problem = store_problem(error)
+        if problem is None:
+            raise
+        raise ShardError(f"--data: cannot read {url}: {problem}") from None
 
 
 def read_meta(root: str, optional: bool = False) -> dict[str, Any]:
@@ -90,6 +107,8 @@ def read_meta(root: str, optional: bool = False) -> dict[str, Any]:
     root = root.rstrip("/")
     try:
         meta = json.loads(_read_text(f"{root}/{META}"))
+    except ShardError:
+        raise
     except (OSError, ValueError, ImportError) as error:
         if optional and isinstance(error, FileNotFoundError):
             return {}
@@ -107,6 +126,8 @@ def is_mds(root: str) -> bool:
     """ROOT/train/index.json is an MDS index (mosaicml-streaming's: a `shards` list)."""
     try:
         index = json.loads(_read_text(f"{root.rstrip('/')}/train/{INDEX}"))
+    except ShardError:
+        raise
     except (OSError, ValueError, ImportError):
         return False
     return isinstance(index, dict) and "shards" in index
@@ -165,6 +186,8 @@ def open_split(root: str, split: str, block_size: int = 0) -> Shards:
     try:
         text = _read_text(f"{url}/{INDEX}")
         index = json.loads(text)
+    except ShardError:
+        raise
     except (OSError, ValueError, ImportError) as error:
         raise ShardError(
             f"--data={root}: no readable {split}/{INDEX} ({type(error).__name__}: {error}); "
@@ -305,4 +328,5 @@ def _listing(url: str) -> list[str]:
     from fsspec.core import url_to_fs
 
     fs, path = url_to_fs(url)
-    return [name.rsplit("/", 1)[-1] for name in fs.ls(path, detail=False)]
+    with _asking(url):
+        return [name.rsplit("/", 1)[-1] for name in fs.ls(path, detail=False)]

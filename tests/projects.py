@@ -262,6 +262,15 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def running(pid: int) -> bool:
+    """A process that exists and is not a zombie waiting to be reaped."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def hand_counted_forward_flops(model, *args, **kwargs) -> int:
     """FLOPs of one forward counted by hand, independently of torch's FLOP counter: 2 per
     multiply-add of every nn.Conv2d and nn.Linear, from the shapes they actually saw."""

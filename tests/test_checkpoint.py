@@ -108,6 +108,7 @@ def saved(tmp_path: Path) -> dict:
     next_rand = torch.rand(8)
     return {
         "folder": folder,
+        "checkpointer": checkpointer,
         "path": path,
         "model": model,
         "optimizer": optimizer,
@@ -252,23 +253,29 @@ def test_rotation_keeps_newest_complete(tmp_path: Path) -> None:
     ]
 
 
-def test_saving_same_step_twice_is_a_noop(saved: dict) -> None:
+def test_saving_a_step_again_is_a_noop_and_another_starts_save_replaces_it(
+    saved: dict,
+) -> None:
+    """The Checkpointer that saved step 7 saving it again (the final save landing on a
+    save_interval step) changes nothing. Another start at step 7 (a run restarted from an
+    earlier checkpoint with --load_path, say after its loss diverged) replaces it: step-7
+    holds the state this run had at step 7, not the older start's."""
     before = snapshot(saved["path"])
     model, optimizer, progress = saved["model"], saved["optimizer"], saved["progress"]
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
     changed = state(model, optimizer, progress, note=Note(note="changed"))
-    again = checkpoint.Checkpointer(saved["folder"]).save(changed)
+    again = saved["checkpointer"].save(changed)
     assert again == saved["path"]
     assert snapshot(saved["path"]) == before
+
+    replaced = checkpoint.Checkpointer(saved["folder"]).save(changed)
+    assert replaced == saved["path"] and checkpoint.is_complete(replaced)
     fresh, _ = build(seed=1)
     note = Note()
-    checkpoint.load(again, state(fresh, note=note))
-    assert note.values["note"] == "x"
-    assert not same_params(
-        fresh, model
-    )  # the first save's weights, not the changed ones
+    checkpoint.load(replaced, state(fresh, note=note))
+    assert note.values["note"] == "changed" and same_params(fresh, model)
 
 
 # ---------------------------------------------------------------- load errors

@@ -645,6 +645,10 @@ def test_the_recipe_defaults_train_the_digits_well_above_chance(
     )  # auto, resolved
     assert records[-1]["step"] == 160 and records[-1]["val_top1"] > 0.9, records[-1]
     assert records[9]["val_top1"] < 0.5  # it learned during the run (step 10: not yet)
+    # Piped, the 160 records print as tens of lines: one per twentieth of the run (the
+    # default console_interval of 0.05dur), the first, and the 16 evaluations.
+    printed = [line for line in result.stdout.splitlines() if line.startswith("step=")]
+    assert len(printed) == 33 and len(records) == 160
 
 
 def test_model_auto_is_the_recipe_model_with_data(

@@ -13,7 +13,9 @@ tokens in a `tokens` column (ndarray:int32). Both zstd-compressed, many small sh
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +34,7 @@ from projects import (
     read_metrics,
     real_library,
     run_train,
+    running,
 )
 from test_image import assert_close, ok, small, torchrun, trajectory
 from test_storage import s3, s3_env  # noqa: F401 (fixtures: the S3 server, its env)
@@ -40,6 +43,7 @@ streaming = real_library("streaming")
 
 RECIPE = "cifar-resnet56-baseline"
 LM_RECIPE = "gpt2-baseline"
+BUSY_WORKERS = Path(__file__).resolve().parent / "busy_workers.py"
 ROW = 64  # tokens per LM row (llm-foundry's max_seq_len)
 LM = [
     "--model=tiny",
@@ -182,6 +186,41 @@ def killed_and_resumed(project: Path, tmp_path: Path, common: list[str]) -> None
     resumed = ok(run_train(project, tmp_path, *common, "--run_name=two"))
     assert "resumed from" in resumed.stdout
     assert_close(trajectory(tmp_path, "two"), reference)
+
+
+def test_kill_9_with_busy_data_workers_then_an_immediate_restart_resumes(
+    project: Path, digit_shards: Path, shard_cache: Path, tmp_path: Path
+) -> None:
+    """Killed (-9) after its step-2 save while its two DataLoader workers are busy with
+    the next batches (tests/busy_workers.py): the workers die with it, rather than
+    finish their ten minutes of work first, and the same command started at once
+    resumes from step 2. (That a forked child keeps no lock on the run is
+    tests/test_runlock.py's.)"""
+    common = [*small(), f"--data={digit_shards}", *FOUR, "--num_workers=2"]
+    pids = tmp_path / "workers.txt"
+    train = [project / "train.py", "--device=cpu", *common, "--run_name=k"]
+    with open(
+        tmp_path / "killed.txt", "w"
+    ) as output:  # not a pipe the workers keep open
+        killed = subprocess.run(
+            [sys.executable, BUSY_WORKERS, "2", pids, *train],
+            cwd=tmp_path,
+            env=checkout_env(),
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            timeout=300,
+        )
+    assert killed.returncode == -9, (tmp_path / "killed.txt").read_text()[-3000:]
+    workers = set(map(int, pids.read_text().split()))
+    assert len(workers) == 2
+    try:
+        resumed = ok(run_train(project, tmp_path, *common, "--run_name=k"))
+        assert "resumed from runs/k/checkpoints/step-2 at step 2" in resumed.stdout
+        assert not [pid for pid in workers if running(pid)]
+    finally:
+        for pid in workers:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_mds_image_shards_train_from_s3(

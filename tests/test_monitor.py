@@ -99,6 +99,48 @@ def test_log_appends_json_lines_with_throughput(tmp_path: Path) -> None:
     )  # no live bar here: records go to the log
 
 
+def test_without_a_terminal_tens_of_lines_are_printed_and_every_evaluation(
+    tmp_path: Path, capsys
+) -> None:
+    """600 steps, each logged (metrics.jsonl holds 600 records); no terminal (no bar), the
+    Config's console_interval of 0.05dur: the first record, the first of each twentieth of
+    the run and every evaluation's are printed, to the console and log.txt alike."""
+    progress = Progress(batches_per_epoch=1000)
+    monitor = Monitor(tmp_path, Time.parse("600ba"), GLOBAL_BATCH)
+    monitor.start(progress, Time.parse("0.05dur"))
+    for _ in range(600):
+        progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
+        evaluated = {"val_loss": 1.0} if progress.batch % 100 == 50 else {}
+        monitor.log(progress, loss=2.0, **evaluated)
+    monitor.close()
+    lines = capsys.readouterr().out.splitlines()
+    printed = [int(line.split()[0].removeprefix("step=")) for line in lines]
+    assert printed == sorted({1, *range(30, 601, 30), *range(50, 600, 100)})
+    logged = (tmp_path / "log.txt").read_text().splitlines()
+    assert [line.split("] ", 1)[1] for line in logged] == lines
+    assert len(records(tmp_path)) == 600
+
+    # An interval in batches that records do not land on (a record every 10 steps, a
+    # line every 25): the first record at or after each boundary.
+    capsys.readouterr()
+    progress = Progress(batches_per_epoch=1000)
+    monitor = Monitor(tmp_path / "b", Time.parse("100ba"), GLOBAL_BATCH)
+    monitor.start(progress, Time.parse("25ba"))
+    for _ in range(100):
+        progress.advance(samples=GLOBAL_BATCH, tokens=TOKENS_PER_STEP)
+        if progress.batch % 10 == 0:
+            monitor.log(progress, loss=2.0)
+    monitor.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert [int(line.split()[0].removeprefix("step=")) for line in lines] == [
+        10,
+        30,
+        50,
+        80,
+        100,
+    ]
+
+
 def test_paused_time_is_excluded_from_throughput(tmp_path: Path) -> None:
     monitor, progress = make(tmp_path)
     monitor.log(progress)  # start an interval now

@@ -2,9 +2,12 @@
 provokes it.
 
 nan_monitor: a gpt2-speedup project with it; a run whose learning rate is set to diverge stops
-with one line naming the step, the first non-finite tensor and the newest complete checkpoint,
-saves nothing after the bad step, and a rerun with the recipe's learning rate resumes from that
-checkpoint and logs what an uninterrupted run logs, bitwise.
+with one line naming the step, the first non-finite tensor and the newest checkpoint saved
+before the loss left its range, saves nothing after the bad step, and a rerun that follows the
+advice (--load_path, the recipe's learning rate) logs what an uninterrupted run logs, bitwise.
+Where the loss exploded for a few steps before it went non-finite, the newest checkpoints hold
+exploded weights (a rerun resuming them stops again at any --lr): the advice names an older
+one, and following it trains to the end, each later checkpoint replaced by the new run's.
 
 threshold_stopper: the same project with a threshold between two logged validation losses
 stops at the first evaluation past it (saved), and a rerun of that run stays stopped.
@@ -135,17 +138,22 @@ def test_a_diverging_run_stops_in_one_line_and_resumes_from_the_named_checkpoint
     # infinity, step 4's loss is not finite, and step 4's save never happens.
     diverged = run_train(nan_project, tmp_path, *RUN, "--run_name=x", "--lr=1e30")
     assert diverged.returncode == 1, diverged.stderr[-3000:]
+    first = read_metrics(reference, "ref")[0]["loss"]
+    step_2 = Path("runs/x/checkpoints/step-2")
     assert diverged.stderr.strip().splitlines() == [
-        f"error: step 4: non-finite loss; newest complete checkpoint: "
-        f"{Path('runs/x/checkpoints/step-2')}; rerun to resume from it (with a lower --lr)"
+        f"error: step 4: non-finite loss; the newest checkpoint saved before the loss "
+        f"left its range (finite and at most {first:.4g}, the first logged loss) is "
+        f"{step_2}: rerun with --load_path={step_2} and a lower --lr"
     ]
     checkpoints = tmp_path / "runs/x/checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2"]
     assert [row["step"] for row in read_metrics(tmp_path, "x")] == [1, 2, 3]
 
-    resumed = run_train(nan_project, tmp_path, *RUN, "--run_name=x")
+    resumed = run_train(
+        nan_project, tmp_path, *RUN, "--run_name=x", f"--load_path={step_2}"
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from runs/x/checkpoints/step-2" in resumed.stdout
+    assert f"resumed from {step_2}" in resumed.stdout
     # Every logged value of training (not timings) equals the uninterrupted run's.
     keys = ("step", "loss", "lr", "grad_norm", "seq_len", "tokens")
 
@@ -153,6 +161,43 @@ def test_a_diverging_run_stops_in_one_line_and_resumes_from_the_named_checkpoint
         return [{k: row.get(k) for k in keys} for row in read_metrics(tmp_path, run)]
 
     assert logged("x") == logged("ref") and len(logged("x")) == 4
+
+
+def test_after_an_exploding_loss_the_advice_names_an_older_checkpoint_that_trains(
+    nan_project: Path, tmp_path: Path
+) -> None:
+    """A learning rate of 1000 (warmed up over one step): the loss explodes from step 3
+    on (finite, ~1e7) before a gradient goes non-finite; the checkpoints of steps 2 and
+    later hold exploded weights. The advice names step 1, and following it trains."""
+    kept = [arg for arg in RUN if not arg.startswith(("--save_interval", "--max_dur"))]
+    every_step = [*kept, "--save_interval=1ba", "--max_duration=6ba", "--run_name=e"]
+    diverged = run_train(
+        nan_project, tmp_path, *every_step, "--lr=1000", "--lr_warmup=1ba"
+    )
+    assert diverged.returncode == 1, diverged.stderr[-3000:]
+    losses = [row["loss"] for row in read_metrics(tmp_path, "e")]
+    assert losses[1] <= losses[0] < 1e3 < losses[2], losses
+    checkpoints = tmp_path / "runs/e/checkpoints"
+    saved = sorted(int(p.name.removeprefix("step-")) for p in checkpoints.iterdir())
+    assert saved == list(range(1, len(losses) + 1)) and len(saved) >= 3
+    step_1 = Path("runs/e/checkpoints/step-1")
+    (line,) = diverged.stderr.strip().splitlines()
+    assert line.endswith(
+        f"the newest checkpoint saved before the loss left its range (finite and at "
+        f"most {losses[0]:.4g}, the first logged loss) is {step_1}: rerun with "
+        f"--load_path={step_1} and a lower --lr"
+    ), line
+
+    followed = run_train(nan_project, tmp_path, *every_step, f"--load_path={step_1}")
+    assert followed.returncode == 0, followed.stderr[-3000:]
+    rows = read_metrics(tmp_path, "e")
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(row["loss"] < losses[0] + 1 for row in rows)
+    # Each step's checkpoint is this run's now: step 3's weights are finite again.
+    step_3 = checkpoints / "step-3"
+    dcp_to_torch_save(step_3, tmp_path / "step-3.pt")
+    weights = torch.load(tmp_path / "step-3.pt", weights_only=True)["model"]
+    assert all(w.isfinite().all() and w.abs().max() < 100 for w in weights.values())
 
 
 def test_threshold_stopper_stops_at_the_first_logged_crossing_and_stays_stopped(

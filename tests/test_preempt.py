@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from projects import TINY_STEPS, checkout_env, children, read_metrics, torchrun_command
+from projects import (
+    TINY_STEPS,
+    checkout_env,
+    children,
+    read_metrics,
+    running,
+    torchrun_command,
+)
 from runtime.preempt import Preemption
 
 HERE = Path(__file__).resolve().parent
@@ -123,3 +131,50 @@ def test_sigterm_under_torchrun_saves_and_a_rerun_continues_bitwise(
     assert losses == [
         row["loss"] for row in two_rank_reference
     ]  # bitwise: nothing lost or redone
+
+
+def test_a_killed_launcher_leaves_no_rank_running_and_the_rerun_continues_bitwise(
+    generated: dict[str, Path], two_rank_reference: list[dict], tmp_path: Path
+) -> None:
+    """`kill -9` of torchrun (the agent, its workers in sessions of their own): each rank
+    sees its parent change at the next agreement, so every rank finishes that step, saves
+    and exits; a rerun continues from there, bitwise."""
+    project = generated["gpt2-baseline"]
+    first = torchrun_train(project, tmp_path, "--run_name=orphan")
+    wait_for_rows(tmp_path, "orphan", 3, first)
+    workers = children(first.pid)
+    assert len(workers) == 2
+    for (
+        pid
+    ) in workers:  # paused, so that the kill lands mid-run however fast the steps are
+        os.kill(pid, signal.SIGSTOP)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    for pid in workers:
+        os.kill(pid, signal.SIGCONT)
+    try:
+        deadline = time.monotonic() + 120
+        while [pid for pid in workers if running(pid)]:
+            assert time.monotonic() < deadline, "ranks still running without torchrun"
+            time.sleep(0.1)
+    finally:
+        for pid in workers:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+    log = (tmp_path / "runs" / "orphan" / "log.txt").read_text()
+    stopped = re.findall(
+        r"stopped by the end of a rank's launcher \(torchrun's agent\) after step (\d+), "
+        "saved",
+        log,
+    )
+    assert len(stopped) == 1, log[-2000:]
+    step = int(stopped[0])
+    assert 3 <= step < TINY_STEPS
+    assert (tmp_path / "runs/orphan/checkpoints" / f"step-{step}" / "COMPLETE").exists()
+
+    second = torchrun_train(project, tmp_path, "--run_name=orphan")
+    output, _ = second.communicate(timeout=300)
+    assert second.returncode == 0, output[-3000:]
+    assert f"resumed from runs/orphan/checkpoints/step-{step} at step {step}" in output
+    losses = [row["loss"] for row in read_metrics(tmp_path, "orphan")]
+    assert losses == [row["loss"] for row in two_rank_reference]

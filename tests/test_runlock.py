@@ -1,4 +1,5 @@
-"""runtime.runlock: one live start per run folder; the kernel drops the lock when the holder dies."""
+"""runtime.runlock: one live start per run folder; the kernel drops the lock when the holder
+dies, also while processes it forked (DataLoader workers) live on."""
 
 from __future__ import annotations
 
@@ -12,23 +13,27 @@ from pathlib import Path
 
 import pytest
 
-from projects import checkout_env
+from projects import checkout_env, children
 from runtime import runlock
 
 HOLD = textwrap.dedent("""
-    import sys, time
+    import os, sys, time
     from pathlib import Path
     from runtime import runlock
     lock = runlock.acquire(Path(sys.argv[1]))
+    if len(sys.argv) > 2 and os.fork() == 0:  # a child, as a DataLoader worker is forked
+        time.sleep(120)
+        os._exit(0)
     print("locked", flush=True)
     time.sleep(120)
     """)
 
 
-def hold(run_dir: Path, **env: str) -> subprocess.Popen[str]:
-    """Another process that takes the lock and keeps it (until killed)."""
+def hold(run_dir: Path, *args: str, **env: str) -> subprocess.Popen[str]:
+    """Another process that takes the lock and keeps it (until killed); with "fork", it
+    also forks a child that sleeps."""
     process = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(run_dir)],
+        [sys.executable, "-c", HOLD, str(run_dir), *args],
         stdout=subprocess.PIPE,
         text=True,
         env={**checkout_env(), **env},
@@ -71,12 +76,25 @@ def test_kill_9_leaves_no_stale_lock(tmp_path: Path) -> None:
     holder = hold(run_dir)
     os.kill(holder.pid, signal.SIGKILL)
     holder.wait()
-    lock = runlock.acquire(run_dir)  # the kernel dropped the dead holder's lock
+    runlock.acquire(run_dir).release()  # the kernel dropped the dead holder's lock
+    # (read after the release: closing another descriptor of the file would drop the lock)
+    assert json.loads((run_dir / runlock.LOCK_FILE).read_text())["pid"] == os.getpid()
+
+
+def test_a_child_of_a_killed_holder_does_not_keep_the_lock(tmp_path: Path) -> None:
+    """A data worker forked from rank 0 shares its open lock file; rank 0 killed, the
+    worker still alive: the next start gets the lock at once."""
+    run_dir = tmp_path / "runs" / "demo"
+    holder = hold(run_dir, "fork")
+    child = children(holder.pid)
+    assert len(child) == 1
     try:
-        who = json.loads((run_dir / runlock.LOCK_FILE).read_text())
-        assert who["pid"] == os.getpid()
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+        os.kill(child[0], 0)  # alive, the lock file open
+        runlock.acquire(run_dir).release()
     finally:
-        lock.release()
+        os.kill(child[0], signal.SIGKILL)
 
 
 def test_release_lets_the_next_start_in(tmp_path: Path) -> None:

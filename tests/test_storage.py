@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from projects import checkout_env, project_modules, read_metrics
+from projects import checkout_env, one_error_line, project_modules, read_metrics
 from runtime import checkpoint
 from runtime.time import Progress
 from test_checkpoint import BATCHES_PER_EPOCH, build, same_params, state, train
@@ -243,8 +243,9 @@ def start_moto(home: Path, enforce_auth: bool):
     """moto's S3 server (a separate process) on 127.0.0.1; yields (endpoint, credentials env).
 
     With `enforce_auth`, every request after the IAM set-up must be signed with a key that
-    exists (moto 5.2 then also refuses correctly signed listings with a `/` delimiter, which
-    s3fs sends, so the checkpoint tests run on a server that accepts any key)."""
+    exists and is allowed: the environment's key may do anything in S3; the key in
+    READ_ONLY_ACCESS_KEY_ID / READ_ONLY_SECRET_ACCESS_KEY may only read and list. (The
+    checkpoint tests run on a server that accepts any key.)"""
     import boto3
 
     port = free_port()
@@ -254,7 +255,7 @@ def start_moto(home: Path, enforce_auth: bool):
         "AWS_DEFAULT_REGION": "us-east-1",
         "AWS_EC2_METADATA_DISABLED": "true",
     }
-    extra = {"INITIAL_NO_AUTH_ACTION_COUNT": "3"} if enforce_auth else {}
+    extra = {"INITIAL_NO_AUTH_ACTION_COUNT": "6"} if enforce_auth else {}
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         env={**os.environ, **base, **extra},
@@ -277,9 +278,8 @@ def start_moto(home: Path, enforce_auth: bool):
             "AccessKeyId": "scaffold-test-key",
             "SecretAccessKey": "scaffold-test-secret-d41d8cd98f",
         }
-        if (
-            enforce_auth
-        ):  # the first 3 requests are let through unsigned: an IAM user and its key
+        readers = {}
+        if enforce_auth:  # the first 6 requests are let through unsigned: two IAM users
             iam = boto3.client(
                 "iam",
                 endpoint_url=endpoint,
@@ -287,24 +287,17 @@ def start_moto(home: Path, enforce_auth: bool):
                 aws_secret_access_key="setup",
                 region_name="us-east-1",
             )
-            iam.create_user(UserName="ci")
-            iam.put_user_policy(
-                UserName="ci",
-                PolicyName="s3",
-                PolicyDocument=json.dumps(
-                    {
-                        "Version": "2012-10-17",
-                        "Statement": [
-                            {"Effect": "Allow", "Action": "s3:*", "Resource": "*"}
-                        ],
-                    }
-                ),
-            )
-            key = iam.create_access_key(UserName="ci")["AccessKey"]
+            key = iam_user(iam, "ci", "s3:*")
+            reader = iam_user(iam, "reader", ["s3:GetObject", "s3:ListBucket"])
+            readers = {
+                "READ_ONLY_ACCESS_KEY_ID": reader["AccessKeyId"],
+                "READ_ONLY_SECRET_ACCESS_KEY": reader["SecretAccessKey"],
+            }
         env = {
             **base,
             "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
             "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
+            **readers,
         }
         boto3.client(
             "s3",
@@ -317,6 +310,19 @@ def start_moto(home: Path, enforce_auth: bool):
     finally:
         server.terminate()
         server.wait(30)
+
+
+def iam_user(
+    iam, name: str, actions: str | list[str]
+) -> dict[str, str]:  # noqa: ANN001
+    """A user allowed `actions` on every resource; its new access key."""
+    iam.create_user(UserName=name)
+    statement = {"Effect": "Allow", "Action": actions, "Resource": "*"}
+    policy = {"Version": "2012-10-17", "Statement": [statement]}
+    iam.put_user_policy(
+        UserName=name, PolicyName="s3", PolicyDocument=json.dumps(policy)
+    )
+    return iam.create_access_key(UserName=name)["AccessKey"]
 
 
 @pytest.fixture(scope="module")
@@ -436,8 +442,7 @@ def test_s3_wrong_credentials_is_one_line(
         )
     assert str(raised.value) == (
         "cannot read checkpoints in s3://ckpt/creds: ClientError: An error occurred (403) when calling the "
-        "HeadObject operation: Forbidden (the store refused: check the credentials in its usual environment "
-        "variables or config files)"
+        f"HeadObject operation: Forbidden ({REFUSED})"
     )
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_auth["env"]["AWS_ACCESS_KEY_ID"])
@@ -450,13 +455,136 @@ def test_s3_wrong_credentials_is_one_line(
         )
     assert str(raised.value) == (
         "checkpoint step-2 was not saved to s3://ckpt/creds/step-2: ClientError: An error occurred "
-        "(SignatureDoesNotMatch) when calling the PutObject operation: The request signature we calculated does not match the signature you provided. Check your key and signing method. (the "
-        "store refused: check the credentials in its usual environment variables or config files); a rerun "
+        f"(403) when calling the HeadObject operation: Forbidden ({REFUSED}); a rerun "
         "starts from scratch (no complete checkpoint yet)"
     )
     s3fs.S3FileSystem.clear_instance_cache()
     for secret in ("not-the-secret", s3_auth["env"]["AWS_SECRET_ACCESS_KEY"]):
         assert secret not in str(raised.value)
+
+
+REFUSED = (
+    "the store refused: check the credentials in its usual environment variables or "
+    "config files, and their permissions on this URL"
+)
+
+
+@pytest.fixture
+def s3_auth_env(s3_auth: dict, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The signature-checking server's environment, set here; s3fs's cached clients dropped."""
+    import s3fs
+
+    for name, value in s3_auth["env"].items():
+        monkeypatch.setenv(name, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield s3_auth["env"]
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_store_problems_are_one_line_naming_the_url_and_what_to_check(
+    s3_auth_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """What setup() asks before a run writes anything: the save folder listed and written
+    to (the probe deleted), a load_path resolved; data URLs read through runtime.shards.
+    A wrong secret, a read-only key, a missing bucket, an endpoint that does not answer:
+    one line each, naming the URL and what to check, the secret in none."""
+    import s3fs
+
+    from runtime import shards
+
+    def use(**env: str) -> None:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        s3fs.S3FileSystem.clear_instance_cache()
+
+    assert checkpoint.check_access("s3://ckpt/fine") is None
+    assert objects("ckpt/fine", s3_auth_env) == []  # the probe is gone
+    model, optimizer = build()
+    progress = Progress(batches_per_epoch=BATCHES_PER_EPOCH)
+    train(model, optimizer, progress, 1)
+    monkeypatch.setenv("SCAFFOLD_STAGING", str(tmp_path / "staging"))
+    checkpoint.Checkpointer("s3://ckpt/pre").save(state(model, optimizer, progress))
+    assert checkpoint.check_access("", "s3://ckpt/pre") is None
+
+    use(AWS_SECRET_ACCESS_KEY="not-the-secret")
+    wrong = (
+        "ClientError: An error occurred (403) when calling the HeadObject operation: "
+        f"Forbidden ({REFUSED})"
+    )
+    assert (
+        checkpoint.check_access("s3://ckpt/run")
+        == f"save_folder=s3://ckpt/run: {wrong}"
+    )
+    assert (
+        checkpoint.check_access("", "s3://ckpt/pre")
+        == f"load_path=s3://ckpt/pre: {wrong}"
+    )
+    with pytest.raises(shards.ShardError) as raised:
+        shards.read_meta("s3://ckpt/data")
+    assert str(raised.value) == f"--data: cannot read s3://ckpt/data/meta.json: {wrong}"
+
+    use(
+        AWS_ACCESS_KEY_ID=s3_auth_env["READ_ONLY_ACCESS_KEY_ID"],
+        AWS_SECRET_ACCESS_KEY=s3_auth_env["READ_ONLY_SECRET_ACCESS_KEY"],
+    )
+    assert checkpoint.check_access("", "s3://ckpt/pre") is None  # reading is allowed
+    assert checkpoint.check_access("s3://ckpt/run") == (
+        "save_folder=s3://ckpt/run: AccessDenied: An error occurred (AccessDenied) when "
+        f"calling the PutObject operation: Access Denied ({REFUSED})"
+    )
+
+    use(**{k: s3_auth_env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")})
+    missing = (
+        "An error occurred (NoSuchBucket) when calling the PutObject operation: The "
+        "specified bucket does not exist (no such bucket: create it, or correct the URL)"
+    )
+    assert checkpoint.check_access("s3://nobucket/run") == (
+        f"save_folder=s3://nobucket/run: NoSuchBucket: {missing}"
+    )
+
+    # One attempt (botocore retries 3 times by default): the same line, sooner.
+    use(AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}", AWS_MAX_ATTEMPTS="1")
+    problem = checkpoint.check_access("s3://ckpt/run")
+    assert problem.startswith(
+        "save_folder=s3://ckpt/run: Connect call failed ("
+    ), problem
+    assert problem.endswith(
+        "(the store does not answer: check its endpoint (AWS_ENDPOINT_URL for s3://, or "
+        "the backend's config file) and the network)"
+    )
+    for secret in (s3_auth_env["AWS_SECRET_ACCESS_KEY"], "not-the-secret"):
+        assert secret not in problem and secret not in str(raised.value)
+
+
+def test_a_wrong_secret_or_a_read_only_key_stops_a_run_before_it_writes(
+    generated: dict[str, Path],
+    s3_auth_env: dict[str, str],
+    corpus: Path,
+    tmp_path: Path,
+) -> None:
+    """The issue's case: `--save_folder=s3://...` with a wrong AWS_SECRET_ACCESS_KEY, then
+    with a key that may only read: each one `error:` line, exit 2, no runs/ folder, and
+    nothing in the bucket."""
+    args = [
+        generated["gpt2-baseline"] / "train.py",
+        *SMALL,
+        f"--data={corpus}",
+        "--max_duration=2ba",
+        "--save_folder=s3://ckpt/refused",
+    ]
+    reader = {
+        "AWS_ACCESS_KEY_ID": s3_auth_env["READ_ONLY_ACCESS_KEY_ID"],
+        "AWS_SECRET_ACCESS_KEY": s3_auth_env["READ_ONLY_SECRET_ACCESS_KEY"],
+    }
+    for env, cause in (
+        ({"AWS_SECRET_ACCESS_KEY": "not-the-secret"}, "(403)"),
+        (reader, "(AccessDenied) when calling the PutObject operation"),
+    ):
+        refused = launch(1, *args, cwd=tmp_path, env=env)
+        line = one_error_line(refused, tmp_path)
+        assert line.startswith("error: save_folder=s3://ckpt/refused: ")
+        assert cause in line and line.endswith(f"({REFUSED})")
+        assert objects("ckpt/refused", s3_auth_env) == []
 
 
 def test_s3_damaged_newest_checkpoint_falls_back_and_is_replaced(
@@ -690,3 +818,16 @@ def listing_env(url: str, env: dict) -> dict[str, list[str]]:
             else:
                 os.environ[name] = value
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+def objects(prefix: str, env: dict[str, str]) -> list[str]:
+    """Every object under `prefix` (bucket/path), listed with the environment's key."""
+    import s3fs
+
+    store = s3fs.S3FileSystem(
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        key=env["AWS_ACCESS_KEY_ID"],
+        secret=env["AWS_SECRET_ACCESS_KEY"],
+        skip_instance_cache=True,
+    )
+    return store.find(prefix)

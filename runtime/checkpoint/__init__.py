@@ -18,7 +18,13 @@ URLs: staged uploads, downloads, remote rotation), `failures` (a storage failure
 `writing` (DCP's writer whose threads report their errors), `compat` (0.1.0's API).
 """
 
-from runtime.checkpoint.checkpointer import Checkpointer, Resumed, load, will_resume
+from runtime.checkpoint.checkpointer import (
+    Checkpointer,
+    Resumed,
+    check_access,
+    load,
+    will_resume,
+)
 from runtime.checkpoint.compat import (
     resume,
     save,
@@ -43,6 +49,7 @@ __all__ = (
     "Checkpointer",
     "Resumed",
     "StorageError",
+    "check_access",
     "export_safetensors",
     "read_weights",
     "is_complete",

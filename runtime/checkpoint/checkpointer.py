@@ -137,6 +137,29 @@ def will_resume(
     return layout.latest(storage.local_path(folder)) is not None
 
 
+def check_access(folder: Path | str, load_path: str = "") -> str | None:
+    """The problem with the object stores a run will use, asked before it writes anything:
+    a remote `folder` is listed and written to (a small object, deleted at once), a remote
+    `load_path` must hold a complete checkpoint. A refusal (credentials, permissions, a
+    missing bucket, an endpoint that does not answer) is one line naming the URL and what
+    to check, instead of a traceback at the resume or the first save; None when all is
+    well. Local folders are left to those: their errors already name the path.
+    """
+    for name, url, ask in (
+        ("save_folder", str(folder), lambda remote: remote.check_writable()),
+        ("load_path", load_path, lambda remote: remote.resolve(remote.root)),
+    ):
+        if not storage.is_remote(url):
+            continue
+        try:
+            ask(storage.Remote(url))
+        except CheckpointError as error:  # it names the URL
+            return f"{name}: {error}"
+        except Exception as error:  # noqa: BLE001 - a store's client, refusing
+            return f"{name}={storage.redact(url)}: {cause(error)}"
+    return None
+
+
 @dataclass
 class Resumed:
     """What `resume()` loaded, and the lines that say so in the log."""
@@ -478,13 +501,19 @@ class Checkpointer:
         path = self.folder / name
         target = self._target(name)
         result = target if self.remote is not None else path
-        if target in self.damaged:  # known damaged (resume fell back): replaced
-            self.damaged.discard(target)
-            self._agree(name, lambda: self._remove(name) if dist.rank() == 0 else None)
-        if self.remote is None and layout.is_complete(path):
-            return path  # e.g. the final save landing on a save_interval step
-        if self.remote is not None and target == self.last_complete:
-            return target
+        if target == self.last_complete:  # the final save on a save_interval step
+            return result
+
+        def replace_another_starts() -> None:
+            # A complete checkpoint of this step that this Checkpointer did not write: a
+            # damaged one resume fell back from, or one of an earlier start that went
+            # further (this run restarted from an earlier step: --load_path). It holds
+            # another state than this run's at this step: removed, the marker first.
+            if dist.rank() == 0 and (target in self.damaged or self._is_complete(name)):
+                self._remove(name)
+
+        self._agree(name, replace_another_starts)  # a barrier: then every rank writes
+        self.damaged.discard(target)
         saved, plain = contents.split(state, self.trainable_only)
         train_state = {
             "progress": plain.pop("progress"),
@@ -552,6 +581,24 @@ class Checkpointer:
             self._discard(path)
         self.last_complete = target
         return result
+
+    def complete(self) -> list[tuple[int, str]]:
+        """(step, where) of every complete checkpoint in the run's folder, oldest first;
+        where: a local folder or a URL. Reads the folder (or lists the store) now."""
+        if self.remote is not None:
+            found = self.remote.steps()
+            return [
+                (step, self.remote.url_of(path))
+                for step, path in found
+                if self.remote.is_complete(path)
+            ]
+        found = layout.step_dirs(self.folder)
+        return [(step, str(path)) for step, path in found if layout.is_complete(path)]
+
+    def _is_complete(self, name: str) -> bool:
+        if self.remote is not None:
+            return self.remote.is_complete(self.remote.join(name))
+        return layout.is_complete(self.folder / name)
 
     def _remove(self, name: str) -> None:
         if self.remote is not None:

@@ -45,24 +45,57 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
 
 
-def cause(error: BaseException) -> str:
-    """The innermost OS error (errno and file), else a storage client's error, else the first
-    line; a refusal (403, PermissionError) says where credentials come from."""
-    found = _cause(error)
-    if any(
-        word in found
-        for word in (
+# What to check, for the words a storage client's error holds (s3fs, botocore, aiohttp,
+# gcsfs): a refusal, a bucket that is not there, a store that does not answer.
+HINTS = (
+    (
+        (
             "(403)",
             "PermissionError",
             "Forbidden",
             "AccessDenied",
+            "Access Denied",
             "SignatureDoesNotMatch",
             "InvalidAccessKeyId",
             "ExpiredToken",
-        )
-    ):
-        found += " (the store refused: check the credentials in its usual environment variables or config files)"
-    return found
+        ),
+        "the store refused: check the credentials in its usual environment variables "
+        "or config files, and their permissions on this URL",
+    ),
+    (
+        ("NoSuchBucket", "bucket does not exist"),
+        "no such bucket: create it, or correct the URL",
+    ),
+    (
+        (
+            "Could not connect",
+            "Connect call failed",
+            "Connection refused",
+            "ConnectTimeout",
+            "Name or service not known",
+            "Temporary failure in name resolution",
+        ),
+        "the store does not answer: check its endpoint (AWS_ENDPOINT_URL for s3://, or "
+        "the backend's config file) and the network",
+    ),
+)
+
+
+def cause(error: BaseException) -> str:
+    """The innermost OS error (errno and file), else a storage client's error, else the first
+    line; a refusal, a missing bucket or an unreachable store also says what to check.
+    """
+    return store_problem(error) or _cause(error)
+
+
+def store_problem(error: BaseException) -> str | None:
+    """`cause(error)` when the store refused, has no such bucket or does not answer; None
+    for anything else (a missing file, a bad value: the caller says what those mean)."""
+    found = _cause(error)
+    for words, hint in HINTS:
+        if any(word in found for word in words):
+            return f"{found} ({hint})"
+    return None
 
 
 def _cause(error: BaseException) -> str:

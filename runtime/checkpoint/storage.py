@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import socket
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -132,6 +133,17 @@ class Remote:
             complete = [path for _, path in self.steps() if self.is_complete(path)]
             for old in (old for old in complete[:-keep] if old != current):
                 self.remove(old)
+
+    def check_writable(self) -> None:
+        """List the folder, then write a small object into it and delete it: what a save
+        does, so the store's error (credentials, permissions, a missing bucket, an endpoint
+        that does not answer) comes now, not at the first save. Nothing stays behind."""
+        self.steps()
+        probe = self.join(
+            f".scaffold-access-check-{socket.gethostname()}-{os.getpid()}"
+        )
+        self.fs.pipe_file(probe, b"")
+        self.fs.rm(probe)
 
     def upload(self, local: Path, path: str, threads: int = 8) -> None:
         """Every file of the local folder `local` into `path`, in parallel."""

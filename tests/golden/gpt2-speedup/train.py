@@ -72,7 +72,8 @@ class Config:
     # evaluation, logging, checkpoints
     eval_interval: Time = Time.parse("100ba")  # validation loss every ...
     eval_batches: int = 8  # validation batches per evaluation
-    log_interval: Time = Time.parse("1ba")  # a metrics.jsonl line every ...
+    log_interval: Time = Time.parse("1ba")  # a metrics.jsonl record every ...
+    console_interval: Time = Time.parse("0.05dur")  # printed (no terminal) every ...
     trackers: str = ""  # also log to: tensorboard,mlflow,wandb
     # early stopping: when early_stop_metric (e.g. val_loss; "": never)
     # has not improved by more than early_stop_min_delta for early_stop_patience
@@ -122,6 +123,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     problem = fsdp.check(parallel, env)
     problem = problem or microbatch.check(cfg.device_microbatch_size, auto=False)
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
+    problem = problem or checkpoint.check_access(cfg.save_folder, cfg.load_path)
     problem = problem or early_stop.check(
         cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_min_delta
     )
@@ -323,8 +325,7 @@ def main() -> None:
     model = model.to(env.device)
     num_params = model.num_params()
 
-    # One live start per run (a requeue racing a dying job is refused): an OS lock that
-    # kill -9 releases, taken after all input is read (bad input leaves no run folder).
+    # One live start per run (an OS lock that kill -9 frees), once all input is read.
     with config.failing(runlock.RunInUse):
         run_lock = runlock.acquire(run_dir)
 
@@ -379,7 +380,7 @@ def main() -> None:
             autoresume=cfg.autoresume,
             seed=cfg.seed,
         )
-    monitor.start(progress)  # metrics.jsonl and the progress bar from where training is
+    monitor.start(progress, cfg.console_interval)  # metrics and the bar from here on
     monitor.record_run(config.to_toml(cfg), Path(__file__), env.device, env.world_size)
     monitor.measure(
         env.device, env.world_size, cfg.precision, flops_per_token=flops_per_token
@@ -395,7 +396,7 @@ def main() -> None:
     profiler = profile.Profiler(
         cfg.profile, run_dir, env.rank, env.device, cfg.max_duration, monitor.info
     )
-    # SIGUSR1 (SLURM's pre-emption notice) or SIGTERM: finish the step, save, stop.
+    # SIGUSR1 (SLURM's notice), SIGTERM or torchrun gone: finish the step, save, stop.
     preemption = preempt.Preemption()
 
     # event: FIT_START
@@ -474,8 +475,7 @@ def main() -> None:
             monitor.update(progress)
             profiler.step(progress)  # records the --profile window, writes its traces
             finished = progress.reached(cfg.max_duration)
-            # SIGUSR1/SIGTERM on any rank: every rank saves and stops after this step.
-            stopping = preemption.agreed()
+            stopping = preemption.agreed()  # any rank's signal: all save, stop after it
             metrics = {}
             if progress.at_interval(cfg.eval_interval, cfg.max_duration) or finished:
                 # event: EVAL

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from runtime import shards
+from runtime import dist, shards
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 CIFAR_FILES = [f"data_batch_{i}.bin" for i in range(1, 6)]
@@ -569,13 +569,14 @@ def loader(
     batches: Batches, start: int, num_workers: int, pin_memory: bool
 ) -> torch.utils.data.DataLoader:
     """Batches start, start + 1, ... of the epoch; decoded in `num_workers` processes
-    while the model trains (0: in this process)."""
+    while the model trains (0: in this process), which die with this one."""
     return torch.utils.data.DataLoader(
         batches,
         batch_size=None,  # items are whole batches already
         sampler=range(start, len(batches)),
         num_workers=num_workers,
         pin_memory=pin_memory,
+        worker_init_fn=dist.end_with_parent,  # killed with their rank, even mid-batch
     )
 
 
