@@ -37,7 +37,7 @@ out = Console(highlight=False, soft_wrap=True)
 
 def _print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
     """A table on a terminal; into a pipe or a file, one tab-separated line per row under
-    a header line, nothing wrapped or cut, so `grep` sees a whole row and `cut -f` a cell."""
+    a header line, nothing wrapped or cut: `grep` sees a whole row, `cut -f` a cell."""
     if out.is_terminal:
         table = Table(*header, box=None, show_edge=False)
         for row in rows:

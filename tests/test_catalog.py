@@ -212,7 +212,7 @@ def listed(stdout: str) -> list[list[str]]:
 @pytest.mark.parametrize("task", [None, "causal_lm"])
 def test_piped_algorithms_are_one_whole_line_each_by_name(task: str | None) -> None:
     """`scaffold algorithms | grep NAME` finds an algorithm's whole row in an 80-column
-    terminal: nothing cut with "…" or wrapped onto a second line; rows ordered by name."""
+    terminal: nothing cut with "…", nothing wrapped onto a next line; by name."""
     catalog = load_algorithms(TEMPLATE)
     names = sorted(n for n, a in catalog.items() if task is None or task in a.tasks)
     args = ("--task", task) if task else ()
