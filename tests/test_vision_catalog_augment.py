@@ -158,33 +158,70 @@ def test_each_operation_does_what_it_says(ra) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "severity", "low", "high"),
+    ("name", "severity", "low", "high", "brighter"),
     [
-        ("brightness", 10, 0.1, 10.0),  # Composer's default ("all"), at hot's severity
-        ("brightness", 3, 0.73, 3.0),  # AugMix's severity: it may brighten too
-        ("brightness_original", 10, 0.1, 1.9),  # "original": AugMix's code
+        # Composer's default ("all"), at hot's severity: half the draws strengthen, in
+        # 1..10, and brightness() multiplies those by 0.75 (augmentation_primitives.py,
+        # `brightness`): 0.75..7.5, above 1 for (10 - 4/3) / 9 of them.
+        ("brightness", 10, 0.1, 7.5, 0.5 * (10 - 4 / 3) / 9),
+        ("brightness", 3, 0.73, 2.25, 0.5 * (3 - 4 / 3) / 2),  # AugMix's severity
+        ("contrast", 10, 0.1, 10.0, 0.5),  # the other colour factors: not reduced
+        ("brightness_original", 10, 0.1, 1.9, 0.5),  # "original": AugMix's code
     ],
 )
 def test_colour_factors_follow_composers_augmentation_sets(
-    ra, name: str, severity: int, low: float, high: float
+    ra, name: str, severity: int, low: float, high: float, brighter: float
 ) -> None:
-    """Brightness on a grey level of 20 (no clipping up to 10x): the factors drawn span
-    Composer's range for the set; "all" weakens and strengthens equally often."""
+    """Brightness on a grey level of 20, contrast on a checkerboard of 108 and 128
+    about their mean 118 (no clipping up to 10x): the factors drawn span Composer's
+    range for the set and exceed 1 as often."""
     data = ra["data"]
-    image = torch.full((3, 4, 4), 20, dtype=torch.uint8)
+    if name == "contrast":
+        image = torch.full((3, 4, 4), 108, dtype=torch.uint8)
+        image[:, ::2, ::2] = image[:, 1::2, 1::2] = 128
+        base, level = 118, 128
+    else:
+        image = torch.full((3, 4, 4), 20, dtype=torch.uint8)
+        base, level = 0, 20
     rng = np.random.default_rng(0)
     factors = np.array(
         [
-            data.random_operation(image, name, severity, rng)[0, 0, 0].item() / 20
-            for _ in range(400)
+            (data.random_operation(image, name, severity, rng)[0, 0, 0].item() - base)
+            / (level - base)
+            for _ in range(800)
         ]
     )
-    step = 0.5 / 20  # the rounding to whole levels
+    step = 0.5 / (level - base)  # the rounding to whole levels
     assert factors.min() >= low - step and factors.max() <= high + step
     assert factors.min() < low + 0.1 * (high - low)
     assert factors.max() > high - 0.1 * (high - low)
-    if name == "brightness":
-        assert 0.4 < (factors > 1 + step).mean() < 0.6
+    assert abs((factors > 1 + step).mean() - brighter) < 0.06
+
+
+@pytest.mark.parametrize(("height", "width"), [(6, 30), (30, 6)])
+def test_translations_reach_a_third_of_their_own_side(
+    ra, height: int, width: int
+) -> None:
+    """translate_x moves by up to a third of the width, translate_y of the height
+    (Composer's translate_x and translate_y: PIL's size[0] and size[1])."""
+    data = ra["data"]
+    # Every pixel holds its column + 1 (translate_x) or row + 1 (translate_y).
+    columns = torch.arange(1, width + 1, dtype=torch.uint8).expand(1, height, width)
+    rows = torch.arange(1, height + 1, dtype=torch.uint8)[:, None].expand(
+        1, height, width
+    )
+    rng = np.random.default_rng(0)
+    for name, image, side, along in (
+        ("translate_x", columns, width, 2),
+        ("translate_y", rows, height, 1),
+    ):
+        shifts = set()
+        for _ in range(200):
+            moved = data.random_operation(image, name, 10, rng)
+            kept = moved[0][moved[0] > 0].float()  # black came in where it moved from
+            source = image[0][moved[0] > 0].float()
+            shifts.add(int((kept - source).abs().max().item()))
+        assert max(shifts) == int(side / 3 * 0.999), (name, sorted(shifts))
 
 
 # ---------------------------------------------------------------- pure functions of (seed, epoch, index)
