@@ -58,7 +58,17 @@ def projects(
             "[algorithms.randaugment]\n[algorithms.progressive_resizing]\n"
             "initial_scale = 0.5\ndelay_fraction = 0.2\nfinetune_fraction = 0.2\n",
         ),
-        "augmix": render(root, "am", "[algorithms.augmix]\njsd = true\n"),
+        # The batch algorithms that take the consistency loss's views too.
+        "augmix": render(
+            root,
+            "am",
+            "[algorithms.augmix]\njsd = true\n[algorithms.mixup]\n[algorithms.cutmix]\n"
+            "[algorithms.cutout]\nper_image = true\n",
+        ),
+        # ... and those that refuse them.
+        "augmix_flat": render(
+            root, "amf", "[algorithms.augmix]\n[algorithms.channels_last]\n"
+        ),
     }
 
 
@@ -300,13 +310,47 @@ def test_augmix_jsd_equals_its_closed_form(am) -> None:
     assert abs(same.item()) < 1e-6
 
 
+def test_mixers_treat_the_views_of_an_image_alike(am) -> None:
+    """On the consistency loss's (N, 3, C, H, W) batches MixUp and CutMix mix each view
+    of an image with the same view of its partner."""
+    train = am["train"]
+    x = torch.randn(4, 3, 1, 6, 6, generator=torch.Generator().manual_seed(0))
+    y = torch.tensor([0, 1, 2, 3])
+    perm = torch.tensor([2, 0, 3, 1])
+    mixed, targets = train.mixup_batch(x, y, 10, 0.3, perm, rank=0)
+    torch.testing.assert_close(mixed, 0.3 * x + 0.7 * x[perm])
+    assert targets.shape == (4, 10)
+    box = (1, 4, 2, 5)
+    cut, _, lam = train.cutmix_batch(x, y, 10, box, perm, rank=0)
+    expected = x.clone()
+    expected[..., 1:4, 2:5] = x[perm][..., 1:4, 2:5]
+    assert torch.equal(cut, expected) and lam == 1 - 9 / 36
+
+
+def test_augmix_jsd_refuses_the_batch_algorithms_that_take_one_view(
+    projects: dict[str, Path], tmp_path: Path
+) -> None:
+    project = projects["augmix_flat"]
+    plain = run_train(project, tmp_path, *SMALL, "--max_duration=1ba", "--run_name=ok")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    result = run_train(project, tmp_path, *SMALL, "--augmix_jsd=true", "--run_name=bad")
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: augmix_jsd=true batches three views of each image, which channels_last "
+        "cannot take; set --augmix_jsd=false or remove it (scaffold remove NAME)"
+    ]
+    assert not (tmp_path / "runs" / "bad").exists()
+
+
 def test_augmix_jsd_step_does_not_depend_on_the_microbatch_size(
     projects: dict[str, Path], tmp_path: Path
 ) -> None:
+    """The views through MixUp (step 1), CutMix (step 2: seed 1's shared draws) and
+    per-image CutOut, then the consistency loss: the same steps for any microbatch."""
     args = [a for a in SMALL if "microbatch" not in a] + [
         "--max_duration=2ba",
         "--eval_interval=2ba",
         "--lr=0.5",
+        "--seed=1",
     ]
     runs = {}
     for micro in (2, 8):
@@ -320,6 +364,8 @@ def test_augmix_jsd_step_does_not_depend_on_the_microbatch_size(
         assert result.returncode == 0, result.stderr[-3000:]
         runs[micro] = [row["loss"] for row in read_metrics(tmp_path, f"m{micro}")]
     assert runs[2] == pytest.approx(runs[8], abs=2e-6)
+    rows = read_metrics(tmp_path, "m8")
+    assert rows[0]["mixup_lambda"] < 1.0 and rows[1]["cutmix_lambda"] < 1.0
     unweighted = run_train(
         projects["augmix"], tmp_path, *args, "--augmix_jsd_weight=0", "--run_name=w0"
     )
