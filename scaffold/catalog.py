@@ -515,7 +515,8 @@ def load_questions(template: Path) -> dict[str, dict[str, Any]]:
 
 
 def recipe_paths(template: Path) -> dict[str, Path]:
-    return {path.stem: path for path in sorted((template / "recipes").glob("*.toml"))}
+    paths = sorted((template / "recipes").glob("*.toml"), key=lambda path: path.stem)
+    return {path.stem: path for path in paths}
 
 
 def _answer_type(question: dict[str, Any]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
@@ -32,6 +33,24 @@ app = typer.Typer(
 )
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False, soft_wrap=True)
+
+
+def _print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    """A table on a terminal; into a pipe or a file, one tab-separated line per row under
+    a header line, nothing wrapped or cut: `grep` sees a whole row, `cut -f` a cell."""
+    if out.is_terminal:
+        table = Table(*header, box=None, show_edge=False)
+        for row in rows:
+            table.add_row(*row)
+        # The first column names the row: never folded; the others wrap, never cut.
+        table.columns[0].no_wrap = True
+        table.columns[0].min_width = max(map(len, [header[0], *(r[0] for r in rows)]))
+        for column in table.columns[1:]:
+            column.overflow = "fold"
+        out.print(table)
+        return
+    for row in (header, *rows):
+        typer.echo("\t".join(row))  # rich would expand the tabs
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
@@ -257,13 +276,14 @@ def check(
         report = run_check(project)
     except (CheckError, HistoryError) as error:
         raise _fail(str(error)) from None
-    table = Table("algorithm", "status", "blocks", "where", box=None, show_edge=False)
-    for state in report.algorithms:
-        table.add_row(
-            state.name, state.status, state.blocks or "-", state.detail or "-"
-        )
     out.print(f"{project} (template {report.version})", markup=False)
-    out.print(table)
+    _print_table(
+        ("algorithm", "status", "blocks", "where"),
+        [
+            (state.name, state.status, state.blocks or "-", state.detail or "-")
+            for state in report.algorithms
+        ],
+    )
     markers = [m for m in report.markers if m.status != "present"]
     present = len(report.markers) - len(markers)
     out.print(
@@ -295,15 +315,26 @@ def diff(
         out.print(line, markup=False, highlight=False)
 
 
+JSON_HELP = "Print JSON (one object per entry, every field whole) instead of a table."
+
+
 @app.command()
-def recipes() -> None:
+def recipes(
+    as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
+) -> None:
     """List the shipped recipes."""
     template = template_dir()
-    table = Table("recipe", "algorithms", "description", box=None, show_edge=False)
-    for name in recipe_paths(template):
-        recipe = load_recipe(name, template)
-        table.add_row(name, ", ".join(recipe.algorithms) or "-", recipe.description)
-    out.print(table)
+    shipped = [load_recipe(name, template) for name in recipe_paths(template)]
+    if as_json:
+        out.print_json(data=[dataclasses.asdict(recipe) for recipe in shipped])
+        return
+    _print_table(
+        ("recipe", "algorithms", "description"),
+        [
+            (recipe.name, ", ".join(recipe.algorithms) or "-", recipe.description)
+            for recipe in shipped
+        ],
+    )
 
 
 @app.command()
@@ -312,42 +343,53 @@ def algorithms(
         Optional[str],
         typer.Option("--task", help="Only the algorithms that apply to this task."),
     ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
-    """List the algorithm catalog: what each does, where it hooks in, its hyperparameters."""
+    """List the algorithm catalog by name: what each does, where it hooks in, its hyperparameters."""
     template = template_dir()
     tasks = load_tasks(template)
     if task is not None and task not in tasks:
         close = difflib.get_close_matches(task, list(tasks), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise _fail(f"unknown task '{task}'{hint}; tasks: {', '.join(tasks)}")
-    table = Table(
-        "algorithm",
-        "events",
-        "tasks",
-        "hyperparameters",
-        "hub models",
-        "summary",
-        box=None,
-        show_edge=False,
+    listed = sorted(
+        (
+            algorithm
+            for algorithm in load_algorithms(template).values()
+            if task is None or task in algorithm.tasks
+        ),
+        key=lambda algorithm: algorithm.name,
     )
-    for algorithm in load_algorithms(template).values():
-        if task is not None and task not in algorithm.tasks:
-            continue
+    if as_json:
+        out.print_json(
+            data=[
+                {**dataclasses.asdict(algorithm), "events": list(algorithm.events)}
+                for algorithm in listed
+            ]
+        )
+        return
+    rows = []
+    for algorithm in listed:
         params = ", ".join(
             f"{p.name}={p.default}"
             + (f" in {p.range}" if p.range else "")
             + (f" of {'|'.join(map(str, p.choices))}" if p.choices else "")
             for p in algorithm.hyperparameters.values()
         )
-        table.add_row(
-            algorithm.name,
-            ", ".join(algorithm.events),
-            ", ".join(algorithm.tasks),
-            params or "-",
-            algorithm.hub_models or "-",
-            algorithm.summary,
+        rows.append(
+            (
+                algorithm.name,
+                ", ".join(algorithm.events),
+                ", ".join(algorithm.tasks),
+                params or "-",
+                algorithm.hub_models or "-",
+                algorithm.summary,
+            )
         )
-    out.print(table)
+    _print_table(
+        ("algorithm", "events", "tasks", "hyperparameters", "hub models", "summary"),
+        rows,
+    )
 
 
 @app.command()

@@ -62,16 +62,17 @@ def isolated_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 def scaffold_cli(
-    *args: str, cwd: Path | None = None
+    *args: str, cwd: Path | None = None, columns: int = 200
 ) -> subprocess.CompletedProcess[str]:
-    """Run the `scaffold` command line as a user would (the installed console script's module)."""
+    """Run the `scaffold` command line as a user would (the installed console script's
+    module), its output into a pipe, in a terminal `columns` wide."""
     return subprocess.run(
         [sys.executable, "-m", "scaffold", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=300,
-        env={**checkout_env(), "COLUMNS": "200"},
+        env={**checkout_env(), "COLUMNS": str(columns)},
     )
 
 

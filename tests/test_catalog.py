@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import os
+import pty
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import scaffold_cli
+from projects import checkout_env
 from scaffold.catalog import (
     EVENTS,
     RecipeError,
@@ -17,6 +22,7 @@ from scaffold.catalog import (
     load_algorithms,
     load_recipe,
     parse_override,
+    recipe_paths,
     resolve,
 )
 from scaffold.paths import template_dir
@@ -184,10 +190,10 @@ def test_cli_lists_recipes_and_algorithms() -> None:
     algorithms = scaffold_cli("algorithms")
     assert algorithms.returncode == 0
     image = scaffold_cli("algorithms", "--task", "image_classification")
-    rows = {line.split()[0]: line for line in image.stdout.splitlines() if line.strip()}
-    assert "hub models" in image.stdout
-    assert " surgery " in rows["blurpool"] and " refused " in rows["stochastic_depth"]
-    assert " any " in rows["mixup"]
+    rows = {line.split("\t")[0]: line.split("\t") for line in image.stdout.splitlines()}
+    assert rows["algorithm"][4] == "hub models"
+    assert rows["blurpool"][4] == "surgery" and rows["stochastic_depth"][4] == "refused"
+    assert rows["mixup"][4] == "any"
     for name in (
         "alibi",
         "seq_length_warmup",
@@ -196,6 +202,91 @@ def test_cli_lists_recipes_and_algorithms() -> None:
         "min_len=8",
     ):
         assert name in algorithms.stdout
+
+
+def listed(stdout: str) -> list[list[str]]:
+    """A piped listing's rows: one tab-separated line each, below the header line."""
+    return [line.split("\t") for line in stdout.splitlines()[1:]]
+
+
+@pytest.mark.parametrize("task", [None, "causal_lm"])
+def test_piped_algorithms_are_one_whole_line_each_by_name(task: str | None) -> None:
+    """`scaffold algorithms | grep NAME` finds an algorithm's whole row in an 80-column
+    terminal: nothing cut with "…", nothing wrapped onto a next line; by name."""
+    catalog = load_algorithms(TEMPLATE)
+    names = sorted(n for n, a in catalog.items() if task is None or task in a.tasks)
+    args = ("--task", task) if task else ()
+    result = scaffold_cli("algorithms", *args, columns=80)
+    assert result.returncode == 0, result.stderr
+    assert "…" not in result.stdout
+    assert result.stdout.splitlines()[0].split("\t") == [
+        "algorithm",
+        "events",
+        "tasks",
+        "hyperparameters",
+        "hub models",
+        "summary",
+    ]
+    rows = listed(result.stdout)
+    assert [row[0] for row in rows] == names
+    for name, events, tasks, params, _, summary in rows:
+        assert events == ", ".join(catalog[name].events)
+        assert tasks == ", ".join(catalog[name].tasks)
+        for param, hp in catalog[name].hyperparameters.items():
+            assert f"{param}={hp.default}" in params
+        assert summary == catalog[name].summary
+    as_json = json.loads(scaffold_cli("algorithms", *args, "--json").stdout)
+    assert [entry["name"] for entry in as_json] == names
+    alibi = next(entry for entry in as_json if entry["name"] == "alibi")
+    assert alibi["events"] == list(catalog["alibi"].events)
+    assert alibi["hyperparameters"]["train_sequence_length_scaling"]["default"] == 0.25
+
+
+def test_piped_recipes_are_one_whole_line_each_by_name() -> None:
+    names = sorted(recipe_paths(TEMPLATE))
+    result = scaffold_cli("recipes", columns=80)
+    assert result.returncode == 0, result.stderr
+    rows = listed(result.stdout)
+    assert [row[0] for row in rows] == names
+    for name, algorithms, description in rows:
+        recipe = load_recipe(name, TEMPLATE)
+        assert algorithms == (", ".join(recipe.algorithms) or "-")
+        assert description == recipe.description
+    as_json = json.loads(scaffold_cli("recipes", "--json").stdout)
+    assert [entry["name"] for entry in as_json] == names
+    speedup = next(entry for entry in as_json if entry["name"] == "gpt2-speedup")
+    assert speedup["algorithms"] == load_recipe("gpt2-speedup", TEMPLATE).algorithms
+
+
+def on_terminal(*args: str, columns: int) -> str:
+    """The `scaffold` command line's output on a terminal `columns` wide (a pseudo-terminal)."""
+    leader, follower = pty.openpty()
+    command = subprocess.Popen(
+        [sys.executable, "-m", "scaffold", *args],
+        stdout=follower,
+        stderr=subprocess.DEVNULL,
+        env={**checkout_env(), "COLUMNS": str(columns)},
+    )
+    os.close(follower)
+    output = b""
+    while True:  # read as it comes: a full pseudo-terminal would block the command
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the command closed the terminal
+            break
+        if not chunk:
+            break
+        output += chunk
+    os.close(leader)
+    assert command.wait(timeout=60) == 0
+    return re.sub(r"\x1b\[[0-9;]*m", "", output.decode())
+
+
+def test_a_narrow_terminal_wraps_the_catalog_and_cuts_no_name() -> None:
+    text = on_terminal("algorithms", columns=80)
+    assert "…" not in text
+    first_cells = {line.split()[0] for line in text.splitlines() if line.strip()}
+    assert set(load_algorithms(TEMPLATE)) <= first_cells
 
 
 @pytest.mark.parametrize("command", [[], ["new"], ["recipes"], ["algorithms"]])

@@ -119,7 +119,7 @@ def test_cli_check_and_diff_of_an_unedited_project(generated: dict[str, Path]) -
             for path in project.glob("*.py")
         )
         assert re.search(
-            rf"{name} +intact +{count}/{count}", result.stdout
+            rf"^{name}\tintact\t{count}/{count}\t", result.stdout, re.MULTILINE
         ), result.stdout
     assert "event markers: 14 of 14 in place" in result.stdout
     assert "ok: upgrade, add and remove can proceed" in result.stdout

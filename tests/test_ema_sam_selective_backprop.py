@@ -284,7 +284,93 @@ def test_sam_gradient_is_the_gradient_at_the_ascended_weights(modules) -> None:
     assert bowl.step_stats.item() == 2.0  # the second pass's statistics dropped
 
 
+def test_sam_steps_count_from_the_first(project: Path, tmp_path: Path) -> None:
+    """A SAM step every `interval` steps from step 0 on (Composer's from step k - 1):
+    with interval 2 the steps 0 and 2, with interval 1000 step 0 alone, so the two runs
+    part at step 2 (the loss after it differs), not at step 1 (Composer's phase)."""
+    losses = {}
+    for interval in (2, 1000):
+        args = [
+            "--max_duration=4ba",
+            "--eval_interval=1000ba",
+            "--save_interval=1000ba",
+            f"--sam_interval={interval}",
+            f"--run_name=sam{interval}",
+        ]
+        ok(run_train(project, tmp_path, *small(*args)))
+        rows = read_metrics(tmp_path, f"sam{interval}")
+        losses[interval] = [row["loss"] for row in rows if "loss" in row]
+    assert losses[2][:3] == losses[1000][:3]  # steps 1-3: after steps 0 and 1
+    assert losses[2][3] != losses[1000][3]  # step 4: after SAM step 2 or a plain one
+
+
 # ---------------------------------------------------------------- selective backprop
+
+
+def test_selective_backprop_scores_antialiased_images_by_cross_entropy(
+    modules,
+) -> None:
+    """The scoring forward at scale_factor 0.5 sees the images resized with
+    antialiasing (Composer's F.interpolate does not antialias), and its score is the
+    cross-entropy on the real labels: the kept samples are the highest such losses."""
+    train = modules["train"]
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 3))
+    inputs, labels = torch.randn(16, 3, 8, 8), torch.randint(0, 3, (16,))
+    cfg = train.Config(
+        selective_backprop_scale_factor=0.5,
+        precision="fp32",
+        selective_backprop_sampling="top",
+    )
+    env = train.dist.environment("cpu")
+
+    def top(antialias: bool) -> list[int]:
+        small_images = F.interpolate(
+            inputs, scale_factor=0.5, mode="bilinear", antialias=antialias
+        )
+        with torch.no_grad():
+            scores = F.cross_entropy(net(small_images), labels, reduction="none")
+        return sorted(torch.argsort(scores, descending=True, stable=True)[:4].tolist())
+
+    assert top(True) != top(False)  # the two resizings keep other samples here
+    rng = np.random.default_rng(0)  # unused by "top"
+    kept_x, _ = train.select_high_loss(net, inputs, labels, 4, cfg, env, 8, rng)
+    assert torch.equal(kept_x, inputs[top(True)])
+
+
+def test_selective_backprop_scoring_leaves_the_batchnorm_statistics(modules) -> None:
+    """The running statistics after a selection step are the training forward's alone
+    (Composer's scoring forward updates them too): the scoring forward's group
+    statistics are dropped when forward_backward starts."""
+    train, model_module = modules["train"], modules["model"]
+    inputs, labels = torch.randn(12, 1, 8, 8), torch.arange(12) % 10
+    cfg = train.Config(precision="fp32", selective_backprop_sampling="top")
+    env = train.dist.environment("cpu")
+
+    def resnet() -> torch.nn.Module:
+        torch.manual_seed(0)
+        config = model_module.ResNetConfig(
+            num_classes=10,
+            in_channels=1,
+            bn_group_size=2,
+            **model_module.PRESETS["tiny"],
+        )
+        return model_module.ResNet(config)
+
+    scored, plain = resnet(), resnet()
+    rng = np.random.default_rng(0)  # unused by "top"
+    kept = train.select_high_loss(scored, inputs, labels, 4, cfg, env, 4, rng)
+    for net in (scored, plain):
+        train.forward_backward(net, *kept, 4, 1.0, cfg)
+        train.update_running_stats(net, lambda total: total)
+    norms = [
+        [m for m in net.modules() if hasattr(m, "step_stats")]
+        for net in (scored, plain)
+    ]
+    assert norms[0] and all(m.num_batches_tracked.item() == 1 for m in norms[0])
+    for a, b in zip(*norms, strict=True):
+        assert torch.equal(a.running_mean, b.running_mean)
+        assert torch.equal(a.running_var, b.running_var)
 
 
 def test_selective_backprop_keeps_the_top_loss_samples_and_the_gradient_is_theirs(

@@ -4,6 +4,7 @@ where it comes from."""
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,9 @@ def test_recipes_cite_the_composer_yaml_they_follow_and_list_differences(
     assert re.search(r"differen", header, re.IGNORECASE), header
     if 'model_family = "resnet"' in path.read_text():
         assert "fan_in" in header and "DecoupledSGDW" in header, header
+        # The precision it states against Composer's AMP is the one it sets.
+        precision = tomllib.loads(path.read_text())["answers"]["precision"]
+        words = " ".join(header.split())
+        stated = {"fp32": "fp32 (TF32 tensor cores on a GPU) where", "amp_bf16": "bf16"}
+        assert stated[precision] in words and "AMP" in words, (precision, words)
+        assert precision == "amp_bf16" or "bf16 autocast where" not in words, words

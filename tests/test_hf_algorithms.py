@@ -1,5 +1,6 @@
-"""layer_freezing and low_precision_layernorm on the text_classification task: their effects,
-and layer freezing's bitwise resume after the process dies (Composer's cannot resume).
+"""layer_freezing and low_precision_layernorm on the text_classification task: their effects
+(layer freezing by Composer's leaf modules and by FSDP units), and layer freezing's bitwise
+resume after the process dies (Composer's cannot resume).
 low_precision_layernorm lives in model.py (issue 25): load_model turns transformers' LayerNorm
 layers into it, and the GPT (causal_lm) builds its LayerNorms as such."""
 
@@ -82,6 +83,60 @@ def train(
     )
 
 
+def composer_layers(module: torch.nn.Module, prefix: str = "") -> list[str]:
+    """Composer's LayerFreezing `_get_layers`, with names: a depth-first search for the
+    modules that hold parameters and have no children."""
+    children = list(module.named_children())
+    if not children:
+        return [prefix] if any(True for _ in module.parameters()) else []
+    return [
+        found
+        for name, child in children
+        for found in composer_layers(child, f"{prefix}{name}.")
+    ]
+
+
+def test_layer_freezing_freezes_composers_leaf_modules_at_its_defaults(
+    project: Path, tmp_path: Path
+) -> None:
+    """units=leaves (the default): the earliest of all but the last of Composer's
+    layers (embedding tables, each Linear and LayerNorm, the pooler) stop changing,
+    int(count * level * ramp) of them at each step; the later ones and the head train.
+    """
+    args = ["--max_duration=4ba", "--save_interval=1ba", "--run_name=leaves"]
+    args.append("--save_num_checkpoints_to_keep=0")  # keep every step's
+    result = train(project, tmp_path, *args)
+    assert result.returncode == 0, result.stderr
+    with project_modules(project) as modules:
+        tokenizer = modules["model"].load_tokenizer("tiny", ["a tiny text"])
+        model = modules["model"].load_model("tiny", 2, tokenizer, 16)
+    layers = composer_layers(model)
+    assert (
+        layers[-1] == "classifier." and len(layers) == 22
+    )  # 4 + 2 x 8 + pooler + head
+    freezable = layers[:-1]
+    counts = [int(len(freezable) * (step - 1) / 4) for step in (1, 2, 3, 4)]
+    assert [r["frozen_layers"] for r in read_metrics(tmp_path, "leaves")] == counts
+    weights = {}
+    for step in (2, 3, 4):
+        out = tmp_path / f"step-{step}.safetensors"
+        export_safetensors(
+            tmp_path / "runs" / "leaves" / "checkpoints" / f"step-{step}", out
+        )
+        weights[step] = load_file(out)
+
+    def changed(layer: str, a: int, b: int) -> bool:
+        keys = [k for k in weights[a] if k.startswith(layer)]
+        assert keys, layer
+        return any(not torch.equal(weights[a][k], weights[b][k]) for k in keys)
+
+    for step in (3, 4):  # frozen: unchanged by the step; the next one trains
+        frozen = counts[step - 1]
+        assert not any(changed(layer, step - 1, step) for layer in freezable[:frozen])
+        assert changed(freezable[frozen], step - 1, step)
+        assert changed("classifier.", step - 1, step)
+
+
 def test_layer_freezing_freezes_earliest_layers_and_resumes_bitwise(
     project: Path, tmp_path: Path
 ) -> None:
@@ -89,6 +144,7 @@ def test_layer_freezing_freezes_earliest_layers_and_resumes_bitwise(
         "--max_duration=4ba",
         "--save_interval=1ba",
         "--save_num_checkpoints_to_keep=0",
+        "--layer_freezing_units=blocks",
     ]
     whole = train(project, tmp_path, "--run_name=whole", *common)
     assert whole.returncode == 0, whole.stderr

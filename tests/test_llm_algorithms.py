@@ -3,7 +3,7 @@
 The full-weight model trains them in test_catalog_resume.py (kill -9 in a save, bitwise
 resume) and test_pairs.py (together); here the same project trains the tiny Llama's LoRA
 adapters twice, 4 steps, a checkpoint (adapters only) after each:
-- layer_freezing (start 0, level 1) freezes the first k - 1 of the 4 decoder layers in step
+- layer_freezing (start 0, level 1, by blocks) freezes the first k - 1 of the 4 decoder layers in step
   k: their adapters stop changing, the last layer's never do;
 - gradient_clipping: the logged grad_norm is the adapters' gradient norm before clipping
   (the same first step in both runs); with max_norm 1e-12 the adapters barely move
@@ -32,6 +32,7 @@ model = "tiny"
 lora = true
 [algorithms.layer_freezing]
 start = 0.0
+units = "blocks"
 [algorithms.gradient_clipping]
 """
 SMALL = [

@@ -154,14 +154,19 @@ def test_relu_squared_mlp_equals_a_hand_computation(modern) -> None:
 
 
 def test_glu_mlp_equals_a_hand_computation(glu) -> None:
+    """At its defaults the gate goes through GPT-2's own activation, the tanh GELU
+    (Composer's GatedLinearUnits takes the model's own: GeGLU)."""
     model = glu["model"]
     mlp = model.MLP(tiny(model))
     hidden = model.glu_hidden(128)
     x = torch.randn(3, 5, 128)
     value = x @ mlp.fc.weight[:hidden].T + mlp.fc.bias[:hidden]
     gate = x @ mlp.fc.weight[hidden:].T + mlp.fc.bias[hidden:]
-    manual = mlp.proj(value * gate * torch.sigmoid(gate))  # silu(g) = g * sigmoid(g)
+    inner = math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3)
+    manual = mlp.proj(value * 0.5 * gate * (1 + torch.tanh(inner)))
     torch.testing.assert_close(mlp(x), manual, rtol=1e-5, atol=1e-5)
+    swish = mlp.proj(value * gate * torch.sigmoid(gate))  # silu(g) = g * sigmoid(g)
+    assert not torch.allclose(mlp(x), swish, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("n_embd", [128, 384, 768, 1024, 1280, 1600])
@@ -181,12 +186,9 @@ def test_glu_parameter_count_follows_the_rule(glu, n_embd: int) -> None:
 
 def test_glu_activation_choice_is_checked(tmp_path: Path) -> None:
     project = make_project(
-        tmp_path, '[algorithms.gated_linear_units]\nactivation = "gelu"\n'
+        tmp_path, '[algorithms.gated_linear_units]\nactivation = "silu"\n'
     )
-    assert (
-        'h = value * F.gelu(gate, approximate="tanh")'
-        in (project / "model.py").read_text()
-    )
+    assert "h = value * F.silu(gate)" in (project / "model.py").read_text()
     recipe = tmp_path / "bad.toml"
     recipe.write_text('[algorithms.gated_linear_units]\nactivation = "relu"\n')
     with pytest.raises(

@@ -26,7 +26,7 @@ from scaffold.render import new_project  # noqa: E402
 VOCAB, PAD = 64, 0
 PROJECTS = {
     "plain": "",
-    "glu": '[algorithms.gated_linear_units]\nactivation = "gelu"\n',
+    "glu": "[algorithms.gated_linear_units]\n",  # its defaults: BERT's own GELU
     "alibi": "[algorithms.alibi]\ntrain_sequence_length_scaling = 0.5\n",
     "padded": "[algorithms.alibi]\n[algorithms.gated_linear_units]\n",
     "unpadded": "[algorithms.alibi]\n[algorithms.gated_linear_units]\n"
@@ -116,7 +116,7 @@ def test_alibi_splits_masked_lm_rows_with_their_targets(
 
 def test_gated_linear_units_in_composers_bert_form(projects: dict[str, Path]) -> None:
     """The MLP is gelu(x W_gate) * (x W_value) W_out + b: one bias-free (8d x d) layer,
-    gate first, exact GELU, BERT's 4d hidden width kept (d*d*4 more weights per layer).
+    gate first, exact GELU (BERT's own: the default), BERT's 4d hidden width kept.
     """
     glu, _ = encoder(projects["glu"])
     plain, _ = encoder(projects["plain"])

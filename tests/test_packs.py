@@ -182,13 +182,7 @@ def test_a_misnamed_snippet_is_a_catalog_error(tmp_path: Path) -> None:
 def test_cli_events_are_derived_from_snippet_file_names() -> None:
     listing = scaffold_cli("algorithms")
     assert listing.returncode == 0, listing.stderr
-    rows: dict[str, str] = {}
-    name = ""
-    for line in listing.stdout.splitlines()[1:]:
-        if line.strip() and not line.startswith("  "):  # a row; else its wrapped cells
-            name = line.split()[0]
-        if name:
-            rows[name] = rows.get(name, "") + " " + line
+    rows = dict(line.split("\t", 1) for line in listing.stdout.splitlines()[1:])
     for name in CATALOG:
         spots = snippet_spots(name)
         expected = {

@@ -1,28 +1,47 @@
-"""Every combination composes: the algorithms the catalog allows together train for 2
+"""Every combination `scaffold add` accepts trains at its defaults: the algorithms the
+catalog allows together pass their start-up checks at their defaults, and train for 2
 steps, on the task they belong to (every task with more than one algorithm).
 
-In CI the pairs are grouped: for each allowed pair, the largest set of algorithms the
-catalog allows beside it (conflicts are the only exclusions), so a handful of projects
-trains every pair at once (every pair shares those projects' events, rows and targets);
-with --slow each pair also trains in a project of its own. A pair that cannot work is a
-declared conflict, refused at `scaffold new` (test_catalog.py). Selective backprop then
-MixUp or CutMix crashed here before the mixers paired the kept rows (issue 33)."""
+The pairs are grouped: for each pair `scaffold add` accepts, the largest set of algorithms
+it accepts beside it, so a handful of projects holds every pair (every pair shares those
+projects' events, rows and targets). Each group of every model family runs train.py's
+setup() at the Config's defaults (cheap: no launch); the first family's groups also train
+(the mixers at their defaults too: they take turns); with --slow each pair also trains in a
+project of its own. A pair that cannot work is a declared conflict, refused at `scaffold
+new` and `scaffold add` (test_catalog.py). Selective backprop then MixUp or CutMix crashed
+here before the mixers paired the kept rows; MixUp with CutMix at their defaults once
+refused to start (their shares added up to 2)."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from projects import DIFFUSION_TINY, LLM_TINY, TEXT_CLASSIFICATION_TINY, run_train
-from scaffold.catalog import load_algorithms, load_tasks
+from projects import (
+    DIFFUSION_TINY,
+    LLM_TINY,
+    TEXT_CLASSIFICATION_TINY,
+    project_modules,
+    read_metrics,
+    run_train,
+)
+from scaffold.catalog import (
+    RecipeError,
+    add_algorithm,
+    load_algorithms,
+    load_models,
+    load_tasks,
+)
 from scaffold.paths import template_dir
 from scaffold.render import new_project
 
 TEMPLATE = template_dir()
 CATALOG = load_algorithms(TEMPLATE)
-FAMILY = {name: task.models[0] for name, task in load_tasks(TEMPLATE).items()}
+MODELS = load_models(TEMPLATE)
+FAMILIES = {name: task.models for name, task in load_tasks(TEMPLATE).items()}
 # Two tiny steps per task, evaluation and checkpoints out of the way.
 COMMON = ["--max_duration=2ba", "--eval_interval=1000ba", "--save_interval=1000ba"]
 TASK_ARGS = {
@@ -69,8 +88,10 @@ ACT_NOW = {
     "progressive_resizing": ["--progressive_resizing_delay_fraction=0"],
     "layer_freezing": ["--layer_freezing_start=0"],
 }
-# The batch mixers share one draw per step: each trains in a run of its own.
+# The batch mixers take turns (one shared draw per step): seed 1 gives step 0 to
+# mixup (its draw 0.149 falls below its half) and step 1 to cutmix (0.913).
 MIXERS = ("mixup", "cutmix")
+BOTH_MIXERS = ["--seed=1"]
 
 
 @pytest.fixture(autouse=True)
@@ -78,85 +99,163 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-def allowed(a: str, b: str) -> bool:
-    return b not in CATALOG[a].conflicts and a not in CATALOG[b].conflicts
+def accepted(names: list[str], task: str, family: str) -> bool:
+    """Whether `scaffold add` accepts `names`, added one by one to a project of `task`
+    on `family` (conflicts, requirements, the places only one algorithm may fill)."""
+    answers: dict[str, dict] = {}
+    try:
+        for name in names:
+            answers = add_algorithm(answers, name, [], CATALOG, task, MODELS[family])
+    except RecipeError:
+        return False
+    return True
 
 
-def on_cpu(task: str) -> list[str]:
-    """The algorithms of `task` that run on a CPU (these runs'; the CUDA-only memory
-    recorders refuse a CPU run in one line, test_packs.py) on its first model family."""
+def on_cpu(task: str, family: str) -> list[str]:
+    """The algorithms of `task` on `family` that run on a CPU (these runs'; the CUDA-only
+    memory recorders refuse a CPU run in one line, test_packs.py)."""
     return sorted(
         name
         for name, spec in CATALOG.items()
         if task in spec.tasks
         and (not spec.devices or "cpu" in spec.devices)
-        and (not spec.models or FAMILY[task] in spec.models)
+        and accepted([name], task, family)
     )
 
 
-def task_pairs(task: str) -> list[tuple[str, str]]:
-    names = on_cpu(task)
-    return [(a, b) for a, b in itertools.combinations(names, 2) if allowed(a, b)]
+def task_pairs(task: str, family: str) -> list[tuple[str, str]]:
+    names = on_cpu(task, family)
+    return [
+        (a, b)
+        for a, b in itertools.combinations(names, 2)
+        if accepted([a, b], task, family)
+    ]
 
 
-def groups(task: str) -> list[tuple[str, ...]]:
-    """Sets of algorithms allowed together that hold every allowed pair of `task`."""
-    names = on_cpu(task)
+def groups(task: str, family: str) -> list[tuple[str, ...]]:
+    """Sets of algorithms accepted together that hold every accepted pair of `task` on
+    `family` (its one algorithm, where it has one)."""
+    names = on_cpu(task, family)
     found: list[tuple[str, ...]] = []
-    for pair in task_pairs(task):
+    for pair in task_pairs(task, family) or [tuple(names)]:
         if any(set(pair) <= set(group) for group in found):
             continue
         chosen = list(pair)
         for name in names:
-            if name not in chosen and all(allowed(name, c) for c in chosen):
+            if name not in chosen and accepted([*chosen, name], task, family):
                 chosen.append(name)
         found.append(tuple(sorted(chosen)))
     return found
 
 
-def runs(task: str, algorithms: tuple[str, ...]) -> list[list[str]]:
-    """The runs that make each of `algorithms` act: one per batch mixer present."""
+def runs(task: str, algorithms: tuple[str, ...]) -> list[str]:
+    """Settings that make each of `algorithms` act within the 2 steps."""
     args = [*COMMON, *TASK_ARGS[task]]
     args += [flag for name in algorithms for flag in ACT_NOW.get(name, [])]
-    mixers = [m for m in MIXERS if m in algorithms]
-    return [
-        args + [f"--{m}_prob={1.0 if m == mine else 0.0}" for m in mixers]
-        for mine in mixers or [None]
-    ]
+    return args + (BOTH_MIXERS if set(MIXERS) <= set(algorithms) else [])
 
 
-def generate(root: Path, task: str, algorithms: tuple[str, ...]) -> Path:
-    recipe = f'[answers]\ntask = "{task}"\nmodel_family = "{FAMILY[task]}"\n'
+def generate(root: Path, task: str, family: str, algorithms: tuple[str, ...]) -> Path:
+    recipe = f'[answers]\ntask = "{task}"\nmodel_family = "{family}"\n'
     recipe += "".join(f"[algorithms.{name}]\n" for name in algorithms)
     (root / "recipe.toml").write_text(recipe)
     new_project(str(root / "recipe.toml"), root / "p", [], "p")
     return root / "p"
 
 
-def trains(task: str, algorithms: tuple[str, ...], tmp_path: Path) -> None:
-    project = generate(tmp_path, task, algorithms)
-    for i, args in enumerate(runs(task, algorithms)):
-        result = run_train(project, tmp_path, *args, f"--run_name=r{i}")
-        assert result.returncode == 0, (algorithms, args, result.stderr[-3000:])
+@pytest.fixture(scope="module")
+def rendered(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[str, str, tuple[str, ...]], Path]:
+    """Each group's project, generated once for the start-up check and the training."""
+    projects: dict[tuple, Path] = {}
+
+    def project(task: str, family: str, algorithms: tuple[str, ...]) -> Path:
+        key = (task, family, algorithms)
+        if key not in projects:
+            projects[key] = generate(tmp_path_factory.mktemp(task), *key)
+        return projects[key]
+
+    return project
 
 
-GROUPS = [(task, group) for task in TASK_ARGS for group in groups(task)]
-PAIRS = [(task, pair) for task in TASK_ARGS for pair in task_pairs(task)]
+def trains(
+    project: Path, task: str, algorithms: tuple[str, ...], workdir: Path
+) -> None:
+    args = runs(task, algorithms)
+    result = run_train(project, workdir, *args, "--run_name=r")
+    assert result.returncode == 0, (algorithms, args, result.stderr[-3000:])
+    for mixer in MIXERS:
+        if mixer in algorithms:  # it mixed a step
+            lambdas = [r[f"{mixer}_lambda"] for r in read_metrics(workdir, "r")]
+            assert min(lambdas) < 1.0, (mixer, lambdas)
 
 
-def test_the_groups_hold_every_allowed_pair() -> None:
-    for task, pair in PAIRS:
-        assert any(t == task and set(pair) <= set(g) for t, g in GROUPS), pair
+CHECKED = [
+    (task, family, group)
+    for task in TASK_ARGS
+    for family in FAMILIES[task]
+    for group in groups(task, family)
+]
+GROUPS = [
+    (task, group) for task, family, group in CHECKED if family == FAMILIES[task][0]
+]
+PAIRS = [
+    (task, pair) for task in TASK_ARGS for pair in task_pairs(task, FAMILIES[task][0])
+]
+
+
+def test_the_groups_hold_every_accepted_pair() -> None:
+    for task in TASK_ARGS:
+        for family in FAMILIES[task]:
+            for pair in task_pairs(task, family):
+                assert any(
+                    (t, f) == (task, family) and set(pair) <= set(g)
+                    for t, f, g in CHECKED
+                ), pair
     assert len(GROUPS) <= 2 * len(TASK_ARGS)  # a handful of projects in CI
+
+
+@pytest.mark.parametrize(
+    ("task", "family", "algorithms"),
+    CHECKED,
+    ids=[f"{family}:" + "+".join(g) for _, family, g in CHECKED],
+)
+def test_accepted_algorithms_pass_their_checks_at_their_defaults(
+    task: str,
+    family: str,
+    algorithms: tuple[str, ...],
+    rendered: Callable[[str, str, tuple[str, ...]], Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """train.py's start-up checks (setup()) at every default: no refusal."""
+    monkeypatch.chdir(tmp_path)
+    with project_modules(rendered(task, family, algorithms)) as modules:
+        train = modules["train"]
+        from runtime import dist
+
+        try:
+            train.setup(train.Config())
+        except SystemExit:
+            refusal = capsys.readouterr().err.strip()
+            pytest.fail(f"{'+'.join(algorithms)} at their defaults: {refusal}")
+        finally:
+            dist.shutdown()
 
 
 @pytest.mark.parametrize(
     ("task", "algorithms"), GROUPS, ids=["+".join(g) for _, g in GROUPS]
 )
 def test_allowed_algorithms_train_together(
-    task: str, algorithms: tuple[str, ...], tmp_path: Path
+    task: str,
+    algorithms: tuple[str, ...],
+    rendered: Callable[[str, str, tuple[str, ...]], Path],
+    tmp_path: Path,
 ) -> None:
-    trains(task, algorithms, tmp_path)
+    project = rendered(task, FAMILIES[task][0], algorithms)
+    trains(project, task, algorithms, tmp_path)
 
 
 @pytest.mark.slow
@@ -164,4 +263,6 @@ def test_allowed_algorithms_train_together(
 def test_each_allowed_pair_trains(
     task: str, pair: tuple[str, str], tmp_path: Path
 ) -> None:
-    trains(task, pair, tmp_path)
+    project = generate(tmp_path, task, FAMILIES[task][0], pair)
+    (tmp_path / "w").mkdir()
+    trains(project, task, pair, tmp_path / "w")

@@ -1030,6 +1030,13 @@ def test_upgrade_records_the_values_older_projects_trained_with() -> None:
     assert _recorded_values(current, catalog)["algorithms"]["randaugment"] == filled(
         "randaugment"
     )
+    # layer_freezing froze blocks up to 0.3.0; its units option came after.
+    freezing = {"layer_freezing": {"start": 0.5, "level": 1.0}}
+    at_0_3 = ProjectState(Path("p"), {"algorithms": freezing}, "0.3.0", __version__)
+    assert _recorded_values(at_0_3, catalog)["algorithms"]["layer_freezing"] == filled(
+        "layer_freezing", units="blocks"
+    )
+    assert filled("layer_freezing")["units"] == "leaves"  # Composer's, for new ones
     complete = {name: filled(name, **params) for name, params in recorded.items()}
     whole = ProjectState(Path("p"), {"algorithms": complete}, "0.3.0", __version__)
     assert _recorded_values(whole, catalog) == {}

@@ -58,7 +58,17 @@ def projects(
             "[algorithms.randaugment]\n[algorithms.progressive_resizing]\n"
             "initial_scale = 0.5\ndelay_fraction = 0.2\nfinetune_fraction = 0.2\n",
         ),
-        "augmix": render(root, "am", "[algorithms.augmix]\njsd = true\n"),
+        # The batch algorithms that take the consistency loss's views too.
+        "augmix": render(
+            root,
+            "am",
+            "[algorithms.augmix]\njsd = true\n[algorithms.mixup]\n[algorithms.cutmix]\n"
+            "[algorithms.cutout]\nper_image = true\n",
+        ),
+        # ... and those that refuse them.
+        "augmix_flat": render(
+            root, "amf", "[algorithms.augmix]\n[algorithms.channels_last]\n"
+        ),
     }
 
 
@@ -158,33 +168,70 @@ def test_each_operation_does_what_it_says(ra) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "severity", "low", "high"),
+    ("name", "severity", "low", "high", "brighter"),
     [
-        ("brightness", 10, 0.1, 10.0),  # Composer's default ("all"), at hot's severity
-        ("brightness", 3, 0.73, 3.0),  # AugMix's severity: it may brighten too
-        ("brightness_original", 10, 0.1, 1.9),  # "original": AugMix's code
+        # Composer's default ("all"), at hot's severity: half the draws strengthen, in
+        # 1..10, and brightness() multiplies those by 0.75 (augmentation_primitives.py,
+        # `brightness`): 0.75..7.5, above 1 for (10 - 4/3) / 9 of them.
+        ("brightness", 10, 0.1, 7.5, 0.5 * (10 - 4 / 3) / 9),
+        ("brightness", 3, 0.73, 2.25, 0.5 * (3 - 4 / 3) / 2),  # AugMix's severity
+        ("contrast", 10, 0.1, 10.0, 0.5),  # the other colour factors: not reduced
+        ("brightness_original", 10, 0.1, 1.9, 0.5),  # "original": AugMix's code
     ],
 )
 def test_colour_factors_follow_composers_augmentation_sets(
-    ra, name: str, severity: int, low: float, high: float
+    ra, name: str, severity: int, low: float, high: float, brighter: float
 ) -> None:
-    """Brightness on a grey level of 20 (no clipping up to 10x): the factors drawn span
-    Composer's range for the set; "all" weakens and strengthens equally often."""
+    """Brightness on a grey level of 20, contrast on a checkerboard of 108 and 128
+    about their mean 118 (no clipping up to 10x): the factors drawn span Composer's
+    range for the set and exceed 1 as often."""
     data = ra["data"]
-    image = torch.full((3, 4, 4), 20, dtype=torch.uint8)
+    if name == "contrast":
+        image = torch.full((3, 4, 4), 108, dtype=torch.uint8)
+        image[:, ::2, ::2] = image[:, 1::2, 1::2] = 128
+        base, level = 118, 128
+    else:
+        image = torch.full((3, 4, 4), 20, dtype=torch.uint8)
+        base, level = 0, 20
     rng = np.random.default_rng(0)
     factors = np.array(
         [
-            data.random_operation(image, name, severity, rng)[0, 0, 0].item() / 20
-            for _ in range(400)
+            (data.random_operation(image, name, severity, rng)[0, 0, 0].item() - base)
+            / (level - base)
+            for _ in range(800)
         ]
     )
-    step = 0.5 / 20  # the rounding to whole levels
+    step = 0.5 / (level - base)  # the rounding to whole levels
     assert factors.min() >= low - step and factors.max() <= high + step
     assert factors.min() < low + 0.1 * (high - low)
     assert factors.max() > high - 0.1 * (high - low)
-    if name == "brightness":
-        assert 0.4 < (factors > 1 + step).mean() < 0.6
+    assert abs((factors > 1 + step).mean() - brighter) < 0.06
+
+
+@pytest.mark.parametrize(("height", "width"), [(6, 30), (30, 6)])
+def test_translations_reach_a_third_of_their_own_side(
+    ra, height: int, width: int
+) -> None:
+    """translate_x moves by up to a third of the width, translate_y of the height
+    (Composer's translate_x and translate_y: PIL's size[0] and size[1])."""
+    data = ra["data"]
+    # Every pixel holds its column + 1 (translate_x) or row + 1 (translate_y).
+    columns = torch.arange(1, width + 1, dtype=torch.uint8).expand(1, height, width)
+    rows = torch.arange(1, height + 1, dtype=torch.uint8)[:, None].expand(
+        1, height, width
+    )
+    rng = np.random.default_rng(0)
+    for name, image, side, along in (
+        ("translate_x", columns, width, 2),
+        ("translate_y", rows, height, 1),
+    ):
+        shifts = set()
+        for _ in range(200):
+            moved = data.random_operation(image, name, 10, rng)
+            kept = moved[0][moved[0] > 0].float()  # black came in where it moved from
+            source = image[0][moved[0] > 0].float()
+            shifts.add(int((kept - source).abs().max().item()))
+        assert max(shifts) == int(side / 3 * 0.999), (name, sorted(shifts))
 
 
 # ---------------------------------------------------------------- pure functions of (seed, epoch, index)
@@ -263,13 +310,47 @@ def test_augmix_jsd_equals_its_closed_form(am) -> None:
     assert abs(same.item()) < 1e-6
 
 
+def test_mixers_treat_the_views_of_an_image_alike(am) -> None:
+    """On the consistency loss's (N, 3, C, H, W) batches MixUp and CutMix mix each view
+    of an image with the same view of its partner."""
+    train = am["train"]
+    x = torch.randn(4, 3, 1, 6, 6, generator=torch.Generator().manual_seed(0))
+    y = torch.tensor([0, 1, 2, 3])
+    perm = torch.tensor([2, 0, 3, 1])
+    mixed, targets = train.mixup_batch(x, y, 10, 0.3, perm, rank=0)
+    torch.testing.assert_close(mixed, 0.3 * x + 0.7 * x[perm])
+    assert targets.shape == (4, 10)
+    box = (1, 4, 2, 5)
+    cut, _, lam = train.cutmix_batch(x, y, 10, box, perm, rank=0)
+    expected = x.clone()
+    expected[..., 1:4, 2:5] = x[perm][..., 1:4, 2:5]
+    assert torch.equal(cut, expected) and lam == 1 - 9 / 36
+
+
+def test_augmix_jsd_refuses_the_batch_algorithms_that_take_one_view(
+    projects: dict[str, Path], tmp_path: Path
+) -> None:
+    project = projects["augmix_flat"]
+    plain = run_train(project, tmp_path, *SMALL, "--max_duration=1ba", "--run_name=ok")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    result = run_train(project, tmp_path, *SMALL, "--augmix_jsd=true", "--run_name=bad")
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: augmix_jsd=true batches three views of each image, which channels_last "
+        "cannot take; set --augmix_jsd=false or remove it (scaffold remove NAME)"
+    ]
+    assert not (tmp_path / "runs" / "bad").exists()
+
+
 def test_augmix_jsd_step_does_not_depend_on_the_microbatch_size(
     projects: dict[str, Path], tmp_path: Path
 ) -> None:
+    """The views through MixUp (step 1), CutMix (step 2: seed 1's shared draws) and
+    per-image CutOut, then the consistency loss: the same steps for any microbatch."""
     args = [a for a in SMALL if "microbatch" not in a] + [
         "--max_duration=2ba",
         "--eval_interval=2ba",
         "--lr=0.5",
+        "--seed=1",
     ]
     runs = {}
     for micro in (2, 8):
@@ -283,6 +364,8 @@ def test_augmix_jsd_step_does_not_depend_on_the_microbatch_size(
         assert result.returncode == 0, result.stderr[-3000:]
         runs[micro] = [row["loss"] for row in read_metrics(tmp_path, f"m{micro}")]
     assert runs[2] == pytest.approx(runs[8], abs=2e-6)
+    rows = read_metrics(tmp_path, "m8")
+    assert rows[0]["mixup_lambda"] < 1.0 and rows[1]["cutmix_lambda"] < 1.0
     unweighted = run_train(
         projects["augmix"], tmp_path, *args, "--augmix_jsd_weight=0", "--run_name=w0"
     )

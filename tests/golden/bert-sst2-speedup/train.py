@@ -67,7 +67,9 @@ class Config:
 
     # algorithm: layer_freezing
     layer_freezing_start: float = 0.5  # fraction of training
-    layer_freezing_level: float = 1.0  # share of layers frozen at the end
+    layer_freezing_level: float = 1.0  # share of units frozen at the end
+    # leaves: each module with parameters (Composer's); blocks: the FSDP units
+    layer_freezing_units: Literal["leaves", "blocks"] = "leaves"
     # end algorithm: layer_freezing
 
     # evaluation, logging, checkpoints
@@ -194,10 +196,28 @@ def save_pretrained(
 
 
 # algorithm: layer_freezing
+def freezable_units(
+    model: torch.nn.Module, blocks: list[torch.nn.Module], units: str
+) -> list[torch.nn.Module]:
+    """What layer freezing freezes, earliest first. `leaves` (Composer's): every
+    module that holds parameters and no submodules, in module order (the embedding
+    tables, each Linear and LayerNorm, the pooler), all but the last (the head);
+    `blocks`: the FSDP units (the embeddings, then each transformer layer)."""
+    if units == "blocks":
+        return blocks
+    leaves = [
+        module
+        for module in model.modules()
+        if next(module.children(), None) is None
+        and next(module.parameters(), None) is not None
+    ]
+    return leaves[:-1]
+
+
 def frozen_layer_count(
     fraction: float, num_layers: int, start: float, level: float
 ) -> int:
-    """How many of the earliest layers are frozen after `fraction` of training: none
+    """How many of the earliest units are frozen after `fraction` of training: none
     until `start`, then linearly more, up to level * num_layers at the end."""
     ramp = min(max((fraction - start) / (1.0 - start), 0.0), 1.0)
     return int(num_layers * level * ramp)
@@ -428,6 +448,11 @@ def main() -> None:
 
     # event: FIT_START
 
+    # algorithm: layer_freezing
+    # Layer freezing's units, earliest first (layer_freezing_units).
+    freezable = freezable_units(model, blocks, cfg.layer_freezing_units)
+    # end algorithm: layer_freezing
+
     stopping = False
     while not (progress.reached(cfg.max_duration) or stopping or stopper.stopped):
         # event: EPOCH_START
@@ -459,16 +484,16 @@ def main() -> None:
             # event: AFTER_BACKWARD
 
             # algorithm: layer_freezing
-            # Freeze the earliest layers progressively: drop their gradients, so AdamW
+            # Freeze the earliest units progressively: drop their gradients, so AdamW
             # neither steps nor decays them. A function of progress: resumes the same.
             frozen_layers = frozen_layer_count(
                 progress.fraction(cfg.max_duration),
-                len(blocks),
+                len(freezable),
                 cfg.layer_freezing_start,
                 cfg.layer_freezing_level,
             )
-            for block in blocks[:frozen_layers]:
-                for param in block.parameters():
+            for unit in freezable[:frozen_layers]:
+                for param in unit.parameters():
                     param.grad = None
             # end algorithm: layer_freezing
 

@@ -652,11 +652,10 @@ def random_operation(
     if name in ("shear_x", "shear_y"):
         shear = shear_x if name == "shear_x" else shear_y
         return shear(image, sign * level * 0.3)
-    if name in ("translate_x", "translate_y"):
-        translate = translate_x if name == "translate_x" else translate_y
-        return translate(
-            image, sign * int(level * image.shape[-1] / 3)
-        )  # up to a third
+    if name == "translate_x":  # up to a third of the width
+        return translate_x(image, sign * int(level * image.shape[-1] / 3))
+    if name == "translate_y":  # up to a third of the height
+        return translate_y(image, sign * int(level * image.shape[-2] / 3))
     enhance = {"color": color, "contrast": contrast, "brightness": brightness}
     enhance["sharpness"] = sharpness
     if name.endswith("_original"):  # AugMix's factor, 0.1..1.9 ("original")
@@ -664,7 +663,10 @@ def random_operation(
     # Composer's default ("all", _symmetric_sample): as likely to weaken, by a factor
     # in 1 - 0.09 severity..1, as to strengthen, in 1..severity (1: unchanged).
     low, high = (1.0, severity) if sign > 0 else (1 - 0.09 * severity, 1.0)
-    return enhance[name](image, rng.uniform(low, high))
+    factor = rng.uniform(low, high)
+    if name == "brightness" and factor > 1:
+        factor *= 0.75  # as Composer's brightness(): brightening reduced, 0.75..
+    return enhance[name](image, factor)
 
 
 def randaugment(
