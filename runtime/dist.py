@@ -6,6 +6,8 @@ then joins the job (nccl on CUDA, gloo on CPU; on one process only when FSDP or 
 group) with a timeout, so a rank that died makes the
 others fail instead of waiting forever. `shutdown()` leaves the group on the way out, also
 after an error. `end_with_parent` makes a DataLoader worker die with the rank that started it.
+`to_device()` copies a batch to this rank's device without making the host wait for the copy
+or for the device.
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as torch_dist
+
+Batch = TypeVar("Batch", torch.Tensor, dict, list, tuple)
 
 
 @dataclass(frozen=True)
@@ -204,6 +209,25 @@ def padded_share(batch: torch.Tensor, env: DistEnv) -> tuple[torch.Tensor, int]:
         padding = batch[:1].expand(per_rank - real, *batch.shape[1:])
         share = torch.cat([share, padding])
     return share, real
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """`batch` (a tensor, or a dict, list or tuple of them) on `device`, copied without
+    making the host wait: on CUDA from page-locked memory (pinned here unless it is
+    already), with `non_blocking=True`, so the copy runs in stream order while the host
+    goes on queueing work. A copy without `non_blocking` ends in a stream sync, and one
+    from ordinary (pageable) memory may wait for the device's queue while CUDA stages it.
+    Elsewhere (the CPU) the tensors are returned as they are; what is not a tensor (a
+    number, a numpy array: host data) stays as it is."""
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(value, device) for value in batch)
+    if not isinstance(batch, torch.Tensor):
+        return batch
+    if device.type == "cuda" and batch.device.type == "cpu" and not batch.is_pinned():
+        batch = batch.pin_memory()
+    return batch.to(device, non_blocking=True)
 
 
 def barrier() -> None:

@@ -44,8 +44,8 @@ def test_alibi_slopes_are_the_papers_geometric_sequence(speedup) -> None:
 
 
 def test_alibi_bias_penalises_distance_and_masks_the_future(speedup) -> None:
-    bias = speedup["model"].alibi_bias(2, 5)
     slopes = speedup["model"].alibi_slopes(2)
+    bias = speedup["model"].alibi_bias(slopes, 5)
     assert bias.shape == (2, 5, 5)
     for h in range(2):
         for i in range(5):
@@ -66,7 +66,7 @@ def test_alibi_attention_matches_a_manual_softmax(speedup) -> None:
     attention = model.CausalSelfAttention(config)
     torch.manual_seed(0)
     x = torch.randn(2, 7, 32)
-    bias = model.alibi_bias(4, 7)
+    bias = model.alibi_bias(model.alibi_slopes(4), 7)
     actual = attention(x, bias)
     q, k, v = (
         t.view(2, 7, 4, 8).transpose(1, 2) for t in attention.qkv(x).split(32, dim=2)
@@ -95,11 +95,10 @@ def test_alibi_flex_attention_forward_matches_the_explicit_bias(
             torch.randn(2, heads, seq, 32, generator=generator) for _ in range(3)
         )
         expected = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=model.alibi_bias(heads, seq)
+            q, k, v, attn_mask=model.alibi_bias(model.alibi_slopes(heads), seq)
         )
-        flex = model.alibi_flex_attention(
-            q, k, v, model.causal_block_mask(seq, torch.device("cpu"))
-        )
+        mask = model.causal_block_mask(seq, torch.device("cpu"))
+        flex = model.alibi_flex_attention(q, k, v, mask, model.alibi_slopes(heads))
         torch.testing.assert_close(flex, expected, atol=1e-5, rtol=1e-5)
     # The whole model: forcing the CUDA path on the CPU gives the same logits.
     torch.manual_seed(0)

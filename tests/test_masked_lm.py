@@ -82,11 +82,18 @@ def test_batches_do_not_depend_on_the_world_size(modules) -> None:
     assert not torch.equal(other.targets, whole.targets)
 
 
+def model_inputs(train_py, ids: torch.Tensor, predicted: torch.Tensor, pad: int):
+    """The model's keyword inputs as the loop makes them from the host's marks."""
+    marks = {"input_ids": ids, "predicted": predicted, "real": ids != pad}
+    return train_py.microbatch_inputs(marks, len(ids))[0]
+
+
 def test_gradient_is_the_global_masked_token_mean_for_any_microbatch(modules) -> None:
     """forward_backward with loss_scale = 1 / masked tokens: the same gradient as the mean
     cross-entropy over the batch's masked tokens, in 1 or 4 microbatches. The head
     computes logits at the masked tokens only (Google's BERT), and their loss is the
-    one of the head over every position with the others ignored."""
+    one of the head over every position with the others ignored. The batch marks its
+    real and predicted tokens on the host, which is where the loop finds them."""
     found, corpus, tokenizer = modules
     data, model_py, train_py = found["data"], found["model"], found["train"]
     train, _ = data.sequences(corpus, tokenizer, 32, seed=0)
@@ -98,11 +105,16 @@ def test_gradient_is_the_global_masked_token_mean_for_any_microbatch(modules) ->
     model = model_py.Encoder(config)
     cfg = train_py.Config(precision="fp32")
     picked = batch.targets != data.IGNORE
-    logits = model(batch.inputs, picked)  # (masked tokens, vocab)
+    assert torch.equal(batch.predicted, picked)
+    assert torch.equal(batch.real, batch.inputs != tokenizer.pad_token_id)
+    pad = tokenizer.pad_token_id
+    logits = model(**model_inputs(train_py, batch.inputs, picked, pad))
     assert logits.shape == (batch.num_masked, config.vocab_size)
     reference = torch.nn.functional.cross_entropy(logits, batch.targets[picked])
     # The same loss as the head over every position with the unmasked ones ignored.
-    every = model(batch.inputs, torch.ones_like(picked)).view(*picked.shape, -1)
+    everything = torch.ones_like(picked)
+    every = model(**model_inputs(train_py, batch.inputs, everything, pad))
+    every = every.view(*picked.shape, -1)
     everywhere = torch.nn.functional.cross_entropy(
         every.flatten(0, 1), batch.targets.flatten(), ignore_index=data.IGNORE
     )
@@ -114,8 +126,9 @@ def test_gradient_is_the_global_masked_token_mean_for_any_microbatch(modules) ->
     expected = torch.autograd.grad(reference, list(model.parameters()))
     for microbatch in (8, 2):
         model.zero_grad()
+        inputs = {"input_ids": batch.inputs, "predicted": picked, "real": batch.real}
         loss_sum = train_py.forward_backward(
-            model, batch.inputs, batch.targets, microbatch, 1 / batch.num_masked, cfg
+            model, inputs, batch.targets, microbatch, 1 / batch.num_masked, cfg
         )
         assert torch.allclose(loss_sum / batch.num_masked, reference, atol=1e-5)
         for grad, param in zip(expected, model.parameters()):
@@ -125,7 +138,7 @@ def test_gradient_is_the_global_masked_token_mean_for_any_microbatch(modules) ->
 def test_padding_is_never_attended_to(modules) -> None:
     """A sequence's logits are the same alone and padded beside a longer one."""
     found, _, tokenizer = modules
-    model_py = found["model"]
+    model_py, train_py = found["model"], found["train"]
     pad = tokenizer.pad_token_id
     config = model_py.EncoderConfig(
         len(tokenizer), 16, pad_id=pad, **model_py.PRESETS["tiny"]
@@ -135,8 +148,9 @@ def test_padding_is_never_attended_to(modules) -> None:
     padded = torch.full((2, 16), pad)
     padded[0, :5], padded[1] = short[0], torch.arange(30, 46)
     with torch.no_grad():
-        alone = model(short, short != pad)
-        assert torch.allclose(alone, model(padded, padded != pad)[:5], atol=1e-5)
+        alone = model(**model_inputs(train_py, short, short != pad, pad))
+        both = model(**model_inputs(train_py, padded, padded != pad, pad))
+        assert torch.allclose(alone, both[:5], atol=1e-5)
 
 
 def test_data_sources(modules, tmp_path: Path) -> None:
@@ -415,7 +429,7 @@ def test_mosaicbert_builds_every_layernorm_in_low_precision(modules) -> None:
     is the bf16 kind (BERT's eps kept); under autocast it normalizes in bf16, and its
     logits stay close to the plain LayerNorm's."""
     found, _, tokenizer = modules
-    model_py = found["model"]
+    model_py, train_py = found["model"], found["train"]
     config = model_py.EncoderConfig(
         len(tokenizer), 16, pad_id=tokenizer.pad_token_id, **model_py.PRESETS["tiny"]
     )
@@ -429,10 +443,11 @@ def test_mosaicbert_builds_every_layernorm_in_low_precision(modules) -> None:
     with torch.autocast("cpu", torch.bfloat16):
         assert norms[0](x).dtype == torch.bfloat16
         ids = torch.randint(5, len(tokenizer), (2, 16))
-        low = model(ids, ids > 0).float()
+        inputs = model_inputs(train_py, ids, ids > 0, tokenizer.pad_token_id)
+        low = model(**inputs).float()
         for norm in norms:
             norm.__class__ = torch.nn.LayerNorm
-        plain = model(ids, ids > 0).float()
+        plain = model(**inputs).float()
     assert norms[0](x).dtype == torch.float32
     assert torch.allclose(low, plain, atol=0.1) and not torch.equal(low, plain)
 

@@ -5,6 +5,7 @@ split for short-sequence training), `gated_linear_units` in Composer's BERT form
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
@@ -62,18 +63,31 @@ def encoder(project: Path, seed: int = 0) -> tuple[torch.nn.Module, object]:
         return model_py.Encoder(config).eval(), model_py
 
 
+def model_inputs(model: torch.nn.Module, ids: torch.Tensor, predicted: torch.Tensor):
+    """The model's inputs as train.py's microbatch_inputs makes them: token ids, the
+    flat positions of the tokens `predicted` marks and, with unpadding, of the real ones.
+    """
+    inputs = {"input_ids": ids, "predict": predicted.flatten().nonzero()[:, 0]}
+    if "tokens" in inspect.signature(model.forward).parameters:
+        inputs["tokens"] = (ids != PAD).flatten().nonzero()[:, 0]
+    return inputs
+
+
 def test_alibi_is_a_symmetric_distance_penalty_that_orders_a_position_free_encoder(
-    projects: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    projects: dict[str, Path],
 ) -> None:
     """No position table; the bias is -slope * |i - j| per head with the padding keys at
     the dtype's lowest value (finite: a row of padding only stays finite). The bias is
     the encoder's only sense of order: with zero slopes, swapping two tokens swaps their
-    outputs and leaves the others; with ALiBi's slopes it changes the others."""
+    outputs and leaves the others; with ALiBi's slopes it changes the others. The slopes
+    are a buffer, moved with the model and not saved."""
     alibi, model_py = encoder(projects["alibi"])
     assert not hasattr(alibi, "wpe")
-    keep = torch.tensor([[True] * 5 + [False] * 3])[:, None, None, :]
-    bias = model_py.alibi_encoder_bias(4, keep, torch.float32)
     slopes = model_py.alibi_slopes(4)
+    assert torch.equal(alibi.alibi_slopes, slopes)
+    assert "alibi_slopes" not in alibi.state_dict()
+    keep = torch.tensor([[True] * 5 + [False] * 3])[:, None, None, :]
+    bias = model_py.alibi_encoder_bias(slopes, keep, torch.float32)
     assert torch.allclose(slopes, torch.tensor([2**-2, 2**-4, 2**-6, 2**-8]))
     i, j = torch.meshgrid(torch.arange(8), torch.arange(8), indexing="ij")
     expected = -slopes[:, None, None] * (i - j).abs()
@@ -85,11 +99,11 @@ def test_alibi_is_a_symmetric_distance_penalty_that_orders_a_position_free_encod
     every = torch.ones_like(ids, dtype=torch.bool)  # the head at every position
     with torch.no_grad():
         padding = torch.cat([ids, torch.full((1, 7), PAD)])
-        assert torch.isfinite(alibi(padding, padding >= 0)).all()
-        a, b = alibi(ids, every), alibi(swapped, every)
+        assert torch.isfinite(alibi(**model_inputs(alibi, padding, padding >= 0))).all()
+        a, b = (alibi(**model_inputs(alibi, x, every)) for x in (ids, swapped))
         assert not torch.allclose(a[others], b[others], atol=1e-3)
-        monkeypatch.setattr(model_py, "alibi_slopes", torch.zeros)
-        a, b = alibi(ids, every), alibi(swapped, every)
+        alibi.alibi_slopes.zero_()
+        a, b = (alibi(**model_inputs(alibi, x, every)) for x in (ids, swapped))
         assert torch.allclose(a[others], b[others], atol=1e-5)
         assert torch.allclose(a[2], b[4], atol=1e-5)
 
@@ -152,8 +166,9 @@ def encode_flops(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, int]:
     """FLOPs of `encode` by operator; SDPA through its math kernel, whose matmuls the
     counter sees (aten.bmm: attention only; addmm/mm: the linear layers)."""
     counter = FlopCounterMode(display=False)
+    inputs = model_inputs(model, ids, ids == PAD)
     with counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
-        model.encode(ids)
+        model.encode(ids, *([inputs["tokens"]] if "tokens" in inputs else []))
     return {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
 
 
@@ -161,22 +176,24 @@ def loss_logits_grads(
     model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     model.zero_grad()
-    logits = model(ids, targets != -100)  # the head at the labelled tokens only
-    loss = F.cross_entropy(logits.float(), targets[targets != -100])
+    inputs = model_inputs(model, ids, targets != -100)
+    logits = model(**inputs)  # the head at the labelled tokens only
+    loss = F.cross_entropy(logits.float(), targets.flatten()[inputs["predict"]])
     loss.backward()
     return loss, logits, [p.grad for p in model.parameters()]
 
 
 @pytest.mark.parametrize("bias", UNPADDED)
-def test_unpadding_keeps_the_loss_and_spends_no_flops_on_padding(
+def test_unpadding_keeps_the_loss_and_spends_no_flops_on_padding_in_the_layers(
     projects: dict[str, Path], bias: str
 ) -> None:
     """The same weights with and without unpadding (with ALiBi and GLU in both, or
     neither), rows of 20, 7, 13 and 1 real tokens padded to 32: equal logits at the
-    labelled tokens, loss and gradients. Attention costs 4 * width FLOPs per layer per pair of
-    tokens of one sequence (sum of length^2 over the rows); the layers' matmuls 2 FLOPs
-    per weight per real token; more padding costs nothing; the padded model pays for
-    every position of every row."""
+    labelled tokens, loss and gradients. The layers' matmuls cost 2 FLOPs per weight per
+    real token, however much padding the rows hold; the padded model pays for every
+    position of every row. Attention on this path (the CPU's) runs over the padded rows:
+    4 * width FLOPs per layer per pair of positions of one row (CUDA's FlexAttention
+    skips the blocks between rows)."""
     unpadded, model_py = encoder(projects[UNPADDED[bias][0]])
     padded, _ = encoder(projects[UNPADDED[bias][1]])
     padded.load_state_dict(unpadded.state_dict())
@@ -196,32 +213,33 @@ def test_unpadding_keeps_the_loss_and_spends_no_flops_on_padding(
     )
     short = encode_flops(unpadded, ids[:, :20])  # padded to the longest row only
     long = encode_flops(unpadded, ids)
-    assert short == long
-    pairs = sum(length**2 for length in lengths)
-    assert long["aten.bmm"] == config.n_layer * 4 * config.n_embd * pairs
-    matmuls = long.get("aten.addmm", 0) + long.get("aten.mm", 0)
-    assert matmuls == 2 * sum(lengths) * weights
+    for flops in (short, long):
+        matmuls = flops.get("aten.addmm", 0) + flops.get("aten.mm", 0)
+        assert matmuls == 2 * sum(lengths) * weights
+    assert long["aten.bmm"] == config.n_layer * 4 * config.n_embd * 4 * 32**2
     flops = encode_flops(padded, ids)
     assert flops["aten.bmm"] == config.n_layer * 4 * config.n_embd * 4 * 32**2
-    assert flops != encode_flops(padded, ids[:, :20])
+    padded_matmuls = flops.get("aten.addmm", 0) + flops.get("aten.mm", 0)
+    assert padded_matmuls == 2 * 4 * 32 * weights
     nothing = torch.full((2, 8), PAD)  # a microbatch of padding only (split rows)
     with torch.no_grad():
-        assert (unpadded.encode(nothing) == 0).all()
+        assert (unpadded.encode(nothing, torch.zeros(0, dtype=torch.long)) == 0).all()
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("bias", UNPADDED)
-def test_unpaddings_flex_attention_path_equals_its_rowwise_path(
+def test_unpaddings_flex_attention_path_equals_its_padded_path(
     projects: dict[str, Path], monkeypatch: pytest.MonkeyPatch, bias: str
 ) -> None:
     """CUDA's path (FlexAttention over the packed tokens: the document mask and
-    ALiBi's score bias from positions within each row) equals the CPU's per-row SDPA:
-    forward, in eager FlexAttention on the CPU (no backward there: the CUDA test
-    checks it)."""
+    ALiBi's score bias from positions within each row) equals the CPU's (SDPA over the
+    tokens put back in their rows): forward, in eager FlexAttention on the CPU (no
+    backward there: the CUDA test checks it)."""
     _, model_py = encoder(projects[UNPADDED[bias][0]])
     monkeypatch.setattr(model_py, "compiled_flex_attention", lambda: flex_attention)
     ids, _ = batch_of([20, 7, 13, 1, 0, 32], 32)
-    x, keep = model_py.unpad(torch.zeros(*ids.shape, 1), (ids != PAD)[:, None, None])
+    tokens = (ids != PAD).flatten().nonzero()[:, 0]
+    x, keep = model_py.unpad(torch.zeros(*ids.shape, 1), tokens)
     keep.block_mask = model_py.document_mask(keep.row)  # built on CUDA only
     if bias == "alibi":
         slopes = model_py.alibi_slopes(4)
@@ -229,7 +247,7 @@ def test_unpaddings_flex_attention_path_equals_its_rowwise_path(
     q, k, v = torch.randn(3, 1, 4, len(x), 8).unbind()
     flex = model_py.flex_varlen_attention(q, k, v, keep)
     assert torch.allclose(
-        flex, model_py.rowwise_attention(q, k, v, keep, 0.0), atol=1e-5
+        flex, model_py.padded_attention(q, k, v, keep, 0.0), atol=1e-5
     )
 
 
@@ -283,7 +301,7 @@ def test_cuda_unpaddings_flex_attention_equals_the_padded_model(
     bias: str,
     dtype: torch.dtype,
 ) -> None:
-    """On CUDA, unpadding's attention is compiled FlexAttention (the per-row path made
+    """On CUDA, unpadding's attention is compiled FlexAttention (the padded path made
     to fail, so it cannot stand in): loss, logits at labelled tokens and every gradient
     equal the padded model's (SDPA, same weights), in fp32 and under bf16 autocast."""
     unpadded, model_py = encoder(projects[UNPADDED[bias][0]])
@@ -292,9 +310,9 @@ def test_cuda_unpaddings_flex_attention_equals_the_padded_model(
     unpadded, padded = unpadded.cuda(), padded.cuda()
 
     def no_fallback(*args: object) -> None:
-        raise AssertionError("the per-row path ran on CUDA without dropout")
+        raise AssertionError("the padded path ran on CUDA without dropout")
 
-    monkeypatch.setattr(model_py, "rowwise_attention", no_fallback)
+    monkeypatch.setattr(model_py, "padded_attention", no_fallback)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     ids, targets = (t.cuda() for t in batch_of([20, 7, 13, 1, 32, 3], 32))
     with torch.autocast("cuda", dtype, enabled=dtype != torch.float32):

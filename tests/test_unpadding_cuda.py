@@ -1,5 +1,6 @@
-"""unpadding's CUDA path, FlexAttention, against its CPU path (per-row SDPA, which
-tests/test_mosaicbert_parts.py proves equal to the padded model), forward and backward.
+"""unpadding's CUDA path, FlexAttention, against its CPU path (SDPA over the tokens put
+back in their rows, which tests/test_mosaicbert_parts.py proves equal to the padded model),
+forward and backward.
 
 Needs only torch and pytest: it imports mosaicbert's generated model.py from
 tests/golden (test_golden pins it to the templates), so it runs on a GPU machine without
@@ -55,13 +56,14 @@ def rows(lengths: list[int], seq: int, vocab: int) -> tuple[torch.Tensor, torch.
 
 @pytest.mark.parametrize("dtype", TOLERANCE, ids=str)
 @pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
-def test_flex_attention_equals_the_per_row_path(
+def test_flex_attention_equals_the_padded_path(
     model_py: ModuleType, alibi: bool, dtype: torch.dtype
 ) -> None:
     """The document mask keeps each row to itself and ALiBi's score_mod biases by the
-    positions within each row: outputs and q, k, v gradients equal per-row SDPA's."""
+    positions within each row: outputs and q, k, v gradients equal padded SDPA's."""
     ids, _ = rows(LENGTHS, 128, 64)
-    _, keep = model_py.unpad(ids[..., None].float(), (ids != 0)[:, None, None])
+    tokens = (ids != 0).flatten().nonzero()[:, 0]
+    _, keep = model_py.unpad(ids[..., None].float(), tokens)
     assert keep.block_mask is not None  # built on CUDA
     if alibi:
         slopes = model_py.alibi_slopes(4).cuda()
@@ -70,26 +72,26 @@ def test_flex_attention_equals_the_per_row_path(
     q, k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
     grad = torch.randn(shape, device="cuda", dtype=dtype)
     results = []
-    for path in (model_py.flex_varlen_attention, model_py.rowwise_attention):
+    for path in (model_py.flex_varlen_attention, model_py.padded_attention):
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
         extra = () if path is model_py.flex_varlen_attention else (0.0,)
         y = path(*inputs, keep, *extra)
         y.backward(grad)
         results.append([y] + [t.grad for t in inputs])
-    for flex, rowwise in zip(*results):
-        assert close(flex, rowwise, dtype)
+    for flex, padded in zip(*results):
+        assert close(flex, padded, dtype)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled_layers"])
 @pytest.mark.parametrize("dtype", TOLERANCE, ids=str)
-def test_mosaicbert_on_cuda_equals_its_per_row_path(
+def test_mosaicbert_on_cuda_equals_its_padded_path(
     model_py: ModuleType,
     monkeypatch: pytest.MonkeyPatch,
     dtype: torch.dtype,
     compiled: bool,
 ) -> None:
     """mosaicbert's encoder (ALiBi, GeGLU, unpadding) on CUDA: loss, logits at the
-    masked tokens and every gradient equal the same weights' through the per-row path,
+    masked tokens and every gradient equal the same weights' through the padded path,
     in fp32 and under bf16 autocast; also with each layer compiled (compile=auto on
     CUDA: train.py's regional compilation), where FlexAttention is traced in."""
     config = model_py.EncoderConfig(64, 128, pad_id=0, **model_py.PRESETS["tiny"])
@@ -100,19 +102,21 @@ def test_mosaicbert_on_cuda_equals_its_per_row_path(
             block.forward = torch.compile(block.forward)
     ids, targets = rows(LENGTHS, 128, 64)
     results = []
-    for varlen in ("flex", "rowwise"):
-        if varlen == "rowwise":
+    predict = (targets != -100).flatten().nonzero()[:, 0]
+    tokens = (ids != 0).flatten().nonzero()[:, 0]
+    for varlen in ("flex", "padded"):
+        if varlen == "padded":
 
-            def rowwise(q, k, v, keep, dropout):
-                return model_py.rowwise_attention(q, k, v, keep, dropout)
+            def padded(q, k, v, keep, dropout):
+                return model_py.padded_attention(q, k, v, keep, dropout)
 
-            monkeypatch.setattr(model_py, "varlen_attention", rowwise)
+            monkeypatch.setattr(model_py, "varlen_attention", padded)
             torch._dynamo.reset()
         model.zero_grad()
         with torch.autocast("cuda", dtype, enabled=dtype != torch.float32):
-            logits = model(ids, targets != -100)
-            loss = F.cross_entropy(logits.float(), targets[targets != -100])
+            logits = model(ids, predict, tokens)
+            loss = F.cross_entropy(logits.float(), targets.flatten()[predict])
         loss.backward()
         results.append([loss, logits] + [p.grad.clone() for p in model.parameters()])
-    for flex, rowwise in zip(*results):
-        assert close(flex, rowwise, dtype)
+    for flex, padded in zip(*results):
+        assert close(flex, padded, dtype)

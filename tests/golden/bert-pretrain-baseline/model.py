@@ -141,10 +141,12 @@ class Encoder(nn.Module):
         return x
 
     def forward(self, input_ids: torch.Tensor, predict: torch.Tensor) -> torch.Tensor:
-        """Masked-LM logits (predicted tokens, vocab) at the positions `predict` (batch,
-        seq) marks True, in row order. As in Google's BERT (run_pretraining.py gathers
-        `masked_lm_positions` before its head), the head computes there only."""
-        h = self.encode(input_ids)[predict]
+        """Masked-LM logits (predicted tokens, vocab) at `predict`, the flat (row-major)
+        positions of the tokens to predict, found on the host (train.py), so no output
+        size here depends on values only the device holds (that would be a host sync).
+        As in Google's BERT (run_pretraining.py gathers `masked_lm_positions` before its
+        head), the head computes there only."""
+        h = self.encode(input_ids).flatten(0, 1)[predict]
         h = self.head_ln(F.gelu(self.head_fc(h)))
         return F.linear(h, self.wte.weight, self.head_bias)
 

@@ -22,15 +22,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from data import (
-    Batches,
-    Masking,
-    load_corpus,
-    load_tokenizer,
-    sequences,
-    train_tokenizer,
-)
-from data import val_batches
+from data import IGNORE, Batches, Masking, load_corpus, load_tokenizer, sequences
+from data import train_tokenizer, val_batches
 from model import PRESETS, Encoder, EncoderConfig, Preset
 from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, preempt
 from runtime import profile, runlock, trackers
@@ -166,6 +159,29 @@ def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
     return cfg.lr * (1.0 - (1.0 - cfg.min_lr_ratio) * decayed)
 
 
+def microbatch_inputs(
+    inputs: dict[str, torch.Tensor], size: int
+) -> list[dict[str, torch.Tensor]]:
+    """This rank's rows, `size` at a time, as the model takes them: the token ids and
+    the flat (row-major) positions of the tokens to predict.
+    The positions are found on the host, from data.py's marks, and copied without
+    waiting (dist.to_device): found on the device (a boolean mask, nonzero) they would
+    make the host wait for the device to say how many there are."""
+    ids = inputs["input_ids"]
+    return [
+        {
+            "input_ids": ids[start : start + size],
+            "predict": positions(inputs["predicted"][start : start + size], ids.device),
+        }
+        for start in range(0, len(ids), size)
+    ]
+
+
+def positions(marked: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The flat positions of the True entries of `marked` (on the host), on `device`."""
+    return dist.to_device(marked.flatten().nonzero()[:, 0], device)
+
+
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
@@ -185,14 +201,16 @@ def evaluate(
     sums = torch.zeros(3, device=env.device, dtype=torch.float64)
     for share, real in shares:
         for start in range(0, real, cfg.device_microbatch_size):
-            micro = share[start : min(start + cfg.device_microbatch_size, real)].to(
-                env.device
-            )
-            micro_inputs, micro_targets = micro[:, 0], micro[:, 1]
+            micro = share[start : min(start + cfg.device_microbatch_size, real)]
+            inputs = {
+                "input_ids": micro[:, 0].to(env.device),
+                "predicted": micro[:, 1] != IGNORE,  # on the host, as in training
+            }
+            (micro_inputs,) = microbatch_inputs(inputs, len(micro))
             # Logits (masked tokens, vocab): at the masked tokens only.
             with torch.autocast(env.device.type, torch.bfloat16, enabled=is_amp(cfg)):
-                logits = model(micro_inputs, micro_targets != -100).float()
-            targets = micro_targets[micro_targets != -100]
+                logits = model(**micro_inputs).float()
+            targets = micro[:, 1].to(env.device).flatten()[micro_inputs["predict"]]
             sums[0] += F.cross_entropy(logits, targets, reduction="sum")
             sums[1] += (logits.argmax(-1) == targets).sum()
             sums[2] += len(targets)
@@ -211,7 +229,7 @@ def is_amp(cfg: Config) -> bool:
 
 def forward_backward(
     model: torch.nn.Module,
-    inputs: torch.Tensor,
+    inputs: dict[str, torch.Tensor],
     targets: torch.Tensor,
     microbatch_size: int,
     loss_scale: float,
@@ -221,7 +239,7 @@ def forward_backward(
     rows, gradients adding up in .grad (reduced over ranks in the last backward)."""
     loss_sum = torch.zeros((), device=targets.device)
     microbatches = list(
-        zip(inputs.split(microbatch_size), targets.split(microbatch_size))
+        zip(microbatch_inputs(inputs, microbatch_size), targets.split(microbatch_size))
     )
     for i, (micro_inputs, micro_targets) in enumerate(microbatches):
         # event: MICROBATCH_START
@@ -229,13 +247,13 @@ def forward_backward(
         # Reduce gradients over ranks once, in the last backward.
         fsdp.sync_gradients(model, i == len(microbatches) - 1)
         with torch.autocast(targets.device.type, torch.bfloat16, enabled=is_amp(cfg)):
-            logits = model(micro_inputs, micro_targets != -100)
+            logits = model(**micro_inputs)
 
         # event: AFTER_FORWARD
 
         loss = F.cross_entropy(
             logits.float(),  # (masked tokens, vocab): the only tokens predicted
-            micro_targets[micro_targets != -100],
+            micro_targets.flatten()[micro_inputs["predict"]],
             reduction="sum",
         )
 
@@ -377,12 +395,22 @@ def main() -> None:
         # event: EPOCH_START
 
         epoch = progress.epoch
+        # This rank's share of global batch `index` in the epoch's seeded order,
+        # masked as a whole (the masks do not depend on the world size); which of its
+        # tokens are real and which are predicted stays marked on the host.
+        # Each is on its way to the device before its step (dist.to_device: the copy
+        # does not make the host wait).
+        upcoming = train_batches.get(
+            epoch, progress.batch_in_epoch, env.rank, env.world_size
+        )
+        upcoming = upcoming.to(env.device)
         for index in range(progress.batch_in_epoch, train_batches.batches_per_epoch):
-            # This rank's share of global batch `index` in the epoch's seeded order,
-            # masked as a whole (the masks do not depend on the world size).
-            batch = train_batches.get(epoch, index, env.rank, env.world_size)
-            inputs = batch.inputs.to(env.device, non_blocking=True)
-            targets = batch.targets.to(env.device, non_blocking=True)
+            batch = upcoming
+            inputs = {
+                "input_ids": batch.inputs,
+                "predicted": batch.predicted,
+            }
+            targets = batch.targets
 
             # event: BATCH_START
 
@@ -404,6 +432,11 @@ def main() -> None:
 
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            # The next batch, fetched while the device still works through this step:
+            # before anything below waits for the device (a logged loss, an evaluation).
+            if index + 1 < train_batches.batches_per_epoch:
+                upcoming = train_batches.get(epoch, index + 1, env.rank, env.world_size)
+                upcoming = upcoming.to(env.device)
             progress.advance(samples=cfg.global_batch_size, tokens=batch.num_tokens)
             train_loss.add(loss_sum, max(batch.num_masked, 1))  # no device sync
 

@@ -18,6 +18,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import torch
 import torch.nn as nn
 
 try:
@@ -84,6 +85,23 @@ def use_low_precision_layernorm(model: nn.Module) -> int:
 
 class ModelError(ValueError):
     """The model or tokenizer cannot be loaded; the message says why and what to do."""
+
+
+def padding_mask(model: nn.Module, real: torch.Tensor) -> torch.Tensor:
+    """The attention mask of rows whose real (not padding) tokens `real` (batch, seq)
+    marks, made 4-D for the model's sdpa or eager attention, which transformers (5 and
+    later) then takes as it is. From the 2-D mask it would first read it on the host, to
+    skip it where no row is padded: a device sync in every forward. Other kernels, and
+    older transformers, take the 2-D mask."""
+    implementation = model.config._attn_implementation
+    major = int(transformers.__version__.split(".")[0])
+    if major < 5 or implementation not in ("sdpa", "eager"):
+        return real
+    keep = real[:, None, None, :]  # (batch, head, query, key), broadcast
+    if implementation == "sdpa":
+        return keep
+    lowest = torch.finfo(torch.float32).min  # eager adds the mask to the scores
+    return torch.zeros(keep.shape, device=real.device).masked_fill(~keep, lowest)
 
 
 def load_tokenizer(name: str, texts: list[str]) -> transformers.PreTrainedTokenizerBase:

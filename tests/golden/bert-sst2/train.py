@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from data import Batches, load_texts, tokenize, val_batches
-from model import load_model, load_tokenizer, transformer_blocks
+from model import load_model, load_tokenizer, padding_mask, transformer_blocks
 from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, preempt
 from runtime import profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum, training_flops
@@ -212,7 +212,10 @@ def evaluate(
             }
             with torch.autocast(env.device.type, torch.bfloat16, enabled=is_amp(cfg)):
                 logits = model(
-                    input_ids=micro["input_ids"], attention_mask=micro["attention_mask"]
+                    input_ids=micro["input_ids"],
+                    attention_mask=padding_mask(
+                        fsdp.unwrap(model), micro["attention_mask"] == 1
+                    ),
                 ).logits.float()
             keep = max(real - start, 0)  # padding rows come last: not counted
             labels = micro["labels"][:keep]
@@ -259,7 +262,13 @@ def forward_backward(
         # Reduce gradients over ranks once, in the last backward.
         fsdp.sync_gradients(model, i == len(microbatches) - 1)
         with torch.autocast(targets.device.type, torch.bfloat16, enabled=is_amp(cfg)):
-            logits = model(**micro_inputs).logits
+            logits = model(
+                input_ids=micro_inputs["input_ids"],
+                # 4-D for sdpa and eager: transformers would read the 2-D one (a sync).
+                attention_mask=padding_mask(
+                    fsdp.unwrap(model), micro_inputs["attention_mask"] == 1
+                ),
+            ).logits
 
         # event: AFTER_FORWARD
 
@@ -409,11 +418,16 @@ def main() -> None:
         # event: EPOCH_START
 
         epoch = progress.epoch
+        # This rank's share of global batch `index` in the epoch's seeded order,
+        # padded to the longest text in the global batch.
+        # Each is on its way to the device before its step (dist.to_device: the copy
+        # does not make the host wait).
+        upcoming = train_batches.get(
+            epoch, progress.batch_in_epoch, env.rank, env.world_size
+        )
+        upcoming = dist.to_device(upcoming, env.device)
         for index in range(progress.batch_in_epoch, train_batches.batches_per_epoch):
-            # This rank's share of global batch `index` in the epoch's seeded order,
-            # padded to the longest text in the global batch.
-            batch = train_batches.get(epoch, index, env.rank, env.world_size)
-            batch = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
+            batch = upcoming
             inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
             targets = batch["labels"]
 
@@ -436,6 +450,11 @@ def main() -> None:
 
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            # The next batch, fetched while the device still works through this step:
+            # before anything below waits for the device (a logged loss, an evaluation).
+            if index + 1 < train_batches.batches_per_epoch:
+                upcoming = train_batches.get(epoch, index + 1, env.rank, env.world_size)
+                upcoming = dist.to_device(upcoming, env.device)
             num_tokens = train_batches.num_tokens(epoch, index)  # real ones, all ranks
             progress.advance(samples=cfg.global_batch_size, tokens=num_tokens)
             train_loss.add(loss_sum, cfg.global_batch_size)  # no device sync

@@ -602,14 +602,16 @@ def main() -> None:
 
         epoch = progress.epoch
         # This rank's shares of the epoch's global batches, in the epoch's seeded order,
-        # from where training stands (a resumed run starts mid-epoch).
+        # from where training stands (a resumed run starts mid-epoch). Each is on its
+        # way to the device before its step (dist.to_device: the copy does not make the
+        # host wait).
         train_batches = data.Batches(images, "train", epoch=epoch, **batches)
         start = progress.batch_in_epoch
         pin_memory = env.device.type == "cuda"
-        loader = data.loader(train_batches, start, num_workers, pin_memory)
-        for pixels, labels, _ in loader:
-            pixels = pixels.to(env.device, non_blocking=True)
-            labels = labels.to(env.device, non_blocking=True)
+        loader = iter(data.loader(train_batches, start, num_workers, pin_memory))
+        upcoming = dist.to_device(next(loader), env.device)
+        for index in range(start, len(train_batches)):
+            pixels, labels, _ = upcoming
             inputs = data.normalize(pixels, images)
             # What the loss compares the logits with: class indices, or (once an
             # algorithm at BATCH_START rewrites them) class probabilities, a row per
@@ -668,6 +670,10 @@ def main() -> None:
                     torch._foreach_mul_(decayed, 1 - cfg.weight_decay * lr / cfg.lr)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            # The next batch, fetched while the device still works through this step:
+            # before anything below waits for the device (a logged loss, an evaluation).
+            if index + 1 < len(train_batches):
+                upcoming = dist.to_device(next(loader), env.device)
             # BatchNorm running statistics: once per step, from the whole global batch.
             update_running_stats(model, dist.reduce_sum)
             progress.advance(samples=cfg.global_batch_size, tokens=0)

@@ -473,10 +473,15 @@ def main() -> None:
         # event: EPOCH_START
 
         epoch = progress.epoch
+        # This rank's share of global batch `index` in the epoch's seeded order.
+        # Each is on its way to the device before its step (dist.to_device: the copy
+        # does not make the host wait).
+        upcoming = train_batches.get(
+            epoch, progress.batch_in_epoch, env.rank, env.world_size
+        )
+        upcoming = dist.to_device(upcoming, env.device)
         for index in range(progress.batch_in_epoch, train_batches.batches_per_epoch):
-            # This rank's share of global batch `index` in the epoch's seeded order.
-            batch = train_batches.get(epoch, index, env.rank, env.world_size)
-            batch = batch.to(env.device, non_blocking=True)
+            batch = upcoming
 
             # event: BATCH_START
 
@@ -518,6 +523,11 @@ def main() -> None:
 
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            # The next batch, fetched while the device still works through this step:
+            # before anything below waits for the device (a logged loss, an evaluation).
+            if index + 1 < train_batches.batches_per_epoch:
+                upcoming = train_batches.get(epoch, index + 1, env.rank, env.world_size)
+                upcoming = dist.to_device(upcoming, env.device)
             progress.advance(samples=cfg.global_batch_size, tokens=num_tokens)
             train_loss.add(loss_sum, num_tokens)  # no device sync
 

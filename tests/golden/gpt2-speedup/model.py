@@ -138,19 +138,17 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
     return torch.tensor(slopes)
 
 
-def alibi_bias(
-    n_head: int, seq_len: int, device: torch.device | None = None, start: int = 0
-) -> torch.Tensor:
+def alibi_bias(slopes: torch.Tensor, seq_len: int, start: int = 0) -> torch.Tensor:
     """(n_head, seq_len, start + seq_len) attention bias: -slope * (i - j)
-    for keys j <= i.
+    for keys j <= i, on the slopes' device.
 
     Queries are at positions start .. start + seq_len - 1 (start > 0: after cached keys
     while sampling). Keys after the query get -inf, so the bias is also the causal mask.
     """
-    query = torch.arange(start, start + seq_len, device=device)
-    key = torch.arange(start + seq_len, device=device)
+    query = torch.arange(start, start + seq_len, device=slopes.device)
+    key = torch.arange(start + seq_len, device=slopes.device)
     distance = (query[:, None] - key[None, :]).float()  # i - j
-    bias = -alibi_slopes(n_head).to(device)[:, None, None] * distance
+    bias = -slopes[:, None, None] * distance
     return bias.masked_fill(distance < 0, float("-inf"))
 
 
@@ -179,10 +177,13 @@ def causal_block_mask(seq_len: int, device: torch.device) -> BlockMask:
 
 
 def alibi_flex_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask: BlockMask,
+    slopes: torch.Tensor,
 ) -> torch.Tensor:
     """Causal attention, -slope * (i - j) added to each head's scores in the kernel."""
-    slopes = alibi_slopes(q.shape[1]).to(q.device)
 
     def alibi(score, batch, head, q_idx, kv_idx):
         return score - slopes[head] * (q_idx - kv_idx)
@@ -273,8 +274,8 @@ class CausalSelfAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
 
         # algorithm: alibi
-        if isinstance(attn_bias, BlockMask):
-            y = alibi_flex_attention(q, k, v, attn_bias)
+        if isinstance(attn_bias, tuple):  # (block mask, slopes): FlexAttention
+            y = alibi_flex_attention(q, k, v, *attn_bias)
         else:
             # The per-head distance penalty on the scores is the causal mask too.
             # (A dense mask keeps SDPA off its flash kernel: the CPU and dropout path.)
@@ -322,6 +323,16 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+
+        # algorithm: alibi
+        # No position embedding: the per-head slopes of the distance penalty instead, on
+        # the model's device (a buffer: moved with the model, not saved: a function of
+        # n_head), so no forward copies them there.
+        self.register_buffer(
+            "alibi_slopes", alibi_slopes(config.n_head), persistent=False
+        )
+        # end algorithm: alibi
+
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = layer_norm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -365,13 +376,11 @@ class GPT(nn.Module):
         dropout = self.config.dropout if self.training else 0.0
         if start == 0 and alibi_uses_flex(idx.device, dropout):
             # CUDA: FlexAttention adds the penalty in its kernel; it takes a block mask.
-            attn_bias = causal_block_mask(seq, idx.device)
+            attn_bias = (causal_block_mask(seq, idx.device), self.alibi_slopes)
         else:
             # One dense bias for all layers: these queries against every key
             # (the cached ones too).
-            attn_bias = alibi_bias(
-                self.config.n_head, seq, device=idx.device, start=start
-            )
+            attn_bias = alibi_bias(self.alibi_slopes, seq, start=start)
         # end algorithm: alibi
 
         for block, layer_cache in zip(self.blocks, caches):

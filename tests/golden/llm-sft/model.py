@@ -67,6 +67,32 @@ class ModelError(ValueError):
     """The model or tokenizer cannot be loaded; the message says why and what to do."""
 
 
+def packed_mask(model: nn.Module, position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Causal attention within each document of rows that hold several, one after
+    another (position_ids restart at 0 at each), as the 4-D mask the model's sdpa or
+    eager attention takes as it is (transformers 5 and later). From position_ids alone,
+    transformers would first read on the host whether any row holds more than one
+    document: a device sync in every forward. Other kernels (flash_attention_2,
+    flex_attention), sliding-window layers and older transformers: None, transformers'
+    own mask from position_ids."""
+    config = model.config
+    implementation = config._attn_implementation
+    major = int(transformers.__version__.split(".")[0])
+    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ())
+    if major < 5 or sliding or implementation not in ("sdpa", "eager"):
+        return None
+    # A document starts wherever the position does not go on by one (HF's rule).
+    first = position_ids[:, :1] - 1
+    documents = (torch.diff(position_ids, prepend=first) != 1).cumsum(-1)
+    seq = position_ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
+    keep = ((documents[:, :, None] == documents[:, None, :]) & causal)[:, None]
+    if implementation == "sdpa":
+        return keep  # (batch, 1, query, key)
+    lowest = torch.finfo(torch.float32).min  # eager adds the mask to the scores
+    return torch.zeros(keep.shape, device=keep.device).masked_fill(~keep, lowest)
+
+
 def load_tokenizer(name: str, texts: list[str]) -> transformers.PreTrainedTokenizerBase:
     """The tokenizer of `name`; for `tiny`, byte-level BPE trained on `texts`.
 

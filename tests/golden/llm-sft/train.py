@@ -28,6 +28,7 @@ from data import IGNORE, Batches, load_texts, pack, tokenize, val_batches
 from model import (
     load_model,
     load_tokenizer,
+    packed_mask,
     respond,
     training_bytes,
     transformer_blocks,
@@ -254,7 +255,9 @@ def evaluate(
             }
             labels = micro.pop("labels")[: max(real - start, 0)]  # padding rows last
             with torch.autocast(env.device.type, torch.bfloat16, enabled=is_amp(cfg)):
-                logits = model(**micro, use_cache=False).logits[: len(labels)]
+                mask = packed_mask(fsdp.unwrap(model), micro["position_ids"])
+                logits = model(**micro, attention_mask=mask, use_cache=False).logits
+                logits = logits[: len(labels)]
             loss_sum += F.cross_entropy(
                 logits.flatten(0, 1).float(),
                 labels.flatten(),
@@ -291,7 +294,15 @@ def forward_backward(
         # Reduce gradients over ranks once, in the last backward.
         fsdp.sync_gradients(model, i == len(microbatches) - 1)
         with torch.autocast(targets.device.type, torch.bfloat16, enabled=is_amp(cfg)):
-            logits = model(**micro_inputs, use_cache=False).logits
+            logits = model(
+                **micro_inputs,
+                # sdpa and eager: the documents' mask, which transformers would find
+                # by reading position_ids on the host (a sync).
+                attention_mask=packed_mask(
+                    fsdp.unwrap(model), micro_inputs["position_ids"]
+                ),
+                use_cache=False,
+            ).logits
 
         # event: AFTER_FORWARD
 
@@ -453,15 +464,18 @@ def main() -> None:
         # event: EPOCH_START
 
         epoch = progress.epoch
+        # This rank's share of global batch `index` in the epoch's seeded order:
+        # input_ids, position_ids and the labels (the targets).
+        # Each is on its way to the device before its step (dist.to_device: the copy
+        # does not make the host wait).
+        upcoming = train_batches.get(
+            epoch, progress.batch_in_epoch, env.rank, env.world_size
+        )
+        upcoming = dist.to_device(upcoming, env.device)
         for index in range(progress.batch_in_epoch, train_batches.batches_per_epoch):
-            # This rank's share of global batch `index` in the epoch's seeded order:
-            # input_ids, position_ids and the labels (the targets).
-            inputs = train_batches.get(epoch, index, env.rank, env.world_size)
-            inputs = {
-                name: rows.to(env.device, non_blocking=True)
-                for name, rows in inputs.items()
-            }
-            targets = inputs.pop("labels")
+            batch = upcoming
+            inputs = {name: rows for name, rows in batch.items() if name != "labels"}
+            targets = batch["labels"]
 
             # event: BATCH_START
 
@@ -484,6 +498,11 @@ def main() -> None:
 
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            # The next batch, fetched while the device still works through this step:
+            # before anything below waits for the device (a logged loss, an evaluation).
+            if index + 1 < train_batches.batches_per_epoch:
+                upcoming = train_batches.get(epoch, index + 1, env.rank, env.world_size)
+                upcoming = dist.to_device(upcoming, env.device)
             progress.advance(
                 samples=cfg.global_batch_size,
                 tokens=train_batches.num_tokens(epoch, index),

@@ -85,7 +85,7 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
 
 
 def alibi_encoder_bias(
-    n_head: int, keep: torch.Tensor, dtype: torch.dtype
+    slopes: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """(batch, n_head, seq, seq) additive attention bias: -slope * |i - j| between
     query i and key j, and the dtype's lowest value at padding keys (`keep` False).
@@ -96,8 +96,7 @@ def alibi_encoder_bias(
     seq = keep.shape[-1]
     position = torch.arange(seq, device=keep.device)
     distance = (position[:, None] - position[None, :]).abs()
-    slopes = alibi_slopes(n_head).to(keep.device)[:, None, None]
-    bias = (-slopes * distance).to(dtype)
+    bias = (-slopes[:, None, None] * distance).to(dtype)
     return bias.where(keep, torch.finfo(dtype).min)
 
 
@@ -183,6 +182,16 @@ class Encoder(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+
+        # algorithm: alibi
+        # No position embedding: the per-head slopes of the distance penalty instead, on
+        # the model's device (a buffer: moved with the model, not saved: a function of
+        # n_head), so no forward copies them there.
+        self.register_buffer(
+            "alibi_slopes", alibi_slopes(config.n_head), persistent=False
+        )
+        # end algorithm: alibi
+
         self.ln_e = layer_norm(config.n_embd)
         self.blocks = nn.ModuleList(Layer(config) for _ in range(config.n_layer))
         self.init_weights()
@@ -214,7 +223,7 @@ class Encoder(nn.Module):
         # algorithm: alibi
         # The distance penalty and the padding mask as one additive bias, every layer's
         # attention mask (a dense bias keeps SDPA off its flash kernel).
-        keep = alibi_encoder_bias(self.config.n_head, keep, x.dtype)
+        keep = alibi_encoder_bias(self.alibi_slopes, keep, x.dtype)
         # end algorithm: alibi
 
         for block in self.blocks:

@@ -33,11 +33,13 @@ import hashlib
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from runtime import dist
 
 try:
     import transformers
@@ -324,8 +326,18 @@ class Masking:
 class Batch:
     inputs: torch.Tensor  # this rank's rows (rows, seq_len), masked
     targets: torch.Tensor  # the original ids where predicted, IGNORE elsewhere
+    # The same rows' real (not padding) and predicted tokens, marked on the host: what
+    # needs their positions finds them here, without asking the device (a sync).
+    real: torch.Tensor
+    predicted: torch.Tensor
     num_masked: int  # targets in the whole global batch (all ranks)
     num_tokens: int  # real (not padding) tokens in the whole global batch
+
+    def to(self, device: torch.device) -> Batch:
+        """The batch with its token ids and targets on `device`, their copies queued
+        without waiting for them (dist.to_device); the marks stay on the host."""
+        inputs, targets = dist.to_device((self.inputs, self.targets), device)
+        return replace(self, inputs=inputs, targets=targets)
 
 
 class Batches:
@@ -372,11 +384,11 @@ class Batches:
             rank * (self.batch_size // world_size),
             (rank + 1) * (self.batch_size // world_size),
         )
+        real, predicted = ids != self.masking.pad_id, targets != IGNORE
         return Batch(
-            torch.from_numpy(inputs[share]),
-            torch.from_numpy(targets[share]),
-            num_masked=int((targets != IGNORE).sum()),
-            num_tokens=int((ids != self.masking.pad_id).sum()),
+            *(torch.from_numpy(a[share]) for a in (inputs, targets, real, predicted)),
+            num_masked=int(predicted.sum()),
+            num_tokens=int(real.sum()),
         )
 
 

@@ -87,9 +87,10 @@ class Packed:
     """Where the real tokens of a padded batch went: `unpad` keeps them as one
     (tokens, width) stream, row after row; attention keeps each row to itself."""
 
-    real: torch.Tensor  # (batch, seq): True at a real token
+    index: torch.Tensor  # (tokens,): each token's flat position in the batch
     row: torch.Tensor  # (tokens,): the row (sequence) of each token
     position: torch.Tensor  # (tokens,): its column in that row
+    shape: tuple[int, int]  # (batch, seq): the padded batch's
     # FlexAttention's document mask (CUDA): a query sees its own row's keys only.
     block_mask: BlockMask | None
     # (head, query position, key position) -> added to the attention scores; set by
@@ -97,13 +98,18 @@ class Packed:
     score_bias: Callable[..., torch.Tensor] | None = None
 
 
-def unpad(x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, Packed]:
-    """x (batch, seq, width) -> its real tokens (tokens, width) and where they were;
-    on CUDA with the block mask, built once for all layers (outside compiled code)."""
-    real = keep[:, 0, 0, :]
-    row, position = real.nonzero(as_tuple=True)
-    block_mask = document_mask(row) if x.is_cuda and len(row) else None
-    return x[real], Packed(real, row, position, block_mask)
+def unpad(x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, Packed]:
+    """x (batch, seq, width) -> its real tokens (tokens, width) and where they were.
+
+    `tokens`: their flat positions, found on the host (train.py), so the number of real
+    tokens, every output size here, is known without asking the device (a sync). On
+    CUDA the block mask is built here, once for all layers (outside compiled code).
+    """
+    batch, seq = x.shape[:2]
+    row, position = tokens // seq, tokens % seq
+    block_mask = document_mask(row) if x.is_cuda and len(tokens) else None
+    packed = Packed(tokens, row, position, (batch, seq), block_mask)
+    return x.flatten(0, 1).index_select(0, tokens), packed
 
 
 def document_mask(row: torch.Tensor, block: int = 128) -> BlockMask:
@@ -142,11 +148,10 @@ def kv_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return count[None, None], order.to(torch.int32)[None, None]
 
 
-def repad(x: torch.Tensor, keep: Packed, seq: int) -> torch.Tensor:
+def repad(x: torch.Tensor, keep: Packed) -> torch.Tensor:
     """Real tokens (tokens, width) back to (batch, seq, width), zeros at padding."""
-    rows = x.new_zeros(keep.real.shape[0], seq, x.shape[-1])
-    rows[keep.row, keep.position] = x
-    return rows
+    rows = x.new_zeros(keep.shape[0] * keep.shape[1], x.shape[-1])
+    return rows.index_copy(0, keep.index, x).view(*keep.shape, -1)
 
 
 def varlen_attention(
@@ -154,10 +159,10 @@ def varlen_attention(
 ) -> torch.Tensor:
     """q, k, v and the result (1, head, tokens, head_dim), every real token in one
     row: each token attends to its own sequence's tokens only, which is what SDPA
-    over the padded rows computes at real tokens, without the padding's FLOPs."""
+    over the padded rows computes at real tokens."""
     if q.is_cuda and dropout == 0.0 and q.shape[2] > 0:
         return flex_varlen_attention(q, k, v, keep)
-    return rowwise_attention(q, k, v, keep, dropout)
+    return padded_attention(q, k, v, keep, dropout)
 
 
 @functools.cache
@@ -186,27 +191,36 @@ def flex_varlen_attention(
     return attend(q, k, v, score_mod=score_mod, block_mask=keep.block_mask)
 
 
-def rowwise_attention(
+def padded_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: Packed, dropout: float
 ) -> torch.Tensor:
-    """The CPU's path (FlexAttention has no backward there) and CUDA's with dropout:
-    SDPA over each row's own tokens, the rows of one length in one call."""
-    counts = keep.real.sum(1)
-    first = counts.cumsum(0) - counts  # each row's first token in the stream
-    y = q.new_zeros(q.shape[1:])  # (head, tokens, head_dim)
-    for length in counts[counts > 0].unique().tolist():
-        # (rows, length): the tokens of the rows this long, in order
-        index = first[counts == length, None] + torch.arange(length, device=q.device)
-        parts = (t[0][:, index].transpose(0, 1) for t in (q, k, v))  # rows, head, ...
-        bias = None
-        if keep.score_bias is not None:
-            head = torch.arange(q.shape[1], device=q.device)[:, None, None]
-            position = keep.position[index][:, None]  # (rows, 1, length)
-            query, key = position[..., :, None], position[..., None, :]
-            bias = keep.score_bias(head, query, key).to(q.dtype)
-        out = F.scaled_dot_product_attention(*parts, attn_mask=bias, dropout_p=dropout)
-        y[:, index] = out.transpose(0, 1)
-    return y[None]
+    """The CPU's path (FlexAttention has no backward there) and CUDA's with dropout (it
+    has none), as MosaicBERT's with dropout: the tokens put back in their rows for SDPA,
+    a real token attending to its own row's real tokens only, and taken out again.
+    Here attention computes over the padding (the layers still do not); grouping the
+    rows by length instead would need their lengths on the host, a sync."""
+    batch, seq = keep.shape
+    head, dim = q.shape[1], q.shape[3]
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # -> (batch, head, seq, head_dim)
+        padded = t.new_zeros(head, batch * seq, dim).index_copy(1, keep.index, t[0])
+        return padded.view(head, batch, seq, dim).transpose(0, 1)
+
+    real = torch.zeros(batch * seq, dtype=torch.bool, device=q.device)
+    real = real.index_fill(0, keep.index, True).view(batch, 1, seq)
+    # Real keys for real queries; a padding query (its output is dropped) sees every
+    # key, so a row of padding only has no row of -inf scores (NaN).
+    mask = real[..., None, :] | ~real[..., :, None]  # (batch, 1, seq, seq)
+    if keep.score_bias is not None:
+        position = torch.arange(seq, device=q.device)
+        heads = torch.arange(head, device=q.device)[:, None, None]
+        bias = keep.score_bias(heads, position[:, None], position[None, :])
+        mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
+    y = F.scaled_dot_product_attention(
+        rows(q), rows(k), rows(v), attn_mask=mask, dropout_p=dropout
+    )
+    y = y.transpose(0, 1).reshape(head, batch * seq, dim)
+    return y.index_select(1, keep.index)[None]
 
 
 # end algorithm: unpadding
@@ -336,6 +350,16 @@ class Encoder(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+
+        # algorithm: alibi
+        # No position embedding: the per-head slopes of the distance penalty instead, on
+        # the model's device (a buffer: moved with the model, not saved: a function of
+        # n_head), so no forward copies them there.
+        self.register_buffer(
+            "alibi_slopes", alibi_slopes(config.n_head), persistent=False
+        )
+        # end algorithm: alibi
+
         self.ln_e = layer_norm(config.n_embd)
         self.blocks = nn.ModuleList(Layer(config) for _ in range(config.n_layer))
         # The masked-LM head (BERT's): dense, GELU, LayerNorm, then the token embedding
@@ -357,12 +381,13 @@ class Encoder(nn.Module):
                     module.bias.zero_()
         self.head_bias.zero_()
 
-    def encode(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The encoder's last hidden states (batch, seq, n_embd)."""
+    def encode(self, input_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The encoder's last hidden states (batch, seq, n_embd).
+
+        `tokens`: the flat (row-major) positions of the real tokens of input_ids, found
+        on the host (train.py): the layers see those only."""
         seq = input_ids.shape[1]
         assert seq <= self.config.max_seq_len, f"sequence of {seq} > max_seq_len"
-        # True where a real token is: padding is never attended to.
-        keep = (input_ids != self.config.pad_id)[:, None, None, :]
 
         # algorithm: alibi
         # No position embedding: positions enter as the attention bias.
@@ -373,13 +398,13 @@ class Encoder(nn.Module):
         # algorithm: unpadding
         # The layers see the real tokens only, as one (tokens, width) tensor; `keep` now
         # says which row and column each came from.
-        x, keep = unpad(x, keep)
+        x, keep = unpad(x, tokens)
         # end algorithm: unpadding
 
         # algorithm: alibi
         # Unpadded: unpadding's attention adds the distance penalty to the scores, from
         # each token's column in its own row (no dense bias is built).
-        slopes = alibi_slopes(self.config.n_head).to(x.device)
+        slopes = self.alibi_slopes
         keep.score_bias = lambda head, query, key: -slopes[head] * (query - key).abs()
         # end algorithm: alibi
 
@@ -387,16 +412,20 @@ class Encoder(nn.Module):
             x = block(x, keep)
         # algorithm: unpadding
         # Back to (batch, seq, width) for the head; padding positions hold zeros.
-        x = repad(x, keep, seq)
+        x = repad(x, keep)
         # end algorithm: unpadding
 
         return x
 
-    def forward(self, input_ids: torch.Tensor, predict: torch.Tensor) -> torch.Tensor:
-        """Masked-LM logits (predicted tokens, vocab) at the positions `predict` (batch,
-        seq) marks True, in row order. As in Google's BERT (run_pretraining.py gathers
-        `masked_lm_positions` before its head), the head computes there only."""
-        h = self.encode(input_ids)[predict]
+    def forward(
+        self, input_ids: torch.Tensor, predict: torch.Tensor, tokens: torch.Tensor
+    ) -> torch.Tensor:
+        """Masked-LM logits (predicted tokens, vocab) at `predict`, the flat (row-major)
+        positions of the tokens to predict, found on the host (train.py), so no output
+        size here depends on values only the device holds (that would be a host sync).
+        As in Google's BERT (run_pretraining.py gathers `masked_lm_positions` before its
+        head), the head computes there only."""
+        h = self.encode(input_ids, tokens).flatten(0, 1)[predict]
         h = self.head_ln(F.gelu(self.head_fc(h)))
         return F.linear(h, self.wte.weight, self.head_bias)
 

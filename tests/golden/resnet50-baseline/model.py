@@ -150,7 +150,7 @@ class BatchNorm2d(nn.BatchNorm2d):
             eps=self.eps,
         )
         with torch.no_grad():
-            count = torch.tensor([k], dtype=torch.float32, device=x.device)
+            count = torch.full((1,), float(k), device=x.device)
             stats = torch.cat([mean.view(k, c).sum(0), var.view(k, c).sum(0), count])
             self.step_stats = (
                 stats if self.step_stats is None else self.step_stats + stats

@@ -435,20 +435,16 @@ def center_crop(image: Image.Image, size: int, resize: int) -> np.ndarray:
 
 
 # algorithm: colout
-def colout_batch(
-    inputs: torch.Tensor, p_row: float, p_col: float, seed: int, step: int
-) -> torch.Tensor:
-    """ColOut: the images without round(p_row * H) of their rows and round(p_col * W)
-    of their columns, the same ones for every image, drawn from (seed, step); the kept
-    pixels stay in order."""
+def colout_kept(
+    height: int, width: int, p_row: float, p_col: float, seed: int, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ColOut: the rows and columns every image keeps this step, in order: all but
+    round(p_row * H) rows and round(p_col * W) columns, the same ones for every image,
+    drawn from (seed, step) on the host."""
     rng = step_rng(seed, step, "colout")
-    height, width = inputs.shape[-2:]
-    rows = rng.permutation(height)[round(p_row * height) :]
-    cols = rng.permutation(width)[round(p_col * width) :]
-    rows, cols = (
-        torch.from_numpy(i).sort().values.to(inputs.device) for i in (rows, cols)
-    )
-    return inputs[..., rows, :][..., cols]
+    rows = np.sort(rng.permutation(height)[round(p_row * height) :])
+    cols = np.sort(rng.permutation(width)[round(p_col * width) :])
+    return torch.from_numpy(rows), torch.from_numpy(cols)
 
 
 # end algorithm: colout
@@ -816,9 +812,17 @@ def step_rng(seed: int, step: int, stream: str) -> np.random.Generator:
 def normalize(images: torch.Tensor, data: ImageData) -> torch.Tensor:
     """uint8 pixels to floats, standardized per channel (done on the device: 4x less
     to copy there)."""
-    mean = torch.tensor(data.mean, device=images.device).view(1, -1, 1, 1)
-    std = torch.tensor(data.std, device=images.device).view(1, -1, 1, 1)
+    mean, std = channel_stats(data.mean, data.std, images.device)
     return (images.float() / 255 - mean) / std
+
+
+@functools.lru_cache(maxsize=4)
+def channel_stats(
+    mean: tuple[float, ...], std: tuple[float, ...], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-channel mean and standard deviation, (1, channels, 1, 1) on `device`,
+    made once: a copy of them per batch would end in a device sync each time."""
+    return tuple(torch.tensor(s, device=device).view(1, -1, 1, 1) for s in (mean, std))
 
 
 def main() -> None:

@@ -229,7 +229,10 @@ class StochasticDepth:
         scales = kept / (1 - rates).clamp(min=1e-12)
         if self.mode == "sample":
             scales = scales[:, first : first + samples]
-        self.scales = scales.to(device)
+        # From page-locked memory on CUDA, asynchronously: the host does not wait.
+        if device.type == "cuda":
+            scales = scales.pin_memory()
+        self.scales = scales.to(device, non_blocking=True)
 
     def start_microbatch(self, start: int, size: int) -> None:
         self.rows = slice(start, start + size)
@@ -340,7 +343,7 @@ class BatchNorm2d(nn.BatchNorm2d):
             eps=self.eps,
         )
         with torch.no_grad():
-            count = torch.tensor([k], dtype=torch.float32, device=x.device)
+            count = torch.full((1,), float(k), device=x.device)
             stats = torch.cat([mean.view(k, c).sum(0), var.view(k, c).sum(0), count])
             self.step_stats = (
                 stats if self.step_stats is None else self.step_stats + stats

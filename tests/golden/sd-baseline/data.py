@@ -286,7 +286,7 @@ class Batches:
 
     def get(
         self, epoch: int, index: int, rank: int, world_size: int
-    ) -> dict[str, torch.Tensor]:
+    ) -> dict[str, torch.Tensor | np.ndarray]:
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.data))
         share = self.batch_size // world_size
         start = index * self.batch_size + rank * share
@@ -295,13 +295,17 @@ class Batches:
 
 def rows(
     data: Captioned, token_ids: torch.Tensor, ids: np.ndarray | None = None
-) -> dict[str, torch.Tensor]:
+) -> dict[str, torch.Tensor | np.ndarray]:
     """Images in [-1, 1] (N, 3, H, W), token ids and row numbers (`index`: which
-    images of the split) of the rows `ids` (None: all)."""
+    images of the split; an array, host data that stays on the host) of the rows `ids`
+    (None: all)."""
     ids = np.arange(len(data)) if ids is None else ids
     images = torch.from_numpy(data.images[ids]).permute(0, 3, 1, 2).float() / 127.5 - 1
-    index = torch.from_numpy(ids)
-    return {"pixels": images, "input_ids": token_ids[index], "index": index}
+    return {
+        "pixels": images,
+        "input_ids": token_ids[torch.from_numpy(ids)],
+        "index": ids,
+    }
 
 
 def convert(

@@ -215,8 +215,9 @@ def step_noise(
     dropped = torch.rand(count, generator=generator) < cfg.caption_drop_prob
     share = count // env.world_size
     rows = slice(env.rank * share, (env.rank + 1) * share)
-    return tuple(
-        t[rows].to(env.device) for t in (latent_noise, noise, timesteps, dropped)
+    # On their way to the device at once (dist.to_device: the host does not wait).
+    return dist.to_device(
+        tuple(t[rows] for t in (latent_noise, noise, timesteps, dropped)), env.device
     )
 
 
@@ -373,7 +374,7 @@ def evaluate(
         ids, real = dist.padded_share(
             torch.arange(start, min(start + cfg.global_batch_size, count)), env
         )
-        batch = {k: v[ids].to(env.device) for k, v in val.items()}
+        batch = dist.to_device({k: v[ids] for k, v in val.items()}, env.device)
         latents, states = encode(parts, batch, None, cfg)
         inputs, target = noised(
             parts,
@@ -593,11 +594,16 @@ def main() -> None:
         # event: EPOCH_START
 
         epoch = progress.epoch
+        # This rank's share of global batch `index` in the epoch's seeded order:
+        # images in [-1, 1] and caption token ids.
+        # Each is on its way to the device before its step (dist.to_device: the copy
+        # does not make the host wait).
+        upcoming = train_batches.get(
+            epoch, progress.batch_in_epoch, env.rank, env.world_size
+        )
+        upcoming = dist.to_device(upcoming, env.device)
         for index in range(progress.batch_in_epoch, train_batches.batches_per_epoch):
-            # This rank's share of global batch `index` in the epoch's seeded order:
-            # images in [-1, 1] and caption token ids.
-            batch = train_batches.get(epoch, index, env.rank, env.world_size)
-            batch = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
+            batch = upcoming
 
             # event: BATCH_START
 
@@ -606,7 +612,11 @@ def main() -> None:
             latent_noise, noise, timesteps, dropped = step_noise(
                 cfg, progress.batch, latent_shape, env
             )
-            batch["input_ids"][dropped] = empty_ids  # caption dropout
+            # Caption dropout: the empty caption where dropped (a where, not a boolean
+            # mask: its size would be a question to the device, a sync).
+            batch["input_ids"] = torch.where(
+                dropped[:, None], empty_ids, batch["input_ids"]
+            )
             latents, states = encode(parts, batch, latent_noise, cfg)
             inputs, targets = noised(parts, latents, states, noise, timesteps)
             fraction = progress.fraction(cfg.max_duration)
@@ -626,6 +636,11 @@ def main() -> None:
 
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            # The next batch, fetched while the device still works through this step:
+            # before anything below waits for the device (a logged loss, an evaluation).
+            if index + 1 < train_batches.batches_per_epoch:
+                upcoming = train_batches.get(epoch, index + 1, env.rank, env.world_size)
+                upcoming = dist.to_device(upcoming, env.device)
             progress.advance(samples=cfg.global_batch_size, tokens=0)
             train_loss.add(loss_sum, cfg.global_batch_size)  # no device sync
 

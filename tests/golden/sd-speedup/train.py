@@ -242,8 +242,9 @@ def step_noise(
     dropped = torch.rand(count, generator=generator) < cfg.caption_drop_prob
     share = count // env.world_size
     rows = slice(env.rank * share, (env.rank + 1) * share)
-    return tuple(
-        t[rows].to(env.device) for t in (latent_noise, noise, timesteps, dropped)
+    # On their way to the device at once (dist.to_device: the host does not wait).
+    return dist.to_device(
+        tuple(t[rows] for t in (latent_noise, noise, timesteps, dropped)), env.device
     )
 
 
@@ -486,7 +487,7 @@ def evaluate(
         ids, real = dist.padded_share(
             torch.arange(start, min(start + cfg.global_batch_size, count)), env
         )
-        batch = {k: v[ids].to(env.device) for k, v in val.items()}
+        batch = dist.to_device({k: v[ids] for k, v in val.items()}, env.device)
         latents, states = encode(parts, batch, None, cfg)
         inputs, target = noised(
             parts,
@@ -729,11 +730,16 @@ def main() -> None:
         # event: EPOCH_START
 
         epoch = progress.epoch
+        # This rank's share of global batch `index` in the epoch's seeded order:
+        # images in [-1, 1] and caption token ids.
+        # Each is on its way to the device before its step (dist.to_device: the copy
+        # does not make the host wait).
+        upcoming = train_batches.get(
+            epoch, progress.batch_in_epoch, env.rank, env.world_size
+        )
+        upcoming = dist.to_device(upcoming, env.device)
         for index in range(progress.batch_in_epoch, train_batches.batches_per_epoch):
-            # This rank's share of global batch `index` in the epoch's seeded order:
-            # images in [-1, 1] and caption token ids.
-            batch = train_batches.get(epoch, index, env.rank, env.world_size)
-            batch = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
+            batch = upcoming
 
             # event: BATCH_START
 
@@ -746,14 +752,20 @@ def main() -> None:
             # algorithm: precomputed_latents
             # Precomputed latents: the batch's encodings looked up, no encoder forward.
             # The posterior is sampled with the step's latent noise, as encode() does; a
-            # dropped caption gets the empty caption's states (caption dropout).
-            rows = batch["index"].cpu()
-            mean, std = (
-                encodings[name][rows].to(env.device) for name in ("mean", "std")
+            # dropped caption gets the empty caption's states (caption dropout). Looked
+            # up on the host (the batch's rows are host data), then sent to the device.
+            rows = batch["index"]
+            mean, std, states, empty = dist.to_device(
+                (
+                    encodings["mean"][rows],
+                    encodings["std"][rows],
+                    encodings["states"][encodings["caption"][rows]],
+                    encodings["empty"],
+                ),
+                env.device,
             )
             latents = mean + std * latent_noise
-            states = encodings["states"][encodings["caption"][rows]].to(env.device)
-            states[dropped] = encodings["empty"].to(env.device)
+            states = torch.where(dropped[:, None, None], empty, states)
             # end algorithm: precomputed_latents
 
             inputs, targets = noised(parts, latents, states, noise, timesteps)
@@ -774,6 +786,11 @@ def main() -> None:
 
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            # The next batch, fetched while the device still works through this step:
+            # before anything below waits for the device (a logged loss, an evaluation).
+            if index + 1 < train_batches.batches_per_epoch:
+                upcoming = train_batches.get(epoch, index + 1, env.rank, env.world_size)
+                upcoming = dist.to_device(upcoming, env.device)
             progress.advance(samples=cfg.global_batch_size, tokens=0)
             train_loss.add(loss_sum, cfg.global_batch_size)  # no device sync
 
