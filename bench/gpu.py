@@ -2,7 +2,9 @@
 
 On one CUDA device, in one invocation, each run in a fresh process:
 - the generated `gpt2-baseline` and `gpt2-speedup` (ALiBi through FlexAttention, sequence-length
-  warmup), each with `--compile=true` and `--compile=false`;
+  warmup), each with `--compile=true` and `--compile=false`, and with `--whole-model` also
+  `--compile=model` (the whole model as one graph, as nanoGPT compiles it, against `true`'s
+  compiled blocks: which of the two `auto` should pick on one GPU);
 - nanoGPT's training step as re-implemented in bench/overhead.py (its model, get_batch, fused
   AdamW, TF32, bf16 autocast), with and without its whole-model `torch.compile`.
 Same data (the stdlib bytes as a uint16 train.bin, vocabulary 50,304 as nanoGPT's GPT-2),
@@ -14,6 +16,7 @@ Targets (issue 17): generated >= 1.0x nanoGPT's tokens/s; baseline MFU >= 50% on
 gpt2-speedup's per-token step time within 5% of the baseline's at full length.
 
     python bench/gpu.py [--steps 40] [--batch 32] [--micro 16] [--compile both|on|off]
+                        [--whole-model]
 
 Without CUDA it prints "skipped" and exits 0. `--smoke` runs the same script on the CPU with the
 tiny preset, a short sequence and compilation off (a check that the bench itself works, no
@@ -32,6 +35,7 @@ from _common import bench_env, generate, median, scratch
 from overhead import NANOGPT_LOOP, write_train_bin
 
 WARMUP_STEPS = 10
+COMPILE_LABELS = {True: "on", False: "off", "model": "model"}  # --compile= values
 SEQ_LEN = 1024
 VOCAB = 50304
 PRESET, (N_LAYER, N_HEAD, N_EMBD) = "gpt2", (12, 12, 768)  # as model.py's PRESETS
@@ -59,7 +63,7 @@ def flops_per_token(num_params: int) -> float:
 
 
 def generated_run(
-    project: Path, workdir: Path, name: str, data: Path, compile_: bool, args
+    project: Path, workdir: Path, name: str, data: Path, compile_: bool | str, args
 ) -> tuple[float, int]:
     """(median ms per full-length step, parameters) of the generated train.py."""
     steps = args.steps
@@ -143,6 +147,11 @@ def main() -> None:
         "compile-off runs too, as a check of the eager path)",
     )
     parser.add_argument(
+        "--whole-model",
+        action="store_true",
+        help="the generated loops with --compile=model too (the whole model as one graph)",
+    )
+    parser.add_argument(
         "--smoke", action="store_true", help="tiny, on the CPU, compile off"
     )
     args = parser.parse_args()
@@ -178,13 +187,14 @@ def main() -> None:
     )
     print(f"{'loop':28} {'ms/step':>9} {'tokens/s':>10} {'MFU':>6}")
     results = {}
+    generated_options = (*compile_options, *(("model",) if args.whole_model else ()))
     runs = [("nanoGPT", c, None) for c in compile_options] + [
         (recipe, c, project)
         for recipe, project in projects.items()
-        for c in compile_options
+        for c in generated_options
     ]
     for label, compile_, project in runs:
-        name = f"{label} compile={'on' if compile_ else 'off'}"
+        name = f"{label} compile={COMPILE_LABELS[compile_]}"
         if project is None:
             ms, params = nanogpt_run(data, compile_, args)
         else:
