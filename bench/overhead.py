@@ -1,17 +1,31 @@
-"""Loop overhead: the generated gpt2-baseline loop against a minimal hand-written PyTorch loop.
+"""Loop overhead: the generated gpt2-baseline loop against a minimal hand-written PyTorch loop
+and against nanoGPT's own train.py.
 
-Both do the same work: the same model, data, seed, AdamW, gradient accumulation over the same
-microbatches, gradient clipping and LR schedule. The generated loop runs as shipped (progress,
-metrics.jsonl and log every step), with evaluation and checkpoints out of the timed steps.
-A third column is an outside reference: nanoGPT's training step re-implemented in this file
-(its model code, its `get_batch` sampling random windows from a fresh memmap of `train.bin`
-each call with the next batch fetched during the last microbatch, its `configure_optimizers`,
-`get_lr` and clipping, `loss.item()` every step as at its default `log_interval=1`), on the
-same sizes, data (the stdlib bytes written as `train.bin`), hyperparameters and allocator.
+All do the same work: the same model sizes, data, batch, microbatches (gradient accumulation),
+precision (fp32), AdamW hyperparameters, gradient clipping and LR schedule, and the same
+allocator settings. The generated loop runs as shipped (progress, metrics.jsonl and log every
+step), with evaluation and checkpoints out of the timed steps; the hand-written loop trains the
+generated model with the generated loop's optimizer and nothing else.
+
+The nanoGPT column runs nanoGPT's own train.py as a user would (`--nanogpt` names a checkout of
+github.com/karpathy/nanoGPT: its train.py, model.py and configurator.py are copied beside the
+stdlib bytes written as its dataset, train.bin + val.bin + meta.pkl of vocabulary 256), with
+the same sizes (bias on, as the generated model has), dropout 0, `--compile=False`, and its own
+per-iteration times ("iter N: ... time T ms"). Without `--nanogpt` the column is nanoGPT's
+step re-implemented in this file (NANOGPT_LOOP, which bench/gpu.py also runs where no
+checkout can be carried). nanoGPT's model computes one function otherwise than GPT-2's: its
+GELU is the exact one (erf), the generated model's GPT-2's tanh approximation (what GPT-2's
+weights were trained with: `--init_from` and the export keep it), which costs the CPU more.
+So the generated loop also runs on a copy of the project whose model.py has nanoGPT's GELU
+(column "generated, erf"): that against nanoGPT compares the loops on the same model.
+
 Where Lightning is installed (optional), its Trainer runs the same work as a fourth column.
 Runs alternate A B C ... in one invocation; each reports its median step time after warmup.
+`--cpu-clock` times every column in its process's CPU seconds with torch on one thread (the
+generated loop's monitor and nanoGPT's `time.time()` read the process clock): on a machine
+shared with other jobs, wall time measures the waiting for a core, CPU time the work.
 
-    python bench/overhead.py [--rounds 3] [--steps 60]
+    python bench/overhead.py [--rounds 3] [--steps 60] [--nanogpt ~/nanoGPT] [--cpu-clock]
 """
 
 from __future__ import annotations
@@ -19,6 +33,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import pickle
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +64,7 @@ params = list(model.parameters())
 optimizer = torch.optim.AdamW(
     [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
      {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-    lr=lr_peak, betas=(0.9, 0.95))
+    lr=lr_peak, betas=(0.9, 0.95), fused=True)  # as the generated loop's
 times = []
 for step in range(steps):
     start = time.perf_counter()
@@ -261,76 +279,116 @@ print(json.dumps([b - a for a, b in zip(module.times, module.times[1:])]))
 """
 
 
-def lightning_step_ms(
-    project: Path, preset: str, seq_len: int, batch: int, micro: int, steps: int
-) -> float:
+# Prepended to a timed process under --cpu-clock: its clocks read the process's CPU time.
+CPU_CLOCK = "import time\ntime.perf_counter = time.time = time.process_time\n"
+NANOGPT_FILES = ("train.py", "model.py", "configurator.py")
+NANOGPT_ITER = re.compile(r"^iter (\d+): loss [-\d.naif]+, time ([\d.]+)ms", re.M)
+# (layers, heads, width), as model.py's PRESETS
+PRESET_SIZES = {"tiny": (4, 4, 128), "small": (6, 6, 384)}
+
+
+def timed_env(cpu_clock: bool) -> dict[str, str]:
+    """The benches' environment; under --cpu-clock torch on one thread."""
+    return {**bench_env(), **({"OMP_NUM_THREADS": "1"} if cpu_clock else {})}
+
+
+def inline_ms(code: str, args: list[str], cpu_clock: bool, line: int = -1) -> float:
+    """Median ms per step after warmup of an inline loop printing its step times (JSON)."""
     result = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            LIGHTNING_LOOP,
-            str(project),
-            preset,
-            str(seq_len),
-            str(batch),
-            str(micro),
-            str(steps),
-        ],
-        env=bench_env(),
+        [sys.executable, "-c", (CPU_CLOCK if cpu_clock else "") + code, *args],
+        env=timed_env(cpu_clock),
         capture_output=True,
         text=True,
         check=True,
     )
-    return 1000 * median(
-        json.loads(result.stdout.strip().splitlines()[-1])[WARMUP_STEPS:]
+    times = json.loads(result.stdout.strip().splitlines()[line])
+    return 1000 * median(times[WARMUP_STEPS:])
+
+
+def lightning_step_ms(project: Path, sizes: tuple, cpu_clock: bool) -> float:
+    return inline_ms(LIGHTNING_LOOP, [str(project), *map(str, sizes)], cpu_clock)
+
+
+def raw_step_ms(project: Path, sizes: tuple, cpu_clock: bool) -> float:
+    return inline_ms(RAW_LOOP, [str(project), *map(str, sizes)], cpu_clock)
+
+
+def reimplemented_nanogpt_step_ms(data: Path, sizes: tuple, cpu_clock: bool) -> float:
+    """NANOGPT_LOOP, nanoGPT's step as re-implemented here."""
+    preset, *numbers = sizes
+    layout = ",".join(map(str, PRESET_SIZES[preset]))
+    args = [str(data), layout, *map(str, numbers)]
+    return inline_ms(NANOGPT_LOOP, args, cpu_clock, line=0)
+
+
+def nanogpt_folder(checkout: Path, root: Path, train_bin: Path) -> Path:
+    """nanoGPT's scripts copied from `checkout`, with the stdlib bytes as its dataset
+    `stdlib`: train.bin (the generated project's training tokens), val.bin and a meta.pkl
+    of vocabulary 256 (bytes), as nanoGPT's prepare.py scripts write them."""
+    missing = [name for name in NANOGPT_FILES if not (checkout / name).is_file()]
+    if missing:
+        sys.exit(
+            f"--nanogpt={checkout}: no {', '.join(missing)}; pass a checkout of "
+            "github.com/karpathy/nanoGPT"
+        )
+    folder = root / "nanogpt"
+    data = folder / "data" / "stdlib"
+    data.mkdir(parents=True)
+    for name in NANOGPT_FILES:
+        shutil.copy(checkout / name, folder / name)
+    shutil.copy(train_bin, data / "train.bin")
+    shutil.copy(train_bin, data / "val.bin")  # evaluated once, at iteration 0
+    with open(data / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": 256}, f)
+    return folder
+
+
+def nanogpt_step_ms(folder: Path, sizes: tuple, cpu_clock: bool) -> float:
+    """nanoGPT's own train.py on the CPU: the median of the per-iteration times it prints,
+    after warmup (iteration 0 includes its first evaluation, of one batch)."""
+    preset, seq_len, batch, micro, steps = sizes
+    n_layer, n_head, n_embd = PRESET_SIZES[preset]
+    options = dict(
+        dataset="stdlib",
+        out_dir=folder / "out",
+        device="cpu",
+        compile=False,
+        dtype="float32",  # the CPU's: nanoGPT's autocast context is off on the CPU
+        n_layer=n_layer,
+        n_head=n_head,
+        n_embd=n_embd,
+        bias=True,  # the generated model's biases (nanoGPT's default is none)
+        dropout=0.0,
+        block_size=seq_len,
+        batch_size=micro,
+        gradient_accumulation_steps=batch // micro,
+        learning_rate=2e-3,  # the generated gpt2-baseline's, as RAW_LOOP's
+        min_lr=2e-4,
+        warmup_iters=max(1, steps // 20),
+        max_iters=steps,
+        lr_decay_iters=steps,
+        eval_interval=steps + 1,  # iteration 0 only
+        eval_iters=1,
+        log_interval=1,
+        always_save_checkpoint=False,
     )
-
-
-def raw_step_ms(
-    project: Path, preset: str, seq_len: int, batch: int, micro: int, steps: int
-) -> float:
+    command = [f"--{key}={value}" for key, value in options.items()]
+    if cpu_clock:  # the same script, its time.time() reading the process's CPU time
+        runner = "import runpy, sys\nsys.argv = sys.argv[1:]\n"
+        runner += "runpy.run_path('train.py', run_name='__main__')\n"
+        command = ["-c", CPU_CLOCK + runner, "train.py", *command]
+    else:
+        command = ["train.py", *command]
     result = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            RAW_LOOP,
-            str(project),
-            preset,
-            str(seq_len),
-            str(batch),
-            str(micro),
-            str(steps),
-        ],
-        env=bench_env(),
+        [sys.executable, *command],
+        cwd=folder,
+        env=timed_env(cpu_clock),
         capture_output=True,
         text=True,
         check=True,
     )
-    return 1000 * median(json.loads(result.stdout)[WARMUP_STEPS:])
-
-
-def nanogpt_step_ms(
-    data_path: Path, preset: str, seq_len: int, batch: int, micro: int, steps: int
-) -> float:
-    sizes = {"tiny": "4,4,128", "small": "6,6,384"}[preset]  # as model.py's PRESETS
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            NANOGPT_LOOP,
-            str(data_path),
-            sizes,
-            str(seq_len),
-            str(batch),
-            str(micro),
-            str(steps),
-        ],
-        env=bench_env(),
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return 1000 * median(json.loads(result.stdout.splitlines()[0])[WARMUP_STEPS:])
+    times = [float(ms) for _, ms in NANOGPT_ITER.findall(result.stdout)]
+    return median(times[WARMUP_STEPS:])
 
 
 def write_train_bin(project: Path, root: Path) -> Path:
@@ -344,15 +402,9 @@ def write_train_bin(project: Path, root: Path) -> Path:
 
 
 def generated_step_ms(
-    project: Path,
-    workdir: Path,
-    run: str,
-    preset: str,
-    seq_len: int,
-    batch: int,
-    micro: int,
-    steps: int,
+    project: Path, workdir: Path, run: str, sizes: tuple, cpu_clock: bool
 ) -> float:
+    preset, seq_len, batch, micro, steps = sizes
     records = train(
         project,
         workdir,
@@ -366,8 +418,22 @@ def generated_step_ms(
         f"--save_interval={steps}ba",
         "--eval_batches=1",
         "--autoresume=false",
+        cpu_clock=cpu_clock,
     )
     return median([r["step_ms"] for r in records][WARMUP_STEPS:])
+
+
+def exact_gelu_copy(project: Path, root: Path) -> Path:
+    """A copy of the generated project whose MLP applies nanoGPT's exact GELU."""
+    copy = root / f"{project.name}-erf"
+    shutil.copytree(project, copy)
+    model = copy / "model.py"
+    text = model.read_text()
+    tanh = 'F.gelu(h, approximate="tanh")'
+    if text.count(tanh) != 1:
+        sys.exit(f"{model}: no single `{tanh}` to replace; update exact_gelu_copy")
+    model.write_text(text.replace(tanh, "F.gelu(h)"))
+    return copy
 
 
 def main() -> None:
@@ -381,68 +447,99 @@ def main() -> None:
         default=60,
         help="steps per run (tiny); the larger size runs a third",
     )
+    parser.add_argument(
+        "--nanogpt",
+        type=Path,
+        help="a checkout of github.com/karpathy/nanoGPT: its own train.py is timed "
+        "(else its step as re-implemented here)",
+    )
+    parser.add_argument(
+        "--cpu-clock",
+        action="store_true",
+        help="time CPU seconds, torch on one thread (for a machine shared with others)",
+    )
     args = parser.parse_args()
     root = scratch()
     project = generate("gpt2-baseline", root)
+    erf_project = exact_gelu_copy(project, root)
     sizes = {
         # (preset, seq_len, global batch, microbatch, steps): per-step overhead dominates ...
         "tiny": ("tiny", 128, 16, 8, args.steps),
         # ... and compute dominates.
         "larger": ("small", 256, 8, 4, max(WARMUP_STEPS + 5, args.steps // 3)),
     }
-    print(
-        f"allocator: {' '.join(f'{k}={v}' for k, v in ALLOCATOR.items())}; torch threads: default"
-    )
+    clock = "CPU time, 1 thread" if args.cpu_clock else "wall time, default threads"
+    print(f"allocator: {' '.join(f'{k}={v}' for k, v in ALLOCATOR.items())}; {clock}")
     with_lightning = (
         importlib.util.find_spec("lightning") is not None
     )  # optional, never required
     train_bin = write_train_bin(project, root)
+    if args.nanogpt:
+        folder = nanogpt_folder(args.nanogpt.expanduser(), root, train_bin)
+        print(f"nanoGPT: its own train.py, from {args.nanogpt}")
+    else:
+        print("nanoGPT: its step as re-implemented here (--nanogpt: its own train.py)")
+
+    def nano_ms(shape: tuple) -> float:
+        if args.nanogpt:
+            return nanogpt_step_ms(folder, shape, args.cpu_clock)
+        return reimplemented_nanogpt_step_ms(train_bin, shape, args.cpu_clock)
+
+    columns = ["raw", "generated", "generated, erf", "nanoGPT"]
+    columns += ["lightning"] if with_lightning else []
     print(
-        f"{'size':8} {'round':>5} {'raw ms/step':>12} {'generated ms/step':>18} {'nanoGPT ms/step':>16}"
-        + (f" {'lightning ms/step':>18}" if with_lightning else "")
+        f"{'size':8} {'round':>5} "
+        + " ".join(f"{name + ' ms':>17}" for name in columns)
+        + "  load (1 min)"
     )
-    ratios, nano_ratios = {}, {}
-    for size, (preset, seq_len, batch, micro, steps) in sizes.items():
-        raw, gen, nano, lit = [], [], [], []
+    summary = []
+    for size, shape in sizes.items():
+        times: dict[str, list[float]] = {name: [] for name in columns}
         for round_ in range(args.rounds):
-            raw.append(raw_step_ms(project, preset, seq_len, batch, micro, steps))
-            gen.append(
+            run = f"{size}-{round_}"
+            times["raw"].append(raw_step_ms(project, shape, args.cpu_clock))
+            times["generated"].append(
+                generated_step_ms(project, root, run, shape, args.cpu_clock)
+            )
+            times["generated, erf"].append(
                 generated_step_ms(
-                    project,
-                    root,
-                    f"{size}-{round_}",
-                    preset,
-                    seq_len,
-                    batch,
-                    micro,
-                    steps,
+                    erf_project, root, f"{run}-erf", shape, args.cpu_clock
                 )
             )
-            nano.append(
-                nanogpt_step_ms(train_bin, preset, seq_len, batch, micro, steps)
-            )
+            times["nanoGPT"].append(nano_ms(shape))
             if with_lightning:
-                lit.append(
-                    lightning_step_ms(project, preset, seq_len, batch, micro, steps)
+                times["lightning"].append(
+                    lightning_step_ms(project, shape, args.cpu_clock)
                 )
             print(
-                f"{size:8} {round_:5d} {raw[-1]:12.2f} {gen[-1]:18.2f} {nano[-1]:16.2f}"
-                + (f" {lit[-1]:18.2f}" if lit else ""),
+                f"{size:8} {round_:5d} "
+                + " ".join(f"{times[name][-1]:17.2f}" for name in columns)
+                + f"  {os.getloadavg()[0]:.2f}",
                 flush=True,
             )
-        # steps/s ratio = reference time / generated time
-        ratios[size] = median(raw) / median(gen)
-        nano_ratios[size] = median(nano) / median(gen)
         print(
-            f"{size:8} {'median':>5} {median(raw):12.2f} {median(gen):18.2f} {median(nano):16.2f}"
-            + (f" {median(lit):18.2f}" if lit else "")
-            + f"   generated/raw steps_per_s = {ratios[size]:.3f}, generated/nanoGPT = {nano_ratios[size]:.3f}"
-            + (f", lightning/raw = {median(raw) / median(lit):.3f}" if lit else "")
+            f"{size:8} {'median':>5} "
+            + " ".join(f"{median(times[name]):17.2f}" for name in columns)
         )
-    print(
-        f"overhead: generated/raw steps_per_s = {ratios['tiny']:.2f} (tiny), {ratios['larger']:.2f} (larger); "
-        f"generated/nanoGPT = {nano_ratios['tiny']:.2f} (tiny), {nano_ratios['larger']:.2f} (larger)"
-    )
+
+        def ratio(reference: str, arm: str) -> float:
+            """Steps/s of `arm` over `reference`: the median of each round's ratio."""
+            pairs = zip(times[reference], times[arm])
+            return median([ref / ms for ref, ms in pairs])
+
+        summary.append(
+            f"{size}: generated/raw {ratio('raw', 'generated'):.3f}, "
+            f"generated/nanoGPT {ratio('nanoGPT', 'generated'):.3f}, "
+            f"generated with nanoGPT's GELU/nanoGPT {ratio('nanoGPT', 'generated, erf'):.3f}"
+            + (
+                f", lightning/raw {ratio('raw', 'lightning'):.3f}"
+                if with_lightning
+                else ""
+            )
+        )
+    print(f"steps/s ratios (median of the rounds'); load average {os.getloadavg()}")
+    for line in summary:
+        print(f"overhead: {line}")
 
 
 if __name__ == "__main__":

@@ -18,13 +18,24 @@ here: it is a context manager in the loop.) Activation checkpointing recomputes 
 activations in backward instead of storing them; it is applied in place, so parameter and
 state-dict names do not change.
 
-Compilation is regional: each block's `forward` is replaced, in place, by its
-`torch.compile`d version (torchtitan compiles per block too). The module tree, parameter
-names and checkpoint keys stay as they were (compiling the whole model would add an
-`_orig_mod.` prefix), the blocks share one compiled graph (they run the same code), and the
-hooks on each block (activation checkpointing, FSDP2's all-gather and reduce-scatter,
-runtime.microbatch's votes) stay outside the compiled code, so they neither break the graph
-nor trigger recompilation when they are installed or removed.
+Compilation (`compile`) comes in two forms, both in place, so the module tree, parameter
+names and checkpoint keys stay as they were (`torch.compile(model)` would add an `_orig_mod.`
+prefix) and a run resumes across them:
+- `True`, regional: each block's `forward` is replaced by its `torch.compile`d version
+  (torchtitan compiles per block too). The blocks share one compiled graph (they run the same
+  code), and the hooks on each block (activation checkpointing, FSDP2's all-gather and
+  reduce-scatter, runtime.microbatch's votes) stay outside the compiled code, so they neither
+  break the graph nor trigger recompilation when they are installed or removed. It composes
+  with FSDP2 and DDP.
+- `"model"`: the whole model's call compiled as one graph (`nn.Module.compile`), as nanoGPT
+  compiles its model: fusions across block boundaries, one graph call per forward, a longer
+  cold compile (every block traced). One process only: under FSDP2 the blocks are compiled
+  (as torchtitan does), and compiling a DDP module recompiles at every new length (pytorch
+  issue 140229). Without activation checkpointing: its hooks traced into the graph make
+  the recomputed tensors differ from the saved ones (torch's CheckpointError).
+The loss is compiled as a graph of its own in both (`compile_loss`), as torchtitan compiles
+its loss: a language model's fp32 upcast of the logits and its log-softmax over the
+vocabulary then fuse into kernels that never hold the logits in fp32.
 
 Recompilation is bounded by dynamo's automatic dynamic shapes: the first call compiles for
 its exact shapes; the first call where the batch (or the sequence) dimension differs compiles
@@ -43,8 +54,9 @@ module, which regional compilation never does.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -65,6 +77,9 @@ from runtime.dist import world_size as job_size
 PARALLELISMS = ("none", "ddp", "fsdp")
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 PRECISIONS = ("fp32", "amp_bf16", "bf16")
+# No compilation, regional (each block in place), the whole model as one graph.
+COMPILES: tuple[bool | str, ...] = (False, True, "model")
+Compile = bool | Literal["model"]
 
 
 @dataclass(frozen=True)
@@ -75,7 +90,8 @@ class ParallelConfig:
     activation_checkpointing: bool = False
     cpu_offload: bool = False
     hybrid_shard_size: int = 0  # ranks per shard group; 0 = torchrun's LOCAL_WORLD_SIZE
-    compile: bool = False  # torch.compile each block in place (regional compilation)
+    # torch.compile: True each block in place (regional), "model" the whole model in place
+    compile: Compile = False
 
 
 def resolve_parallelism(requested: str, world_size: int) -> str:
@@ -92,10 +108,20 @@ def resolve_precision(requested: str, device: torch.device) -> str:
     return requested
 
 
-def resolve_compile(requested: bool | str, device: torch.device) -> bool:
-    """`auto`: compile on CUDA, where fused kernels repay the compile time; not on the CPU."""
+def resolve_compile(requested: bool | str, device: torch.device) -> Compile:
+    """`auto`: regional compilation on CUDA, where fused kernels repay the compile time; none
+    on the CPU, where a run of minutes does not earn back a cold compile (DESIGN.md §12.4).
+
+    Regional rather than the whole model: it is the form every launch can use (FSDP2 and
+    DDP too), its cold compile traces one block instead of all, hooks stay outside its
+    graphs, and whole-model compilation's extra fusions (across block boundaries) move a
+    few activations per block, against the vocabulary-sized tensors the compiled loss
+    saves, which both forms have (bench/README.md measures the two).
+    """
     if requested == "auto":
         return device.type == "cuda"
+    if requested == "model":
+        return "model"
     return bool(requested)
 
 
@@ -107,6 +133,20 @@ def check(config: ParallelConfig, env: DistEnv) -> str | None:
         return f"sharding_strategy={config.sharding_strategy!r}; use one of {', '.join(STRATEGIES)}"
     if config.precision not in PRECISIONS:
         return f"precision={config.precision!r}; use one of {', '.join(PRECISIONS)}"
+    if config.compile not in COMPILES:
+        return f"compile={config.compile!r}; use true, false, model or auto"
+    if config.compile == "model" and config.parallelism != "none":
+        return (
+            "compile=model compiles the whole model as one graph, for one process; with "
+            f"--parallelism={config.parallelism} use --compile=true (each block compiled "
+            "in place)"
+        )
+    if config.compile == "model" and config.activation_checkpointing:
+        return (
+            "compile=model traces activation checkpointing's hooks into one graph, whose "
+            "recomputation torch rejects; use --compile=true (each block compiled, the "
+            "checkpointing outside its graph)"
+        )
     if config.parallelism == "none" and env.world_size > 1:
         return (
             f"parallelism=none with {env.world_size} processes would train {env.world_size} "
@@ -151,8 +191,7 @@ def parallelize(
     if config.activation_checkpointing:
         for block in blocks:
             activation_checkpoint(block)
-    if config.compile:
-        compile_blocks(blocks)
+    compile_model(model, blocks, config.compile)
     if config.parallelism == "none":
         return model
     if config.parallelism == "ddp" or config.sharding_strategy == "NO_SHARD":
@@ -184,14 +223,29 @@ def parallelize(
     return model
 
 
-def compile_blocks(blocks: Iterable[nn.Module]) -> None:
-    """Regional compilation: each block's forward becomes its compiled version, in place.
+def compile_model(model: nn.Module, blocks: Iterable[nn.Module], how: Compile) -> None:
+    """Compile in place (names and state-dict keys do not change): `True`, each block's
+    forward becomes its compiled version (only `forward`, not the module's call: hooks on
+    the block run outside the compiled code); `"model"`, the model's whole call is one
+    compiled graph, its hooks and its blocks' hooks traced into it; `False`, nothing."""
+    if how == "model":
+        model.compile()
+    elif how:
+        for block in blocks:
+            block.forward = torch.compile(block.forward)  # type: ignore[method-assign]
 
-    Only `forward` is compiled, not the module's call: hooks on the block run outside the
-    compiled code. Names and state-dict keys do not change.
+
+def compile_loss(
+    loss: Callable[..., torch.Tensor], config: ParallelConfig
+) -> Callable[..., torch.Tensor]:
+    """`loss` compiled where the model is (either form), as a graph of its own; else `loss`.
+
+    A language model's loss takes bf16 logits (under autocast) of (tokens, vocabulary):
+    eagerly, their fp32 upcast, the log-softmax and, in backward, its gradient are each a
+    vocabulary-sized fp32 tensor (3.3 GB apiece for 16 x 1024 tokens at GPT-2's 50,304).
+    Compiled, they fuse into kernels that read the bf16 logits and write a bf16 gradient.
     """
-    for block in blocks:
-        block.forward = torch.compile(block.forward)  # type: ignore[method-assign]
+    return torch.compile(loss) if config.compile else loss
 
 
 def sync_gradients(model: nn.Module, enabled: bool) -> None:
@@ -316,8 +370,7 @@ def parallelize_copy(
     if config.parallelism == "fsdp" and config.sharding_strategy != "NO_SHARD":
         config = replace(config, activation_checkpointing=False)
         return parallelize(model, blocks, env, config, trained=False)
-    if config.compile:
-        compile_blocks(blocks)
+    compile_model(model, blocks, config.compile)
     return model
 
 

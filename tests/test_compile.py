@@ -1,16 +1,21 @@
-"""Regional compilation (`--compile`): each block compiled in place, composed with activation
-checkpointing, FSDP2 and auto-microbatching; checkpoint keys unchanged; recompilation bounded.
+"""Compilation (`--compile`): regional (each block compiled in place, composed with activation
+checkpointing, FSDP2 and auto-microbatching) or the whole model (`model`, one process); the
+loss compiled as a graph of its own; checkpoint keys unchanged; recompilation bounded.
 
-A cold compile costs 20-80 s on this machine (more under load), so the default run does one:
-`test_regional_compile_matches_eager_and_keeps_keys`. The recompilation bound and the
-multi-process composition are `slow`.
+A cold compile costs 20-80 s on this machine (more under load), so the default run compiles
+twice: `test_regional_compile_matches_eager_and_keeps_keys` in process and one generated run,
+`test_compiled_run_computes_its_loss_in_a_graph_and_never_recompiles_after_warmup`. The
+recompilation bound, the whole-model form, the other recipes and the multi-process
+composition are `slow`.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -55,11 +60,59 @@ def step(
 
 def test_auto_means_cuda_only() -> None:
     cuda = torch.device("cuda", 0)
-    assert fsdp.resolve_compile("auto", cuda) and not fsdp.resolve_compile("auto", CPU)
+    # auto: regional compilation on CUDA (the loss compiled with it), none on the CPU.
+    assert fsdp.resolve_compile("auto", cuda) is True
+    assert fsdp.resolve_compile("auto", CPU) is False
     assert fsdp.resolve_compile(True, CPU) and not fsdp.resolve_compile(False, cuda)
+    assert fsdp.resolve_compile("model", CPU) == "model"
     assert fsdp.resolve_precision("auto", cuda) == "amp_bf16"
     assert fsdp.resolve_precision("auto", CPU) == "fp32"
     assert fsdp.resolve_precision("bf16", cuda) == "bf16"
+
+
+def test_the_loss_is_compiled_whenever_the_model_is() -> None:
+    """compile_loss: the loss function itself without compilation, its compiled version
+    (a graph of its own) with regional or whole-model compilation, so `auto` on CUDA
+    compiles the loss."""
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float(), targets, reduction="sum")
+
+    assert fsdp.compile_loss(loss, fsdp.ParallelConfig(compile=False)) is loss
+    cuda = torch.device("cuda", 0)
+    for how in (True, "model", fsdp.resolve_compile("auto", cuda)):
+        compiled = fsdp.compile_loss(loss, fsdp.ParallelConfig(compile=how))
+        assert compiled is not loss
+        assert getattr(compiled, "_torchdynamo_orig_callable", None) is loss
+
+
+def test_whole_model_compile_is_in_place_and_one_process_only(modules) -> None:
+    """compile=model compiles the model's call in place (no `_orig_mod.` wrapper: the same
+    module, the same keys, so checkpoints resume across the forms); FSDP2 and DDP are
+    refused with the fix. Nothing is compiled until the first call: no compile cost here.
+    """
+    model = tiny_gpt(modules)
+    keys = list(model.state_dict())
+    config = fsdp.ParallelConfig(compile="model")
+    assert fsdp.check(config, ONE_PROCESS) is None
+    assert fsdp.parallelize(model, model.blocks, ONE_PROCESS, config) is model
+    assert list(model.state_dict()) == keys and type(model).__name__ == "GPT"
+    assert model._compiled_call_impl is not None  # nn.Module.compile()
+    assert all(  # the blocks are traced into the model's graph, not compiled apart
+        not hasattr(block.forward, "_torchdynamo_orig_callable")
+        for block in model.blocks
+    )
+    for parallelism in ("fsdp", "ddp"):
+        problem = fsdp.check(
+            fsdp.ParallelConfig(parallelism=parallelism, compile="model"), ONE_PROCESS
+        )
+        assert problem and "one process" in problem and "--compile=true" in problem
+    checkpointed = fsdp.ParallelConfig(compile="model", activation_checkpointing=True)
+    problem = fsdp.check(checkpointed, ONE_PROCESS)
+    assert problem and "checkpointing" in problem and "--compile=true" in problem
+    assert "model or auto" in fsdp.check(
+        fsdp.ParallelConfig(compile="blocks"), ONE_PROCESS
+    )
 
 
 def test_config_accepts_compile_and_records_the_resolved_value(
@@ -227,78 +280,201 @@ def test_alibi_flex_attention_inside_compiled_blocks_matches_the_dense_bias(
 
 
 COMPILE_COUNTS = Path(__file__).resolve().parent / "compile_counts.py"
+TORCHRUN_2 = [
+    sys.executable,
+    "-m",
+    "torch.distributed.run",
+    "--standalone",
+    "--nproc_per_node=2",
+]
+# What an eager cross-entropy dispatches (forward and backward); a compiled loss runs inside
+# its graph's own kernels instead.
+EAGER_LOSS_OPS = {
+    "aten::cross_entropy_loss",
+    "aten::log_softmax",
+    "aten::_log_softmax",
+    "aten::nll_loss",
+    "aten::nll_loss_nd",
+    "aten::nll_loss_forward",
+    "aten::_log_softmax_backward_data",
+    "aten::nll_loss_backward",
+}
+
+
+@dataclass
+class Counts:
+    """One rank's compile_counts.py line."""
+
+    graphs: int
+    breaks: int
+    by_step: list[int]  # graphs made by the end of each optimizer step
+
+    def after(self, warmup: int) -> list[int]:
+        """The graphs made after the first `warmup` optimizer steps, at each later one."""
+        return [graphs - self.by_step[warmup - 1] for graphs in self.by_step[warmup:]]
+
+
+def counted_run(
+    project: Path,
+    workdir: Path,
+    name: str,
+    *args: str,
+    launcher: list[str] | None = None,
+) -> list[Counts]:
+    """project's train.py on the CPU through compile_counts.py (under `launcher`, e.g.
+    TORCHRUN_2): each rank's counts; the run must succeed."""
+    command = [
+        *(launcher or [sys.executable]),
+        str(COMPILE_COUNTS),
+        str(project / "train.py"),
+        "--device=cpu",
+        f"--run_name={name}",
+        *args,
+    ]
+    result = subprocess.run(
+        command,
+        cwd=workdir,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    counts = []
+    for line in result.stdout.splitlines():
+        if line.startswith("compile-counts"):
+            fields = dict(word.split("=") for word in line.split()[1:])
+            by_step = [int(g) for g in fields["by_step"].split(",") if g]
+            counts.append(Counts(int(fields["graphs"]), int(fields["breaks"]), by_step))
+    return counts
+
+
+def eager_loss_ops(workdir: Path, name: str) -> int:
+    """Eager cross-entropy ops in run `name`'s --profile window (rank 0's trace)."""
+    trace = workdir / "runs" / name / "profile" / "rank0.trace.json"
+    events = json.loads(trace.read_text())["traceEvents"]
+    return sum(event.get("name") in EAGER_LOSS_OPS for event in events)
+
+
+# Ten steps of 2 microbatches of 2 rows, evaluated at the end.
+SHORT_RUN = [
+    "--global_batch_size=4",
+    "--device_microbatch_size=2",
+    "--max_duration=10ba",
+    "--eval_interval=10ba",
+    "--eval_batches=1",
+    "--autoresume=false",
+]
+# gpt2-speedup warming its length up from 8 to 64 tokens in 7 of its 10 steps: a new
+# sequence length at every step until the 8th.
+WARMING_UP = [
+    "--seq_len=64",
+    "--seq_length_warmup_min_len=8",
+    "--seq_length_warmup_duration=0.7dur",
+    *SHORT_RUN,
+]
+
+
+def test_compiled_run_computes_its_loss_in_a_graph_and_never_recompiles_after_warmup(
+    generated: dict[str, Path], tmp_path: Path
+) -> None:
+    """gpt2-speedup (ALiBi, sequence-length warmup) with --compile=true, what `auto` runs on
+    CUDA, beside the same run eager:
+    - after its second step nothing compiles again, though every step has a new length
+      (dynamo's automatic dynamic shapes: the first step compiles each graph for its
+      shapes, the second with the length symbolic), and no graph breaks;
+    - the loss runs inside a compiled graph: the profiled step dispatches none of an eager
+      cross-entropy's ops, where the eager run's does;
+    - the same losses as eager (fp32);
+    - its checkpoint (keys unchanged) resumes in an eager run, which then takes the same
+      steps."""
+    project = generated["gpt2-speedup"]
+    args = [*WARMING_UP, "--save_interval=5ba", "--profile=6ba:7ba"]
+    eager = run_train(project, tmp_path, *args, "--compile=false", "--run_name=eager")
+    assert eager.returncode == 0, eager.stderr
+    (counts,) = counted_run(project, tmp_path, "compiled", *args, "--compile=true")
+    records = read_metrics(tmp_path, "compiled")
+    lengths = [r["seq_len"] for r in records]
+    assert len(set(lengths[:8])) == 8, lengths  # a new length at each of 8 steps
+    assert counts.breaks == 0
+    assert counts.after(2) == [0] * 8, counts
+    assert eager_loss_ops(tmp_path, "eager") > 0
+    assert eager_loss_ops(tmp_path, "compiled") == 0
+    losses = [r["loss"] for r in read_metrics(tmp_path, "eager")]
+    assert [r["loss"] for r in records] == pytest.approx(losses, rel=1e-4)
+    step_5 = tmp_path / "runs" / "compiled" / "checkpoints" / "step-5"
+    resumed = run_train(
+        project,
+        tmp_path,
+        *WARMING_UP,
+        "--compile=false",
+        f"--load_path={step_5}",
+        "--run_name=resumed",
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    resumed_losses = [r["loss"] for r in read_metrics(tmp_path, "resumed")]
+    assert resumed_losses == pytest.approx(losses[5:], rel=1e-4)
 
 
 @pytest.mark.slow
-def test_sequence_length_warmup_under_compile_recompiles_a_bounded_number_of_times(
+def test_sequence_length_warmup_under_compile_on_ddp_never_recompiles_after_warmup(
     generated: dict[str, Path], tmp_path: Path
 ) -> None:
     """gpt2-speedup (ALiBi + sequence-length warmup) with --compile=true, one process and DDP on
     2 ranks (pytorch issue 140229: a DDP-wrapped compiled model recompiled at every new length).
     Here the blocks are compiled, not the DDP module, and dynamo's automatic dynamic shapes make
-    the sequence dimension symbolic at the first new length: the lengths 8..64 (a new one each step) cost
-    the first graph, one symbolic graph and evaluation's own, on every rank; the recompile limit
-    is never hit (compile_counts.py makes that an error)."""
+    the sequence dimension symbolic at the first new length: nothing compiles after the second
+    step on any rank, and the whole run (evaluation and the closing sample included) makes at
+    most 6 graphs; the recompile limit is never hit (compile_counts.py makes that an error).
+    """
     project = generated["gpt2-speedup"]
-    args = [
-        "--device=cpu",
-        "--compile=true",
-        "--seq_len=64",
-        "--seq_length_warmup_min_len=8",
-        "--seq_length_warmup_duration=0.7dur",
-        "--global_batch_size=4",
-        "--device_microbatch_size=2",
-        "--max_duration=10ba",
-        "--eval_interval=10ba",
-        "--eval_batches=1",
-        "--dist_timeout=600",
-    ]
-
-    def launch(
-        prefix: list[str], name: str, *extra: str
-    ) -> tuple[list[int], list[dict]]:
-        command = [
-            *prefix,
-            str(COMPILE_COUNTS),
-            str(project / "train.py"),
-            *args,
-            *extra,
-            f"--run_name={name}",
-        ]
-        result = subprocess.run(
-            command,
-            cwd=tmp_path,
-            env=checkout_env(),
-            capture_output=True,
-            text=True,
-            timeout=1500,
-        )
-        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-        counts = [
-            line.split()
-            for line in result.stdout.splitlines()
-            if line.startswith("compile-counts")
-        ]
-        assert all(words[3] == "breaks=0" for words in counts), counts
-        return [
-            int(words[2].removeprefix("graphs=")) for words in counts
-        ], read_metrics(tmp_path, name)
-
-    one, records = launch([sys.executable], "one")
-    lengths = [r["seq_len"] for r in records]
-    assert (
-        len(set(lengths)) >= 6 and lengths == sorted(lengths) and lengths[-1] == 64
-    ), lengths
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-    ]
-    ddp, ddp_records = launch(torchrun, "ddp", "--parallelism=ddp")
-    assert len(one) == 1 and len(ddp) == 2
-    assert max(one + ddp) <= 3, (one, ddp)  # not one graph per length
-    assert [r["loss"] for r in ddp_records] == pytest.approx(
-        [r["loss"] for r in records], rel=1e-4
+    args = [*WARMING_UP, "--compile=true", "--dist_timeout=600"]
+    one = counted_run(project, tmp_path, "one", *args)
+    ddp = counted_run(
+        project, tmp_path, "ddp", *args, "--parallelism=ddp", launcher=TORCHRUN_2
     )
+    assert len(one) == 1 and len(ddp) == 2
+    for counts in one + ddp:
+        assert counts.breaks == 0 and counts.after(2) == [0] * 8, counts
+        assert counts.graphs <= 6, counts  # not one graph per length
+    losses = [r["loss"] for r in read_metrics(tmp_path, "one")]
+    assert len(set(r["seq_len"] for r in read_metrics(tmp_path, "one"))) >= 6
+    assert [r["loss"] for r in read_metrics(tmp_path, "ddp")] == pytest.approx(
+        losses, rel=1e-4
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "recipe, how",
+    [
+        ("gpt2-speedup", "model"),
+        ("gpt2-modern", "true"),
+        ("gpt2-speedrun", "true"),
+        ("bert-pretrain-baseline", "true"),
+    ],
+)
+def test_compiled_recipes_never_recompile_after_warmup_nor_break_a_graph(
+    generated: dict[str, Path], tmp_path: Path, recipe: str, how: str
+) -> None:
+    """The language recipes compiled (the blocks; gpt2-speedup's whole model, warming its
+    sequence length up): no graph break, nothing compiled after the second step, the
+    losses (training and validation) of the eager run. Not here: mosaicbert, whose CPU
+    attention path (rows grouped by length) breaks graphs where CUDA's FlexAttention path
+    does not, and llm_finetune, whose layers compile one more variant the first time a
+    batch has no padding (no attention mask)."""
+    project = generated[recipe]
+    args = {"gpt2-speedup": WARMING_UP, "bert-pretrain-baseline": SHORT_RUN}.get(
+        recipe, ["--seq_len=64", *SHORT_RUN]
+    )
+    eager = run_train(project, tmp_path, *args, "--compile=false", "--run_name=eager")
+    assert eager.returncode == 0, eager.stderr
+    (counts,) = counted_run(project, tmp_path, "compiled", *args, f"--compile={how}")
+    assert counts.breaks == 0, counts
+    steps = len(read_metrics(tmp_path, "compiled"))
+    calls = len(counts.by_step) // steps  # optimizer steps per training step (Muon: 2)
+    assert counts.after(2 * calls) == [0] * (len(counts.by_step) - 2 * calls), counts
+    expected = read_metrics(tmp_path, "eager")
+    for record, reference in zip(read_metrics(tmp_path, "compiled"), expected):
+        for key in ("loss", "val_loss"):
+            assert record.get(key) == pytest.approx(reference.get(key), rel=1e-4)

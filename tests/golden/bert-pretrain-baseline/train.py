@@ -14,6 +14,7 @@ NAME`. `scaffold upgrade` merges newer template versions in and keeps your edits
 from __future__ import annotations
 
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -91,8 +92,9 @@ class Config:
     # auto: amp_bf16 (autocast) on CUDA, fp32 on the CPU; bf16: FSDP's policy
     precision: Literal["auto", "fp32", "amp_bf16", "bf16"] = "auto"
     activation_checkpointing: bool = False  # recompute layer activations in backward
-    # torch.compile each layer in place (keys unchanged); auto: on CUDA, off on the CPU
-    compile: bool | Literal["auto"] = "auto"
+    # torch.compile in place (keys unchanged): true each layer, model the whole model as
+    # one graph (one process); auto: true on CUDA, off on the CPU
+    compile: bool | Literal["auto", "model"] = "auto"
     cpu_offload: bool = False  # FSDP parameters and optimizer step on the CPU (CUDA)
     dist_timeout: int = 600  # seconds a collective waits before the job fails
 
@@ -182,12 +184,20 @@ def positions(marked: torch.Tensor, device: torch.device) -> torch.Tensor:
     return dist.to_device(marked.flatten().nonzero()[:, 0], device)
 
 
+def masked_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of the masked tokens (logits (masked tokens, vocab) and
+    their token ids), in fp32. Compiled with the model (--compile), the upcast of bf16
+    logits and the log-softmax fuse: the logits are never held in fp32."""
+    return F.cross_entropy(logits.float(), targets, reduction="sum")
+
+
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
     batches: list[torch.Tensor],  # (rows, 2, seq_len): inputs and targets
     cfg: Config,
     env: dist.DistEnv,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> dict[str, float]:
     """Masked-LM loss and accuracy over the masked tokens of the validation batches.
 
@@ -209,9 +219,9 @@ def evaluate(
             (micro_inputs,) = microbatch_inputs(inputs, len(micro))
             # Logits (masked tokens, vocab): at the masked tokens only.
             with torch.autocast(env.device.type, torch.bfloat16, enabled=is_amp(cfg)):
-                logits = model(**micro_inputs).float()
+                logits = model(**micro_inputs)
             targets = micro[:, 1].to(env.device).flatten()[micro_inputs["predict"]]
-            sums[0] += F.cross_entropy(logits, targets, reduction="sum")
+            sums[0] += loss_fn(logits, targets)
             sums[1] += (logits.argmax(-1) == targets).sum()
             sums[2] += len(targets)
     model.train()
@@ -234,6 +244,7 @@ def forward_backward(
     microbatch_size: int,
     loss_scale: float,
     cfg: Config,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """Forward and backward over this rank's batch in microbatches of `microbatch_size`
     rows, gradients adding up in .grad (reduced over ranks in the last backward)."""
@@ -251,10 +262,9 @@ def forward_backward(
 
         # event: AFTER_FORWARD
 
-        loss = F.cross_entropy(
-            logits.float(),  # (masked tokens, vocab): the only tokens predicted
+        loss = loss_fn(
+            logits,  # (masked tokens, vocab): the only tokens predicted
             micro_targets.flatten()[micro_inputs["predict"]],
-            reduction="sum",
         )
 
         # event: LOSS
@@ -316,6 +326,9 @@ def main() -> None:
     flops_per_token = model.flops_per_token(cfg.seq_len, cfg.mask_rate)
     # Shard or replicate for the launch: FSDP2 per layer then the root, DDP, or nothing.
     model = fsdp.parallelize(model, model.blocks, env, parallel)
+    # The loss compiled with the model (--compile), as a graph of its own: the fp32
+    # softmax over the vocabulary never holds the logits in fp32 (runtime/fsdp.py).
+    loss_fn = fsdp.compile_loss(masked_token_loss, parallel)
 
     # Decoupled weight decay (AdamW) on weight matrices and embeddings; biases and
     # LayerNorm gains have none.
@@ -327,8 +340,9 @@ def main() -> None:
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,
-        # CUDA: one fused kernel for the whole update instead of several per tensor.
-        fused=env.device.type == "cuda" and not cfg.cpu_offload,
+        # One fused kernel for the whole update instead of several per tensor, on
+        # the CPU too (the offloaded step: per tensor).
+        fused=not cfg.cpu_offload,
     )
     # The log, metrics.jsonl, progress bar and trackers (rank 0 writes them).
     monitor = Monitor(run_dir, cfg.max_duration, cfg.global_batch_size, env.is_main)
@@ -425,7 +439,13 @@ def main() -> None:
             # the factor world_size.
             loss_scale = env.world_size / max(batch.num_masked, 1)
             loss_sum = forward_backward(
-                model, inputs, targets, cfg.device_microbatch_size, loss_scale, cfg
+                model,
+                inputs,
+                targets,
+                cfg.device_microbatch_size,
+                loss_scale,
+                cfg,
+                loss_fn,
             )
 
             # event: AFTER_BACKWARD
@@ -452,7 +472,7 @@ def main() -> None:
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
-                    metrics.update(evaluate(model, val, cfg, env))
+                    metrics.update(evaluate(model, val, cfg, env, loss_fn))
             if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
                 metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks
                 metrics["lr"] = lr

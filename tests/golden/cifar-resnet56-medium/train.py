@@ -148,8 +148,9 @@ class Config:
     hybrid_shard_size: int = 0  # HYBRID_SHARD group size; 0: processes per node
     precision: Literal["fp32", "amp_bf16", "bf16"] = "fp32"  # bf16: FSDP
     activation_checkpointing: bool = False  # recompute block activations in backward
-    # torch.compile each block in place (keys unchanged); auto: on CUDA, off on the CPU
-    compile: bool | Literal["auto"] = "auto"
+    # torch.compile in place (keys unchanged): true each block, model the whole model as
+    # one graph (one process); auto: true on CUDA, off on the CPU
+    compile: bool | Literal["auto", "model"] = "auto"
     cpu_offload: bool = False  # FSDP parameters and optimizer step on the CPU (CUDA)
     dist_timeout: int = 600  # seconds a collective waits before the job fails
 
@@ -595,8 +596,9 @@ def main() -> None:
             groups,
             lr=cfg.lr,
             betas=(cfg.momentum, cfg.beta2),
-            # CUDA: one fused kernel for the whole update instead of several per tensor.
-            fused=env.device.type == "cuda" and not cfg.cpu_offload,
+            # One fused kernel for the whole update instead of several per tensor, on
+            # the CPU too (the offloaded step: per tensor).
+            fused=not cfg.cpu_offload,
         )
     # The log, metrics.jsonl, progress bar and trackers (rank 0 writes them).
     monitor = Monitor(run_dir, cfg.max_duration, cfg.global_batch_size, env.is_main)

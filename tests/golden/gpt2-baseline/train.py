@@ -14,6 +14,7 @@ NAME`. `scaffold upgrade` merges newer template versions in and keeps your edits
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -90,8 +91,9 @@ class Config:
     # auto: amp_bf16 (autocast) on CUDA, fp32 on the CPU; bf16: FSDP's policy
     precision: Literal["auto", "fp32", "amp_bf16", "bf16"] = "auto"
     activation_checkpointing: bool = False  # recompute block activations in backward
-    # torch.compile each block in place (keys unchanged); auto: on CUDA, off on the CPU
-    compile: bool | Literal["auto"] = "auto"
+    # torch.compile in place (keys unchanged): true each block, model the whole model as
+    # one graph (one process); auto: true on CUDA, off on the CPU
+    compile: bool | Literal["auto", "model"] = "auto"
     cpu_offload: bool = False  # FSDP parameters and optimizer step on the CPU (CUDA)
     dist_timeout: int = 600  # seconds a collective waits before the job fails
 
@@ -158,12 +160,22 @@ def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * decayed))
 
 
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of each position's next token, in fp32. Compiled with
+    the model (--compile), the upcast of bf16 logits and the log-softmax fuse: the
+    vocabulary-sized logits are never held in fp32."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"
+    )
+
+
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
     batches: list[torch.Tensor],
     cfg: Config,
     env: dist.DistEnv,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> float:
     """Mean next-token loss over the validation batches, at the full sequence length.
 
@@ -181,11 +193,7 @@ def evaluate(
                 logits = model(micro[:, :-1])
             # Padding rows come last: count the first real - start rows only.
             keep = max(real - start, 0)
-            loss_sum += F.cross_entropy(
-                logits[:keep].flatten(0, 1).float(),
-                micro[:keep, 1:].flatten(),
-                reduction="sum",
-            )
+            loss_sum += loss_fn(logits[:keep], micro[:keep, 1:])
     model.train()
     num_tokens = sum(batch.shape[0] for batch in batches) * cfg.seq_len
     return dist.reduce_sum(loss_sum).item() / num_tokens
@@ -203,6 +211,7 @@ def forward_backward(
     microbatch_size: int,
     loss_scale: float,
     cfg: Config,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """Forward and backward over this rank's batch in microbatches of `microbatch_size`
     rows, gradients adding up in .grad (reduced over ranks in the last backward)."""
@@ -220,9 +229,7 @@ def forward_backward(
 
         # event: AFTER_FORWARD
 
-        loss = F.cross_entropy(
-            logits.flatten(0, 1).float(), micro_targets.flatten(), reduction="sum"
-        )
+        loss = loss_fn(logits, micro_targets)
 
         # event: LOSS
 
@@ -281,6 +288,9 @@ def main() -> None:
     flops_per_token = model.flops_per_token(cfg.seq_len)
     # Shard or replicate for the launch: FSDP2 per block then the root, DDP, or nothing.
     model = fsdp.parallelize(model, model.blocks, env, parallel)
+    # The loss compiled with the model (--compile), as a graph of its own: the fp32
+    # softmax over the vocabulary never holds the logits in fp32 (runtime/fsdp.py).
+    loss_fn = fsdp.compile_loss(next_token_loss, parallel)
 
     # Decay weight matrices and embeddings; biases and LayerNorm gains stay undecayed.
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -290,8 +300,9 @@ def main() -> None:
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         weight_decay=cfg.weight_decay,
-        # CUDA: one fused kernel for the whole update instead of several per tensor.
-        fused=env.device.type == "cuda" and not cfg.cpu_offload,
+        # One fused kernel for the whole update instead of several per tensor, on
+        # the CPU too (the offloaded step: per tensor).
+        fused=not cfg.cpu_offload,
     )
     # The log, metrics.jsonl, progress bar and trackers (rank 0 writes them).
     monitor = Monitor(run_dir, cfg.max_duration, cfg.global_batch_size, env.is_main)
@@ -376,7 +387,13 @@ def main() -> None:
             num_tokens = env.world_size * targets.numel()  # ranks' shares are equal
             loss_scale = env.world_size / num_tokens
             loss_sum = forward_backward(
-                model, inputs, targets, cfg.device_microbatch_size, loss_scale, cfg
+                model,
+                inputs,
+                targets,
+                cfg.device_microbatch_size,
+                loss_scale,
+                cfg,
+                loss_fn,
             )
 
             # event: AFTER_BACKWARD
@@ -412,7 +429,7 @@ def main() -> None:
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
-                    metrics["val_loss"] = evaluate(model, val, cfg, env)
+                    metrics["val_loss"] = evaluate(model, val, cfg, env, loss_fn)
             if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
                 metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks
                 metrics["lr"] = lr

@@ -15,6 +15,7 @@ NAME`. `scaffold upgrade` merges newer template versions in and keeps your edits
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -109,8 +110,9 @@ class Config:
     # auto: amp_bf16 (autocast) on CUDA, fp32 on the CPU; bf16: FSDP's policy
     precision: Literal["auto", "fp32", "amp_bf16", "bf16"] = "auto"
     activation_checkpointing: bool = False  # recompute block activations in backward
-    # torch.compile each block in place (keys unchanged); auto: on CUDA, off on the CPU
-    compile: bool | Literal["auto"] = "auto"
+    # torch.compile in place (keys unchanged): true each block, model the whole model as
+    # one graph (one process); auto: true on CUDA, off on the CPU
+    compile: bool | Literal["auto", "model"] = "auto"
     cpu_offload: bool = False  # FSDP parameters and optimizer step on the CPU (CUDA)
     dist_timeout: int = 600  # seconds a collective waits before the job fails
 
@@ -188,6 +190,15 @@ def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
     decayed = (fraction - warmup) / max(1.0 - warmup, 1e-9)
     min_lr = cfg.lr * cfg.min_lr_ratio
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * decayed))
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of each position's next token, in fp32. Compiled with
+    the model (--compile), the upcast of bf16 logits and the log-softmax fuse: the
+    vocabulary-sized logits are never held in fp32."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"
+    )
 
 
 # algorithm: muon
@@ -276,6 +287,7 @@ def evaluate(
     batches: list[torch.Tensor],
     cfg: Config,
     env: dist.DistEnv,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> float:
     """Mean next-token loss over the validation batches, at the full sequence length.
 
@@ -293,11 +305,7 @@ def evaluate(
                 logits = model(micro[:, :-1])
             # Padding rows come last: count the first real - start rows only.
             keep = max(real - start, 0)
-            loss_sum += F.cross_entropy(
-                logits[:keep].flatten(0, 1).float(),
-                micro[:keep, 1:].flatten(),
-                reduction="sum",
-            )
+            loss_sum += loss_fn(logits[:keep], micro[:keep, 1:])
     model.train()
     num_tokens = sum(batch.shape[0] for batch in batches) * cfg.seq_len
     return dist.reduce_sum(loss_sum).item() / num_tokens
@@ -315,6 +323,7 @@ def forward_backward(
     microbatch_size: int,
     loss_scale: float,
     cfg: Config,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """Forward and backward over this rank's batch in microbatches of `microbatch_size`
     rows, gradients adding up in .grad (reduced over ranks in the last backward)."""
@@ -332,9 +341,7 @@ def forward_backward(
 
         # event: AFTER_FORWARD
 
-        loss = F.cross_entropy(
-            logits.flatten(0, 1).float(), micro_targets.flatten(), reduction="sum"
-        )
+        loss = loss_fn(logits, micro_targets)
 
         # event: LOSS
 
@@ -383,6 +390,9 @@ def main() -> None:
     flops_per_token = model.flops_per_token(cfg.seq_len)
     # Shard or replicate for the launch: FSDP2 per block then the root, DDP, or nothing.
     model = fsdp.parallelize(model, model.blocks, env, parallel)
+    # The loss compiled with the model (--compile), as a graph of its own: the fp32
+    # softmax over the vocabulary never holds the logits in fp32 (runtime/fsdp.py).
+    loss_fn = fsdp.compile_loss(next_token_loss, parallel)
 
     # algorithm: muon
     # Muon (Jordan et al. 2024) for the blocks' weight matrices: Nesterov momentum,
@@ -410,6 +420,7 @@ def main() -> None:
         ],
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
+        fused=not cfg.cpu_offload,  # one kernel for the update, as the task's AdamW
     )
     optimizer = muon.Chain(muon_optimizer, adamw)  # steps both; checkpointed together
     # end algorithm: muon
@@ -497,7 +508,13 @@ def main() -> None:
             num_tokens = env.world_size * targets.numel()  # ranks' shares are equal
             loss_scale = env.world_size / num_tokens
             loss_sum = forward_backward(
-                model, inputs, targets, cfg.device_microbatch_size, loss_scale, cfg
+                model,
+                inputs,
+                targets,
+                cfg.device_microbatch_size,
+                loss_scale,
+                cfg,
+                loss_fn,
             )
 
             # event: AFTER_BACKWARD
@@ -543,7 +560,7 @@ def main() -> None:
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
-                    metrics["val_loss"] = evaluate(model, val, cfg, env)
+                    metrics["val_loss"] = evaluate(model, val, cfg, env, loss_fn)
             if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
                 metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks
                 metrics["lr"] = lr

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -112,8 +113,9 @@ class Config:
     # auto: amp_bf16 (autocast, fp32 weights) on CUDA, fp32 on the CPU
     precision: Literal["auto", "fp32", "amp_bf16", "bf16"] = "auto"
     activation_checkpointing: bool = False  # recompute layer activations in backward
-    # torch.compile each layer in place (keys unchanged); auto: on CUDA, off on the CPU
-    compile: bool | Literal["auto"] = "auto"
+    # torch.compile in place (keys unchanged): true each layer, model the whole model as
+    # one graph (one process); auto: true on CUDA, off on the CPU
+    compile: bool | Literal["auto", "model"] = "auto"
     cpu_offload: bool = False  # FSDP parameters and optimizer step on the CPU (CUDA)
     dist_timeout: int = 600  # seconds a collective waits before the job fails
 
@@ -184,6 +186,18 @@ def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * decayed))
 
 
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of each target token (IGNORE marks none), in fp32.
+    Compiled with the model (--compile), the upcast of bf16 logits and the log-softmax
+    fuse: the vocabulary-sized logits are never held in fp32."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(),
+        targets.flatten(),
+        ignore_index=IGNORE,
+        reduction="sum",
+    )
+
+
 def split_rows(
     inputs: dict[str, torch.Tensor], size: int
 ) -> list[dict[str, torch.Tensor]]:
@@ -242,6 +256,7 @@ def evaluate(
     batches: list[dict[str, torch.Tensor]],
     cfg: Config,
     env: dist.DistEnv,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> float:
     """Mean loss per target token (chat: per answer token) over the validation batches.
 
@@ -267,12 +282,7 @@ def evaluate(
                 mask = packed_mask(fsdp.unwrap(model), micro["position_ids"])
                 logits = model(**micro, attention_mask=mask, use_cache=False).logits
                 logits = logits[: len(labels)]
-            loss_sum += F.cross_entropy(
-                logits.flatten(0, 1).float(),
-                labels.flatten(),
-                ignore_index=IGNORE,
-                reduction="sum",
-            )
+            loss_sum += loss_fn(logits, labels)
     model.train()
     num_targets = sum(int((batch["labels"] != IGNORE).sum()) for batch in batches)
     return dist.reduce_sum(loss_sum).item() / num_targets
@@ -290,6 +300,7 @@ def forward_backward(
     microbatch_size: int,
     loss_scale: float,
     cfg: Config,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """Forward and backward over this rank's batch in microbatches of `microbatch_size`
     rows, gradients adding up in .grad (reduced over ranks in the last backward)."""
@@ -315,12 +326,7 @@ def forward_backward(
 
         # event: AFTER_FORWARD
 
-        loss = F.cross_entropy(
-            logits.flatten(0, 1).float(),
-            micro_targets.flatten(),
-            ignore_index=IGNORE,  # not a target: a question, the padding
-            reduction="sum",
-        )
+        loss = loss_fn(logits, micro_targets)  # IGNORE targets: questions, padding
 
         # event: LOSS
 
@@ -397,6 +403,9 @@ def main() -> None:
     # nothing. The layers are the model's own `_no_split_modules` (model.py).
     blocks = transformer_blocks(model)
     model = fsdp.parallelize(model, blocks, env, parallel)
+    # The loss compiled with the model (--compile), as a graph of its own: the fp32
+    # softmax over the vocabulary never holds the logits in fp32 (runtime/fsdp.py).
+    loss_fn = fsdp.compile_loss(next_token_loss, parallel)
 
     # AdamW over the trainable parameters; decoupled weight decay on weight matrices
     # only (norms' gains and biases have none).
@@ -410,7 +419,7 @@ def main() -> None:
         weight_decay=cfg.weight_decay,
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
-        fused=env.device.type == "cuda" and not cfg.cpu_offload,  # one kernel (CUDA)
+        fused=not cfg.cpu_offload,  # one kernel for the update (CPU and CUDA)
     )
     # The log, metrics.jsonl, progress bar and trackers (rank 0 writes them).
     monitor = Monitor(run_dir, cfg.max_duration, cfg.global_batch_size, env.is_main)
@@ -508,7 +517,13 @@ def main() -> None:
             num_targets = train_batches.num_targets(epoch, index)
             loss_scale = env.world_size / num_targets
             loss_sum = forward_backward(
-                model, inputs, targets, cfg.device_microbatch_size, loss_scale, cfg
+                model,
+                inputs,
+                targets,
+                cfg.device_microbatch_size,
+                loss_scale,
+                cfg,
+                loss_fn,
             )
 
             # event: AFTER_BACKWARD
@@ -538,7 +553,7 @@ def main() -> None:
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
-                    metrics["val_loss"] = evaluate(model, val, cfg, env)
+                    metrics["val_loss"] = evaluate(model, val, cfg, env, loss_fn)
                     metrics |= log_samples(model, tokenizer, prompts, cfg, monitor)
             if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
                 metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks
