@@ -128,7 +128,13 @@ def test_gradient_is_the_global_masked_token_mean_for_any_microbatch(modules) ->
         model.zero_grad()
         inputs = {"input_ids": batch.inputs, "predicted": picked, "real": batch.real}
         loss_sum = train_py.forward_backward(
-            model, inputs, batch.targets, microbatch, 1 / batch.num_masked, cfg
+            model,
+            inputs,
+            batch.targets,
+            microbatch,
+            1 / batch.num_masked,
+            cfg,
+            train_py.masked_token_loss,
         )
         assert torch.allclose(loss_sum / batch.num_masked, reference, atol=1e-5)
         for grad, param in zip(expected, model.parameters()):
