@@ -37,6 +37,9 @@ SMALL = [
     "--dist_timeout=20",
 ]
 FOUND = 2  # every injected run below fails above 2 samples per microbatch
+# gpt2-speedup's blocks see each sample as 4 rows (ALiBi's quarter rows): FOUND samples are
+# FOUND * PIECES rows there, where the injection counts them.
+PIECES = 4
 
 
 # ---------------------------------------------------------------- pieces, in one process
@@ -375,12 +378,12 @@ def test_one_rank_oom_in_forward_or_backward_settles_everywhere_and_trains_as_fi
         },
         {
             "name": "fwd",
-            "inject": f"ranks={victim_fwd};above={FOUND};phase=forward",
+            "inject": f"ranks={victim_fwd};above={FOUND * PIECES};phase=forward",
             "args": [*common, "--run_name=fwd", "--device_microbatch_size=auto"],
         },
         {
             "name": "bwd",
-            "inject": f"ranks={victim_bwd};above={FOUND};phase=backward",
+            "inject": f"ranks={victim_bwd};above={FOUND * PIECES};phase=backward",
             "args": [*common, "--run_name=bwd", "--device_microbatch_size=auto"],
         },
     ]
