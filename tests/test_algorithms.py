@@ -174,7 +174,7 @@ def test_alibi_split_rows_keeps_every_target_once(speedup) -> None:
 def test_alibi_sequence_length_scaling_in_the_training_loop(
     generated: dict[str, Path], tmp_path: Path
 ) -> None:
-    """The default 0.25 trains on quarter rows (another loss than full length), fills
+    """The catalog default 0.25 trains on quarter rows (another loss than full length), fills
     out a length the pieces do not divide, refuses a scaling that is not 1/k, and 1.0 trains at
     full length."""
     losses = {}
@@ -203,6 +203,7 @@ def test_alibi_sequence_length_scaling_in_the_training_loop(
         "--seq_len=62",
         "--max_duration=1ba",
         "--seq_length_warmup_min_len=62",
+        "--alibi_train_sequence_length_scaling=0.25",
         "--run_name=uneven",
     )
     assert uneven.returncode == 0, uneven.stderr

@@ -23,6 +23,7 @@ from scaffold.render import new_project
 COUNT_PASSES = Path(__file__).resolve().parent / "count_passes.py"
 # A few steps, evaluation and checkpoints at the end only (outside the counted steps).
 STEPS = ["--max_duration=3ba", "--eval_interval=100ba", "--save_interval=100ba"]
+QUARTER_ROWS = "--alibi_train_sequence_length_scaling=0.25"
 
 
 def counted(
@@ -60,11 +61,14 @@ def tokens(shape: list[int]) -> int:
 def test_gpt2_speedup_runs_as_many_passes_as_gpt2_baseline(
     generated: dict[str, Path], tmp_path: Path
 ) -> None:
-    """ALiBi's quarter rows and sequence-length warmup: 2 passes per step (16 rows, 8 per
-    pass), as the baseline; each full-length pass holds the baseline's 8 x 128 tokens.
+    """ALiBi's quarter rows (Composer's 0.25; the recipe trains full rows) and
+    sequence-length warmup: 2 passes per step (16 rows, 8 per pass), as the baseline; each
+    full-length pass holds the baseline's 8 x 128 tokens.
     """
     baseline = counted(generated["gpt2-baseline"], tmp_path, "base", *STEPS)
-    speedup = counted(generated["gpt2-speedup"], tmp_path, "speedup", *STEPS)
+    speedup = counted(
+        generated["gpt2-speedup"], tmp_path, "speedup", *STEPS, QUARTER_ROWS
+    )
     assert [len(passes) for passes, _ in baseline] == [2, 2, 2]
     assert [len(passes) for passes, _ in speedup] == [2, 2, 2]
     assert all(shape == [8, 128] for passes, _ in baseline for shape in passes)
@@ -78,8 +82,9 @@ def test_gpt2_speedup_runs_as_many_passes_as_gpt2_baseline(
 def test_auto_microbatching_finds_a_size_in_the_users_rows(
     generated_auto: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Memory for 512 tokens per pass: both recipes settle at 4 of their 16 rows (4 x 128
-    tokens) at full length, and run 4 passes a step there."""
+    """Memory for 512 tokens per pass: both recipes (gpt2-speedup at quarter rows) settle
+    at 4 of their 16 rows (4 x 128 tokens) at full length, and run 4 passes a step there.
+    """
     memory = {microbatch.INJECT_ENV: "tokens=512"}
     runs = {}
     for recipe in ("gpt2-baseline", "gpt2-speedup"):
@@ -89,6 +94,7 @@ def test_auto_microbatching_finds_a_size_in_the_users_rows(
             recipe,
             *STEPS,
             "--log_interval=1ba",
+            *([QUARTER_ROWS] if recipe == "gpt2-speedup" else []),
             env=memory,
         )
         sizes = [r["microbatch_size"] for r in read_metrics(tmp_path, recipe)]
