@@ -66,7 +66,7 @@ class Config:
 
     # algorithm: alibi
     # Fraction of the length trained on (rows split into 1/it as many shorter rows).
-    alibi_train_sequence_length_scaling: float = 0.25
+    alibi_train_sequence_length_scaling: float = 1.0
     # end algorithm: alibi
 
     # evaluation, logging, checkpoints
