@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -90,6 +91,24 @@ def train(
         raise RuntimeError(f"train.py failed:\n{result.stderr[-3000:]}")
     path = workdir / "runs" / run_name / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def add_clock(parser: argparse.ArgumentParser) -> None:
+    """`--clock cpu` (the default: training seconds as the process's CPU time, torch on one
+    thread, steady on a shared machine) or `--clock wall`. Call `apply_clock` after parsing.
+    """
+    parser.add_argument(
+        "--clock",
+        choices=["cpu", "wall"],
+        default="cpu",
+        help="training seconds as the process's CPU time (1 thread) or the wall clock",
+    )
+
+
+def apply_clock(clock: str) -> None:
+    """One thread for every training process the CPU clock times."""
+    if clock == "cpu":
+        os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def budget_args(steps: int, eval_every: int) -> list[str]:

@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 
 from _common import (
+    add_clock,
+    apply_clock,
     REPO,
     bench_env,
     budget_args,
@@ -212,18 +214,12 @@ def main() -> None:
             *(f"modern+{name}" for name in ON_MODERN),
         ],
     )
-    parser.add_argument(
-        "--clock",
-        choices=["cpu", "wall"],
-        default="cpu",
-        help="training seconds as the process's CPU time (1 thread) or the wall clock",
-    )
+    add_clock(parser)
     parser.add_argument(
         "--plot", type=Path, default=Path(__file__).resolve().parent / "lm_recipe.png"
     )
     args = parser.parse_args()
-    if args.clock == "cpu":
-        os.environ["OMP_NUM_THREADS"] = "1"
+    apply_clock(args.clock)
     arms = ["gpt2-baseline", *(arm for arm in args.arms if arm != "gpt2-baseline")]
     root = scratch()
     projects = {arm: generate(arm, root) for arm in arms}

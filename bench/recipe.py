@@ -4,17 +4,34 @@ Both recipes train the tiny preset on the embedded data for the same number of s
 evaluation every `--eval-every` steps; `train_s` in metrics.jsonl is training time without the
 evaluations. For each seed the target is the baseline's final validation loss; the speed-up is
 baseline time / speedup time to first reach it (linear interpolation between evaluations).
-A PNG plot of validation loss against training time is written when matplotlib is installed.
+`--clock cpu` (the default) counts each run's training seconds as its process's CPU time with
+OMP_NUM_THREADS=1 (one core's work: steady on a shared machine); `--clock wall` is the wall
+clock with torch's default threads (the numbers before issue 44). `--scalings 1 0.25` runs
+gpt2-speedup once per ALiBi train_sequence_length_scaling (each against the same baseline
+run); `--train-args "--seq_len=512 --global_batch_size=4"` passes flags to every run. A PNG
+plot of validation loss against training time is written when matplotlib is installed.
 
-    python bench/recipe.py [--seeds 1 2 3] [--steps 600] [--plot bench/recipe.png]
+    python bench/recipe.py [--seeds 1 2 3] [--steps 600] [--clock cpu] [--scalings 1 0.25]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 from pathlib import Path
 
-from _common import ALLOCATOR, generate, plot_curves, scratch, speedup_line, train
+from _common import (
+    add_clock,
+    apply_clock,
+    budget_args,
+    generate,
+    plot_curves,
+    print_conditions,
+    scratch,
+    speedup_line,
+    train,
+)
 
 
 def curve(records: list[dict]) -> list[tuple[float, float]]:
@@ -42,58 +59,89 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--eval-every", type=int, default=25)
+    add_clock(parser)
+    parser.add_argument(
+        "--scalings",
+        type=float,
+        nargs="+",
+        default=[],
+        help="gpt2-speedup arms at these ALiBi train_sequence_length_scaling values "
+        "(default: the recipe's own, one arm)",
+    )
+    parser.add_argument(
+        "--train-args",
+        default="",
+        help="train.py flags for every run, one string (e.g. '--seq_len=512')",
+    )
     parser.add_argument(
         "--plot", type=Path, default=Path(__file__).resolve().parent / "recipe.png"
     )
     args = parser.parse_args()
+    apply_clock(args.clock)
     root = scratch()
-    projects = {
-        recipe: generate(recipe, root) for recipe in ("gpt2-baseline", "gpt2-speedup")
-    }
+    baseline, speedup = (generate(r, root) for r in ("gpt2-baseline", "gpt2-speedup"))
+    arms = {"gpt2-baseline": (baseline, [])}
+    for scaling in args.scalings:
+        flag = f"--alibi_train_sequence_length_scaling={scaling}"
+        arms[f"gpt2-speedup@{scaling:g}"] = (speedup, [flag])
+    if not args.scalings:
+        arms["gpt2-speedup"] = (speedup, [])
     common = [
-        f"--max_duration={args.steps}ba",
-        f"--eval_interval={args.eval_every}ba",
-        f"--save_interval={args.steps}ba",
-        "--autoresume=false",
+        *budget_args(args.steps, args.eval_every),
+        *shlex.split(args.train_args),
     ]
-    print(f"allocator: {' '.join(f'{k}={v}' for k, v in ALLOCATOR.items())}")
-    print(
-        f"{'seed':>4} {'recipe':14} {'final val':>9} {'train s':>8} {'s to target':>11}"
-    )
-    curves: dict[str, list] = {recipe: [] for recipe in projects}
-    speedups, bounds = [], []
+    print_conditions()
+    threads = os.environ.get("OMP_NUM_THREADS", "torch's default")
+    print(f"clock: {args.clock} (training seconds); OMP_NUM_THREADS={threads}")
+    print(f"train.py flags: {' '.join(common)}")
+    print(f"{'seed':>4} {'arm':18} {'final val':>9} {'train s':>8} {'s to target':>11}")
+    curves: dict[str, list] = {arm: [] for arm in arms}
+    speedups: dict[str, list[float]] = {arm: [] for arm in arms}
+    bounds: dict[str, list[float]] = {arm: [] for arm in arms}
     for seed in args.seeds:
         runs = {}
-        for recipe, project in projects.items():  # alternate within a seed
-            runs[recipe] = curve(
-                train(project, root, f"{recipe}-{seed}", f"--seed={seed}", *common)
+        for arm, (project, flags) in arms.items():  # alternate within a seed
+            name = f"{arm.replace('@', '-')}-{seed}"
+            records = train(
+                project,
+                root,
+                name,
+                f"--seed={seed}",
+                *common,
+                *flags,
+                cpu_clock=args.clock == "cpu",
             )
-            curves[recipe].append(runs[recipe])
+            runs[arm] = curve(records)
+            curves[arm].append(runs[arm])
         target = runs["gpt2-baseline"][-1][1]
-        times = {recipe: time_to(target, points) for recipe, points in runs.items()}
-        for recipe, points in runs.items():
-            reached = times[recipe]
+        times = {arm: time_to(target, points) for arm, points in runs.items()}
+        for arm, points in runs.items():
+            reached = times[arm]
             print(
-                f"{seed:4d} {recipe:14} {points[-1][1]:9.4f} {points[-1][0]:8.1f} "
+                f"{seed:4d} {arm:18} {points[-1][1]:9.4f} {points[-1][0]:8.1f} "
                 f"{'never' if reached is None else f'{reached:.1f}':>11}",
                 flush=True,
             )
-        if times["gpt2-speedup"] is not None:
-            speedups.append(times["gpt2-baseline"] / times["gpt2-speedup"])
-        else:  # never reached: its ratio is below the baseline's time over its whole run
-            bounds.append(times["gpt2-baseline"] / runs["gpt2-speedup"][-1][0])
+            if reached is not None:
+                speedups[arm].append(times["gpt2-baseline"] / reached)
+            else:  # never reached: its ratio is below the baseline's time over its whole run
+                bounds[arm].append(times["gpt2-baseline"] / points[-1][0])
     if plot_curves(
         curves,
         args.plot,
-        xlabel="training time (s, CPU)",
+        xlabel=f"training time (s, {args.clock} clock)",
         ylabel="validation loss (nats/byte)",
         title="gpt2-speedup vs gpt2-baseline, tiny preset",
     ):
         print(f"plot: {args.plot}")
+    print(f"load average at the end (1, 5, 15 min): {os.getloadavg()}")
     print(
-        f"median over {len(args.seeds)} seeds of the baseline's time to its final loss over the speedup's:"
+        f"median over {len(args.seeds)} seeds of the baseline's time to its final loss over "
+        "the arm's:"
     )
-    print(speedup_line("gpt2-speedup", speedups, bounds))
+    for arm in list(arms)[1:]:
+        detail = f" (per seed {', '.join(f'{r:.2f}' for r in speedups[arm])})"
+        print(speedup_line(arm, speedups[arm], bounds[arm], detail))
 
 
 if __name__ == "__main__":

@@ -148,24 +148,34 @@ def test_gpt2_preset_has_124m_parameters(baseline) -> None:
 
 
 def test_alibi_split_rows_keeps_every_target_once(speedup) -> None:
-    """Composer's train_sequence_length_scaling: 4x the rows at a quarter of the length."""
+    """Composer's train_sequence_length_scaling: 4x the rows at a quarter of the length,
+    a microbatch's inputs and targets alike; a length 4 does not divide is filled out.
+    """
     split = speedup["train"].alibi_split_rows
     batch = torch.arange(2 * 17).view(2, 17)  # two rows of 16 inputs + 1
-    rows = split(batch, 4)
-    assert rows.shape == (8, 5)
-    inputs, targets = rows[:, :-1], rows[:, 1:]
-    # Each (input, target) pair of the original rows appears once, in order.
+    inputs = split(batch[:, :-1], 0.25, fill=0)
+    targets = split(batch[:, 1:], 0.25, fill=-100)
+    assert inputs.shape == targets.shape == (8, 4)
+    # Each (input, target) pair of the original rows appears once, in order; a piece's
+    # last target is the next piece's first input.
     assert inputs.reshape(2, 16).equal(batch[:, :-1])
     assert targets.reshape(2, 16).equal(batch[:, 1:])
-    assert split(batch, 1) is batch
-    assert split(batch[:, :4], 4).equal(batch[:, :4])  # 3 inputs: too short to split
+    for row in (0, 4):  # pieces 0-3 are row 0's, 4-7 row 1's
+        assert targets[row : row + 3, -1].equal(inputs[row + 1 : row + 4, 0])
+    assert split(batch, 1.0, fill=0).equal(batch)
+    # 14 tokens: 4 pieces of 4, the last two positions of each row's last piece filled.
+    uneven = split(batch[:, :14], 0.25, fill=-100)
+    assert uneven.shape == (8, 4)
+    assert uneven.reshape(2, 16)[:, :14].equal(batch[:, :14])
+    assert (uneven.reshape(2, 16)[:, 14:] == -100).all()
 
 
 def test_alibi_sequence_length_scaling_in_the_training_loop(
     generated: dict[str, Path], tmp_path: Path
 ) -> None:
-    """The default 0.25 trains on quarter rows (another loss than full length), refuses
-    a scaling that is not 1/k, and 1.0 trains at full length."""
+    """The catalog default 0.25 trains on quarter rows (another loss than full length), fills
+    out a length the pieces do not divide, refuses a scaling that is not 1/k, and 1.0 trains at
+    full length."""
     losses = {}
     for scaling in ("0.25", "1.0"):
         result = run_train(
@@ -183,6 +193,20 @@ def test_alibi_sequence_length_scaling_in_the_training_loop(
         assert [r["seq_len"] for r in records] == [64, 64, 64]
         losses[scaling] = [r["loss"] for r in records]
     assert losses["0.25"] != losses["1.0"]
+    # 62 tokens a row: quarter rows of 16, each row's last piece filled out with two
+    # positions the loss ignores; all 62 targets are trained and counted.
+    uneven = run_train(
+        generated["gpt2-speedup"],
+        tmp_path,
+        *(arg for arg in TINY if not arg.startswith("--seq_len=")),
+        "--seq_len=62",
+        "--max_duration=1ba",
+        "--seq_length_warmup_min_len=62",
+        "--alibi_train_sequence_length_scaling=0.25",
+        "--run_name=uneven",
+    )
+    assert uneven.returncode == 0, uneven.stderr
+    assert "done: step 1, 248 tokens" in uneven.stdout
     refused = run_train(
         generated["gpt2-speedup"],
         tmp_path,

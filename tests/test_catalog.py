@@ -50,7 +50,7 @@ def test_shipped_recipes_resolve_with_defaults_filled() -> None:
         "seq_length_warmup",
         "alibi",
     ]
-    assert speedup["algorithms"]["alibi"] == {"train_sequence_length_scaling": 0.25}
+    assert speedup["algorithms"]["alibi"] == {"train_sequence_length_scaling": 1.0}
     assert speedup["algorithms"]["seq_length_warmup"] == {
         "duration": "0.3dur",
         "min_len": 8,

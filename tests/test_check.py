@@ -138,7 +138,7 @@ def test_cli_check_of_a_folder_that_is_no_project_exits_2(tmp_path: Path) -> Non
 def test_an_answer_the_template_cannot_render_is_one_clear_error(project: Path) -> None:
     replace_once(
         project / ".copier-answers.yml",
-        "    alibi:\n        train_sequence_length_scaling: 0.25\n",
+        "    alibi:\n        train_sequence_length_scaling: 1.0\n",
         "    no_such_algorithm: {}\n",
     )
     result = scaffold_cli("check", str(project))

@@ -135,8 +135,13 @@ def test_algorithm_blocks_are_fenced_and_placed(generated: dict[str, Path]) -> N
         "EVAL",
     ]
     # train_sequence_length_scaling: its Config field, range check, the row split (a
-    # module-level helper) and the split itself at BATCH_START; the rest is in model.py.
-    assert events_of(train, "alibi") == ["MODULE", "MODULE", "MODULE", "BATCH_START"]
+    # module-level helper) and the split itself, per microbatch; the rest is in model.py.
+    assert events_of(train, "alibi") == [
+        "MODULE",
+        "MODULE",
+        "MODULE",
+        "MICROBATCH_START",
+    ]
     # imports (FlexAttention), helpers, token embedding only, the bias (or block mask), the
     # attention call; the learned position embedding it removes is declared (`replaces`),
     # not an empty fence

@@ -37,6 +37,11 @@ SMALL = [
     "--dist_timeout=20",
 ]
 FOUND = 2  # every injected run below fails above 2 samples per microbatch
+# gpt2-speedup at ALiBi's quarter rows (Composer's 0.25; the recipe's own is 1): its blocks
+# see each sample as 4 rows, so FOUND samples are FOUND * PIECES rows where the injection
+# counts them.
+PIECES = 4
+QUARTER_ROWS = f"--alibi_train_sequence_length_scaling={1 / PIECES}"
 
 
 # ---------------------------------------------------------------- pieces, in one process
@@ -365,7 +370,7 @@ def test_one_rank_oom_in_forward_or_backward_settles_everywhere_and_trains_as_fi
     length warms up (8, 16, 24 of 32); memory for 48 tokens per microbatch on the last rank.
     Training settles at 6 rows on length 8; evaluation must find 1 row at length 32 (all ranks
     agreeing), not crash at 6, and give the val_loss of a run with size 1 throughout."""
-    common = [*SMALL, f"--parallelism={parallelism}"]
+    common = [*SMALL, f"--parallelism={parallelism}", QUARTER_ROWS]
     victim_fwd, victim_bwd = nproc - 1, max(nproc - 2, 0)
     plan = [
         {
@@ -375,12 +380,12 @@ def test_one_rank_oom_in_forward_or_backward_settles_everywhere_and_trains_as_fi
         },
         {
             "name": "fwd",
-            "inject": f"ranks={victim_fwd};above={FOUND};phase=forward",
+            "inject": f"ranks={victim_fwd};above={FOUND * PIECES};phase=forward",
             "args": [*common, "--run_name=fwd", "--device_microbatch_size=auto"],
         },
         {
             "name": "bwd",
-            "inject": f"ranks={victim_bwd};above={FOUND};phase=backward",
+            "inject": f"ranks={victim_bwd};above={FOUND * PIECES};phase=backward",
             "args": [*common, "--run_name=bwd", "--device_microbatch_size=auto"],
         },
     ]

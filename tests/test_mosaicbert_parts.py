@@ -117,7 +117,7 @@ def test_alibi_splits_masked_lm_rows_with_their_targets(
     with project_modules(projects["alibi"]) as found:
         train = found["train"]
         rows = torch.arange(24).view(2, 12)
-        split = train.alibi_split_rows(rows, 2)
+        split = train.alibi_split_rows(rows, 0.5)
         assert split.tolist() == [list(range(k, k + 6)) for k in (0, 6, 12, 18)]
         with pytest.raises(SystemExit) as exited:
             train.setup(train.Config(seq_len=33, device="cpu"))

@@ -67,7 +67,7 @@ class Config:
 
     # algorithm: alibi
     # Fraction of the length trained on (rows split into 1/it as many shorter rows).
-    alibi_train_sequence_length_scaling: float = 0.25
+    alibi_train_sequence_length_scaling: float = 1.0
     # end algorithm: alibi
 
     # evaluation, logging, checkpoints
@@ -216,18 +216,13 @@ def seq_length_warmup_len(warmup_done: float, min_len: int, max_len: int) -> int
 
 
 # algorithm: alibi
-def alibi_split_rows(batch: torch.Tensor, pieces: int) -> torch.Tensor:
-    """Rows of n + 1 tokens as `pieces` times as many rows of n // pieces + 1 tokens.
-
-    Consecutive pieces share their boundary token (the last input of one is the first of
-    the next), so every target is kept once; tokens past pieces * (n // pieces) are
-    dropped.
-    """
-    length = (batch.shape[1] - 1) // pieces
-    if pieces == 1 or length == 0:
-        return batch
-    kept = batch[:, : pieces * length + 1]
-    return kept.unfold(1, length + 1, length).reshape(-1, length + 1)
+def alibi_split_rows(rows: torch.Tensor, scaling: float, fill: int) -> torch.Tensor:
+    """Rows of n tokens as 1/scaling times as many rows of ceil(n * scaling) tokens, in
+    order; where 1/scaling does not divide n, each row's last piece ends in `fill`s."""
+    pieces = round(1 / scaling)
+    length = -(-rows.shape[1] // pieces)
+    rows = F.pad(rows, (0, pieces * length - rows.shape[1]), value=fill)
+    return rows.reshape(-1, length)
 
 
 # end algorithm: alibi
@@ -285,6 +280,19 @@ def forward_backward(
     )
     for i, (micro_inputs, micro_targets) in enumerate(microbatches):
         # event: MICROBATCH_START
+
+        # algorithm: alibi
+        # ALiBi extrapolates to longer sequences than it trained on (Press et al. 2022),
+        # so train on short rows and evaluate at full length: each row as
+        # 1/alibi_train_sequence_length_scaling rows (Composer's reshape), each piece's
+        # context its own. Split here, per microbatch, so a step runs as many
+        # forward/backward passes as without it. A piece's targets are its inputs one
+        # token on: each target is trained once (a filled-out last piece has targets
+        # -100, which the loss skips).
+        scaling = cfg.alibi_train_sequence_length_scaling
+        micro_inputs = alibi_split_rows(micro_inputs, scaling, fill=0)
+        micro_targets = alibi_split_rows(micro_targets, scaling, fill=-100)
+        # end algorithm: alibi
 
         # Reduce gradients over ranks once, in the last backward.
         fsdp.sync_gradients(model, i == len(microbatches) - 1)
@@ -443,17 +451,6 @@ def main() -> None:
             )
             batch = batch[:, : seq_len + 1]
             # end algorithm: seq_length_warmup
-
-            # algorithm: alibi
-            # ALiBi extrapolates to longer sequences than it trained on (Press et al.
-            # 2022), so train on short rows and evaluate at full length: split each row
-            # into 1/alibi_train_sequence_length_scaling shorter rows (Composer's
-            # reshape). The same tokens and targets per step; each row's context is its
-            # own piece.
-            batch = alibi_split_rows(
-                batch, round(1 / cfg.alibi_train_sequence_length_scaling)
-            )
-            # end algorithm: alibi
 
             inputs, targets = batch[:, :-1], batch[:, 1:]
             fraction = progress.fraction(cfg.max_duration)

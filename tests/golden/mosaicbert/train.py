@@ -214,10 +214,10 @@ def masked_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 
 
 # algorithm: alibi
-def alibi_split_rows(rows: torch.Tensor, pieces: int) -> torch.Tensor:
-    """Rows of n tokens as `pieces` times as many rows of n / pieces tokens (a masked-LM
-    row's inputs and targets line up, so every token and target is kept once)."""
-    return rows.reshape(-1, rows.shape[1] // pieces)
+def alibi_split_rows(rows: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Rows of n tokens as 1/scaling times as many rows of n * scaling tokens, in order
+    (n a multiple of 1/scaling: checked in setup)."""
+    return rows.reshape(-1, round(rows.shape[1] * scaling))
 
 
 # end algorithm: alibi
@@ -287,6 +287,18 @@ def forward_backward(
     )
     for i, (micro_inputs, micro_targets) in enumerate(microbatches):
         # event: MICROBATCH_START
+
+        # algorithm: alibi
+        # ALiBi extrapolates to longer sequences than it trained on (Press et al. 2022),
+        # so train on short rows and evaluate at full length: each row as
+        # 1/alibi_train_sequence_length_scaling rows (Composer's reshape). Split here,
+        # per microbatch, so a step runs as many forward/backward passes as without it.
+        # The positions of the predicted and real tokens are flat (row after row): the
+        # same after the split.
+        micro_inputs["input_ids"] = alibi_split_rows(
+            micro_inputs["input_ids"], cfg.alibi_train_sequence_length_scaling
+        )
+        # end algorithm: alibi
 
         # Reduce gradients over ranks once, in the last backward.
         fsdp.sync_gradients(model, i == len(microbatches) - 1)
@@ -461,19 +473,6 @@ def main() -> None:
             targets = batch.targets
 
             # event: BATCH_START
-
-            # algorithm: alibi
-            # ALiBi extrapolates to longer sequences than it trained on (Press et al.
-            # 2022), so train on short rows and evaluate at full length: split each row
-            # and its targets into 1/alibi_train_sequence_length_scaling shorter rows
-            # (Composer's reshape of every batch tensor; the host's marks of real and
-            # predicted tokens alike). The same tokens and targets.
-            pieces = round(1 / cfg.alibi_train_sequence_length_scaling)
-            inputs = {
-                name: alibi_split_rows(rows, pieces) for name, rows in inputs.items()
-            }
-            targets = alibi_split_rows(targets, pieces)
-            # end algorithm: alibi
 
             fraction = progress.fraction(cfg.max_duration)
             lr = lr_at(fraction, cfg, progress.batches_per_epoch)
