@@ -6,7 +6,7 @@ A pass is a call of the outermost module (the model, or its DDP/FSDP wrapper) wi
 gradients enabled; evaluation, sampling and selective backprop's scoring forwards run without
 them and are counted apart. An optimizer step closes a step. At exit the process prints one
 line per step, `passes step=K shapes=[[rows, length, ...], ...] scoring=N` (the shape of each
-pass's first tensor argument, and the number of gradient-free forwards). Nothing else in the
+pass's first tensor argument, positional or named, and the number of gradient-free forwards). Nothing else in the
 run changes.
 """
 
@@ -16,10 +16,6 @@ import runpy
 import sys
 
 import torch
-from torch.nn.modules.module import (
-    register_module_forward_hook,
-    register_module_forward_pre_hook,
-)
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 depth = 0
@@ -28,20 +24,22 @@ scoring = 0  # this step's gradient-free outermost forwards
 steps: list[tuple[list[list[int]], int]] = []
 
 
-def enter(module, args):
+def counted_call(module, *args, **kwargs):
+    """Module._call_impl, counting the outermost calls (their hooks see no keyword
+    arguments, and a model may take its tensors by name: `model(**micro_inputs)`)."""
     global depth, scoring
     if depth == 0:
-        shape = next(list(a.shape) for a in args if isinstance(a, torch.Tensor))
+        tensors = (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        shape = list(next(tensors).shape)
         if torch.is_grad_enabled():
             passes.append(shape)
         else:
             scoring += 1
     depth += 1
-
-
-def leave(module, args, output):
-    global depth
-    depth -= 1
+    try:
+        return call_impl(module, *args, **kwargs)
+    finally:
+        depth -= 1
 
 
 def close_step(optimizer, args, kwargs):
@@ -56,8 +54,8 @@ def report():
         print(f"passes step={number} shapes={shapes} scoring={scored}", flush=True)
 
 
-register_module_forward_pre_hook(enter)
-register_module_forward_hook(leave, always_call=True)
+call_impl = torch.nn.Module._call_impl
+torch.nn.Module._call_impl = counted_call
 register_optimizer_step_post_hook(close_step)
 atexit.register(report)
 sys.argv = sys.argv[1:]

@@ -142,10 +142,10 @@ def test_algorithm_blocks_are_fenced_and_placed(generated: dict[str, Path]) -> N
         "MODULE",
         "MICROBATCH_START",
     ]
-    # imports (FlexAttention), helpers, token embedding only, the bias (or block mask), the
-    # attention call; the learned position embedding it removes is declared (`replaces`),
-    # not an empty fence
-    assert len(events_of(model, "alibi")) == 5
+    # imports (FlexAttention), helpers, token embedding only, the slopes (a buffer made
+    # once, on the model's device), the bias (or block mask), the attention call; the
+    # learned position embedding it removes is declared (`replaces`), not an empty fence
+    assert len(events_of(model, "alibi")) == 6
     assert "wpe" not in model
     baseline = (generated["gpt2-baseline"] / "train.py").read_text()
     assert (
