@@ -269,12 +269,12 @@ def check(
 
     Exits 0 when `upgrade`, `add` and `remove` can proceed, 1 (with the reasons) when they cannot.
     """
-    from scaffold.check import CheckError
     from scaffold.check import check as run_check
+    from scaffold.project import ProjectError
 
     try:
         report = run_check(project)
-    except (CheckError, HistoryError) as error:
+    except (ProjectError, HistoryError) as error:
         raise _fail(str(error)) from None
     out.print(f"{project} (template {report.version})", markup=False)
     _print_table(
@@ -304,12 +304,12 @@ def diff(
     project: Annotated[Path, typer.Argument(help="The project folder.")] = Path("."),
 ) -> None:
     """Show your changes against the code your template version generated, per algorithm and event."""
-    from scaffold.check import CheckError
-    from scaffold.check import diff as run_diff
+    from scaffold.diff import diff as run_diff
+    from scaffold.project import ProjectError
 
     try:
         lines = run_diff(project)
-    except (CheckError, HistoryError) as error:
+    except (ProjectError, HistoryError) as error:
         raise _fail(str(error)) from None
     for line in lines:
         out.print(line, markup=False, highlight=False)
