@@ -12,15 +12,10 @@ from rich.console import Console
 from rich.table import Table
 
 from scaffold import __version__
-from scaffold.catalog import (
-    RecipeError,
-    load_algorithms,
-    load_recipe,
-    load_tasks,
-    recipe_paths,
-)
+from scaffold.catalog import load_algorithms, load_tasks
 from scaffold.history import HistoryError
 from scaffold.paths import template_dir
+from scaffold.recipes import RecipeError, load_recipe, recipe_paths
 
 if TYPE_CHECKING:
     from scaffold.upgrade import UpdateResult

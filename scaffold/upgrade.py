@@ -27,19 +27,13 @@ from copier.errors import CopierError
 from packaging.version import InvalidVersion, Version
 from plumbum import local
 
+from scaffold.answers import add_algorithm, DERIVED_ANSWERS, remove_algorithm, resolve
 from scaffold.catalog import (
-    add_algorithm,
     Algorithm,
     CatalogError,
-    DERIVED_ANSWERS,
     load_algorithms,
     load_models,
     ModelFamily,
-    parse_override,
-    Recipe,
-    RecipeError,
-    remove_algorithm,
-    resolve,
 )
 from scaffold.compare import Report, add_blockers, compare, remove_blockers
 from scaffold.fence_removal import drop_algorithm
@@ -52,6 +46,7 @@ from scaffold.history import (
     known_versions,
 )
 from scaffold.project import ANSWERS_FILE, ProjectError, pristine_render, read_answers
+from scaffold.recipes import parse_override, Recipe, RecipeError
 from scaffold.render import installed_release
 
 CONFLICT_START = "<<<<<<< "
