@@ -38,8 +38,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 from projects import project_modules  # noqa: E402
-from scaffold.catalog import load_algorithms, load_recipe  # noqa: E402
+from scaffold.catalog import load_algorithms  # noqa: E402
 from scaffold.paths import template_dir  # noqa: E402
+from scaffold.recipes import load_recipe  # noqa: E402
 from scaffold.render import new_project  # noqa: E402
 
 BASELINE = "cifar-resnet56-baseline"

@@ -12,15 +12,10 @@ from rich.console import Console
 from rich.table import Table
 
 from scaffold import __version__
-from scaffold.catalog import (
-    RecipeError,
-    load_algorithms,
-    load_recipe,
-    load_tasks,
-    recipe_paths,
-)
+from scaffold.catalog import load_algorithms, load_tasks
 from scaffold.history import HistoryError
 from scaffold.paths import template_dir
+from scaffold.recipes import RecipeError, load_recipe, recipe_paths
 
 if TYPE_CHECKING:
     from scaffold.upgrade import UpdateResult
@@ -269,12 +264,12 @@ def check(
 
     Exits 0 when `upgrade`, `add` and `remove` can proceed, 1 (with the reasons) when they cannot.
     """
-    from scaffold.check import CheckError
     from scaffold.check import check as run_check
+    from scaffold.project import ProjectError
 
     try:
         report = run_check(project)
-    except (CheckError, HistoryError) as error:
+    except (ProjectError, HistoryError) as error:
         raise _fail(str(error)) from None
     out.print(f"{project} (template {report.version})", markup=False)
     _print_table(
@@ -304,12 +299,12 @@ def diff(
     project: Annotated[Path, typer.Argument(help="The project folder.")] = Path("."),
 ) -> None:
     """Show your changes against the code your template version generated, per algorithm and event."""
-    from scaffold.check import CheckError
-    from scaffold.check import diff as run_diff
+    from scaffold.diff import diff as run_diff
+    from scaffold.project import ProjectError
 
     try:
         lines = run_diff(project)
-    except (CheckError, HistoryError) as error:
+    except (ProjectError, HistoryError) as error:
         raise _fail(str(error)) from None
     for line in lines:
         out.print(line, markup=False, highlight=False)

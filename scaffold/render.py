@@ -16,9 +16,10 @@ from typing import Any
 import copier
 
 from scaffold import __version__
-from scaffold.catalog import RecipeError, apply_overrides, load_recipe, resolve
+from scaffold.answers import resolve
 from scaffold.history import HISTORY_SRC, TemplateRelease, git
 from scaffold.paths import template_dir
+from scaffold.recipes import RecipeError, apply_overrides, load_recipe
 
 
 def bundle_path() -> Path:

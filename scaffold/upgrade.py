@@ -20,28 +20,23 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import copier
 from copier.errors import CopierError
 from packaging.version import InvalidVersion, Version
 from plumbum import local
 
+from scaffold.answers import add_algorithm, DERIVED_ANSWERS, remove_algorithm, resolve
 from scaffold.catalog import (
-    add_algorithm,
     Algorithm,
     CatalogError,
-    DERIVED_ANSWERS,
     load_algorithms,
     load_models,
     ModelFamily,
-    parse_override,
-    Recipe,
-    RecipeError,
-    remove_algorithm,
-    resolve,
 )
-from scaffold.check import CheckError, read_answers
+from scaffold.compare import Report, add_blockers, compare, remove_blockers
+from scaffold.fence_removal import drop_algorithm
 from scaffold.history import (
     HISTORY_SRC,
     TemplateRelease,
@@ -50,12 +45,10 @@ from scaffold.history import (
     history_path,
     known_versions,
 )
+from scaffold.project import ANSWERS_FILE, ProjectError, pristine_render, read_answers
+from scaffold.recipes import parse_override, Recipe, RecipeError
 from scaffold.render import installed_release
 
-if TYPE_CHECKING:
-    from scaffold.check import Report
-
-ANSWERS_FILE = ".copier-answers.yml"
 CONFLICT_START = "<<<<<<< "
 CONFLICT_END = ">>>>>>> "
 HOW_TO_RESOLVE = (
@@ -154,7 +147,7 @@ def _check_clean(project: Path) -> None:
 def _read_answers(project: Path) -> dict[str, Any]:
     try:
         return read_answers(project)
-    except CheckError as error:
+    except ProjectError as error:
         raise UpdateError(str(error)) from None
 
 
@@ -211,14 +204,12 @@ def _is_newer(version: str, than: str) -> bool:
         return False  # not comparable: let copier decide
 
 
-def check_code(state: ProjectState) -> "Report":
+def check_code(state: ProjectState) -> Report:
     """`scaffold check` on a project that passed the preflight; refuses on what it cannot work around."""
-    from scaffold.check import CheckError, compare, pristine_render
-
     try:
         with pristine_render(state.answers, state.version) as pristine:
             report = compare(state.path, pristine, state.answers, state.version)
-    except CheckError as error:
+    except ProjectError as error:
         raise UpdateError(str(error)) from None
     if report.problems:
         more = (
@@ -444,7 +435,7 @@ def _change_algorithms(
     project: Path,
     release: TemplateRelease | None,
     change: AlgorithmChange,
-    blockers: Callable[["Report"], list[str]] = lambda report: [],
+    blockers: Callable[[Report], list[str]] = lambda report: [],
     after: Callable[[Path], None] = lambda path: None,
 ) -> UpdateResult:
     """Re-render the project at its current version with new `algorithms` answers from `change`.
@@ -498,8 +489,6 @@ def add(
     release: TemplateRelease | None = None,
 ) -> UpdateResult:
     """Add an algorithm (its hyperparameters from `param=value` overrides) and merge it into the files."""
-    from scaffold.check import add_blockers
-
     return _change_algorithms(
         project,
         release,
@@ -522,9 +511,8 @@ def remove(
     or as dangling code: without `force` that is refused (the message shows the block); with it,
     the algorithm's fenced blocks are removed whatever they hold.
     """
-    from scaffold.check import drop_algorithm, remove_blockers
 
-    def blockers(report: "Report") -> list[str]:
+    def blockers(report: Report) -> list[str]:
         reasons = remove_blockers(report, algorithm)
         if not reasons or force:
             return []

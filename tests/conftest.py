@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from projects import TINY_STEPS, checkout_env, read_metrics, torchrun_command
-from scaffold.catalog import recipe_paths
 from scaffold.paths import template_dir
+from scaffold.recipes import recipe_paths
 
 REPO = Path(__file__).resolve().parent.parent
 collect_ignore = ["golden"]  # generated projects' own tests run in test_e2e.py

@@ -15,17 +15,16 @@ import pytest
 
 from conftest import scaffold_cli
 from projects import checkout_env
-from scaffold.catalog import (
-    EVENTS,
+from scaffold.answers import resolve
+from scaffold.catalog import EVENTS, load_algorithms
+from scaffold.paths import template_dir
+from scaffold.recipes import (
     RecipeError,
     apply_overrides,
-    load_algorithms,
     load_recipe,
     parse_override,
     recipe_paths,
-    resolve,
 )
-from scaffold.paths import template_dir
 
 TEMPLATE = template_dir()
 

@@ -20,7 +20,8 @@ import yaml
 from conftest import RECIPES, scaffold_cli
 from scaffold import __version__
 from scaffold.catalog import EVENTS
-from scaffold.check import (
+from scaffold.check import check
+from scaffold.compare import (
     BROKEN,
     DELETED,
     DUPLICATED,
@@ -30,14 +31,11 @@ from scaffold.check import (
     UNLISTED,
     UNREADABLE,
     Report,
-    check,
-    diff,
-    diff_texts,
-    pristine_render,
-    read_answers,
-    read_py,
 )
+from scaffold.diff import diff, diff_texts
+from scaffold.fences import read_py
 from scaffold.history import TemplateRelease
+from scaffold.project import pristine_render, read_answers
 from scaffold.render import commit_all
 from scaffold.upgrade import UpdateError, add, remove, upgrade
 from test_upgrade import make_template, replace_once, snapshot

@@ -24,14 +24,10 @@ import jinja2
 import pytest
 
 from projects import project_modules
-from scaffold.catalog import (
-    load_algorithms,
-    load_models,
-    load_recipe,
-    load_tasks,
-    resolve,
-)
+from scaffold.answers import resolve
+from scaffold.catalog import load_algorithms, load_models, load_tasks
 from scaffold.paths import template_dir
+from scaffold.recipes import load_recipe
 from scaffold.render import new_project
 
 TEMPLATE = template_dir()
@@ -342,7 +338,7 @@ def test_every_hyperparameter_has_one_name_and_its_declared_choices(
 
 def test_scaffold_new_refuses_every_declared_range(tmp_path: Path) -> None:
     """The same declaration at generation time: every range refuses a value just outside it."""
-    from scaffold.catalog import RecipeError, Recipe
+    from scaffold.recipes import RecipeError, Recipe
 
     for name, spec in CATALOG.items():
         task, family = first_home(name)

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from conftest import RECIPES
-from scaffold.catalog import load_recipe, resolve
+from scaffold.answers import resolve
 from scaffold.paths import template_dir
+from scaffold.recipes import load_recipe
 from scaffold.render import render
 from test_packs import combinations, recipe_for
 

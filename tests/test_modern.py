@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from projects import project_modules
-from scaffold.catalog import RecipeError, load_recipe, resolve
+from scaffold.answers import resolve
 from scaffold.paths import template_dir
+from scaffold.recipes import RecipeError, load_recipe
 from scaffold.render import new_project
 
 TEMPLATE = template_dir()

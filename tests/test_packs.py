@@ -17,23 +17,22 @@ import pytest
 
 from conftest import scaffold_cli
 from projects import project_modules
+from scaffold.answers import resolve
 from scaffold.catalog import (
     EVENTS,
     TRAIN_PLACES,
     TRAIN_POINTS,
     Algorithm,
     CatalogError,
-    RecipeError,
     catalog_order,
     load_algorithms,
     load_models,
-    load_recipe,
     load_tasks,
-    resolve,
 )
 from scaffold.history import TemplateRelease
 from scaffold.jinja_black import BLACK_MODE
 from scaffold.paths import template_dir
+from scaffold.recipes import RecipeError, load_recipe
 from scaffold.render import new_project
 
 TEMPLATE = template_dir()

@@ -28,14 +28,10 @@ from projects import (
     read_metrics,
     run_train,
 )
-from scaffold.catalog import (
-    RecipeError,
-    add_algorithm,
-    load_algorithms,
-    load_models,
-    load_tasks,
-)
+from scaffold.answers import add_algorithm
+from scaffold.catalog import load_algorithms, load_models, load_tasks
 from scaffold.paths import template_dir
+from scaffold.recipes import RecipeError
 from scaffold.render import new_project
 
 TEMPLATE = template_dir()

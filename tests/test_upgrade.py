@@ -23,14 +23,8 @@ import yaml
 
 from conftest import REPO, scaffold_cli
 from scaffold import __version__
-from scaffold.catalog import (
-    Algorithm,
-    ModelFamily,
-    RecipeError,
-    add_algorithm,
-    load_algorithms,
-    remove_algorithm,
-)
+from scaffold.answers import add_algorithm, remove_algorithm
+from scaffold.catalog import Algorithm, ModelFamily, load_algorithms
 from scaffold.history import (
     TemplateRelease,
     dev_version,
@@ -39,6 +33,7 @@ from scaffold.history import (
     history_path,
 )
 from scaffold.paths import template_dir
+from scaffold.recipes import RecipeError
 from scaffold.render import commit_all, new_project, render
 from scaffold.upgrade import UpdateError, add, remove, upgrade
 
