@@ -50,17 +50,20 @@ FAST = {
 # New options whose defaults change what a recipe trains, set back to 0.2.0's behaviour on
 # the new side (0.2.0's loop does not know the flags): ALiBi's
 # train_sequence_length_scaling (Composer's default 0.25; 0.2.0 trained full rows) and
-# RandAugment's augmentation_set (Composer's default "all"; 0.2.0 drew "original"'s factors).
+# RandAugment's augmentation_set (Composer's default "all"; 0.2.0 drew "original"'s factors);
+# layer freezing's units (Composer's leaves; 0.2.0 froze blocks).
 SINCE = {
+    "bert-sst2-speedup": ["--layer_freezing_units=blocks"],
     "gpt2-speedup": ["--alibi_train_sequence_length_scaling=1"],
     "resnet50-hot": ["--randaugment_augmentation_set=original"],
 }
 # One recipe per task, each with most of its task's algorithms, in every run; all of them
 # with --slow.
 EVERY_RUN = ("gpt2-modern", "resnet50-hot", "bert-sst2-speedup")
-# The arithmetic did not move: the losses are bitwise equal. (Where it must move, up to a
-# relative 1e-6 is acceptable; say why beside the number.)
-RELATIVE = 0.0
+# The arithmetic moved once: AdamW's update is one fused kernel on the CPU too (0.2.0's
+# ran per tensor there), which rounds differently (parameters within 1.5e-8 after 10
+# steps): losses within a relative 1e-6, where they were bitwise equal before.
+RELATIVE = 1e-6
 
 
 def source_at(commit: str, dest: Path, *folders: str) -> Path:
@@ -185,8 +188,8 @@ def test_every_recipe_trains_the_losses_of_0_2_0(
 
 
 HAND_EDIT = (
-    "            batch = batch.to(env.device, non_blocking=True)\n",
-    "            batch = batch.to(env.device, non_blocking=True)  # hand edit\n",
+    "            grad_norm = fsdp.clip_grad_norm_(\n",
+    "            grad_norm = fsdp.clip_grad_norm_(  # hand edit\n",
 )
 
 
@@ -196,7 +199,7 @@ def test_a_0_2_0_project_with_a_hand_edit_upgrades_and_resumes_its_checkpoint(
     """A gpt2-speedup project of 0.2.0, edited and trained (a checkpoint at step 6 of 12):
     `scaffold upgrade` keeps the edit with no conflict, the files equal a fresh render plus
     the edit, and the upgraded project resumes 0.2.0's checkpoint and ends where the 0.2.0
-    project ended, bitwise."""
+    project ended (within RELATIVE: AdamW's fused update)."""
     old_release, old_runtime = release_0_2_0
     project = tmp_path / "my-gpt"
     generate_0_2_0("gpt2-speedup", project, old_release)
@@ -239,8 +242,13 @@ def test_a_0_2_0_project_with_a_hand_edit_upgrades_and_resumes_its_checkpoint(
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step-6" in resumed.stdout
-    tail = [row for row in reference if row["step"] > 6]
-    assert compared(read_metrics(work, "r")) == compared(tail)
+    tail = compared([row for row in reference if row["step"] > 6])
+    after = compared(read_metrics(work, "r"))
+    assert [(step, key) for step, key, _ in after] == [
+        (step, key) for step, key, _ in tail
+    ]
+    for (step, key, value), (_, _, expected) in zip(after, tail):
+        assert abs(value - expected) <= RELATIVE * abs(expected), (step, key, value)
 
 
 def test_a_0_2_0_project_not_yet_upgraded_says_how_to_upgrade(

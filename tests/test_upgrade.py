@@ -155,8 +155,8 @@ def make_hand_edits(project: Path, delete_clipping: bool = True) -> None:
     # a new line inside the training loop
     replace_once(
         train,
-        "            batch = batch.to(env.device, non_blocking=True)\n",
-        "            batch = batch.to(env.device, non_blocking=True)\n"
+        "            inputs, targets = batch[:, :-1], batch[:, 1:]\n",
+        "            inputs, targets = batch[:, :-1], batch[:, 1:]\n"
         "            batch = batch.contiguous()  # hand edit: inside the loop\n",
     )
     # a changed hyperparameter default
@@ -857,8 +857,8 @@ def release_from_git_history(commit: str, version: str, dest: Path) -> TemplateR
 
 
 HAND_EDIT = (
-    "            batch = batch.to(env.device, non_blocking=True)\n",
-    "            batch = batch.to(env.device, non_blocking=True)  # hand edit\n",
+    "            grad_norm = fsdp.clip_grad_norm_(\n",
+    "            grad_norm = fsdp.clip_grad_norm_(  # hand edit\n",
 )
 
 
@@ -878,7 +878,8 @@ def test_a_0_1_0_project_with_a_hand_edit_upgrades_to_task_packs_and_trains_the_
 ) -> None:
     """Release 0.1.0 (one template folder, algorithms named in it) -> today's task packs: the user's
     edit survives, nothing conflicts, the files equal a fresh render plus the edit, and training
-    gives the same losses, bitwise."""
+    gives the same losses (within a relative 1e-6: AdamW's update is one fused kernel on the
+    CPU since 0.1.0, which rounds differently)."""
     (tmp_path / "old-templates").mkdir()
     old = release_from_git_history(RELEASE_0_1_0, "0.1.0", tmp_path / "old-templates")
     new = TemplateRelease(template_dir(), __version__)
@@ -920,7 +921,16 @@ def test_a_0_1_0_project_with_a_hand_edit_upgrades_to_task_packs_and_trains_the_
     assert upgraded.pop("train.py") == expected.pop("train.py").replace(*HAND_EDIT)
     assert upgraded == expected
     assert "task: causal_lm" in upgraded[".copier-answers.yml"]
-    assert losses(project, tmp_path / "work-new") == before
+    after = losses(project, tmp_path / "work-new")
+    assert [val is None for _, val in after] == [val is None for _, val in before]
+    for new_pair, old_pair in zip(after, before):
+        for value, reference in zip(new_pair, old_pair):
+            if reference is not None:
+                assert abs(value - reference) <= 1e-6 * abs(reference), (
+                    value,
+                    reference,
+                )
+    assert len(after) == len(before)
 
 
 def upgraded_with_edits(
