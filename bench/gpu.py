@@ -6,7 +6,8 @@ fused AdamW, TF32, bf16 autocast, whole-model torch.compile), the generated gpt2
 gpt2-speedup (every step at full length: `--seq_length_warmup_min_len=1024`), gpt2-modern,
 gpt2-speedrun (GPT-2 124M, seq 1024, batch 32 in microbatches of 16, the stdlib bytes as
 GPT-2 tokens), bert-pretrain-baseline and mosaicbert (bert-base, batch 256 x 128 in one
-microbatch, the default corpus), all compiled (`--compile=true`) in bf16 autocast, and
+microbatch, the default corpus), all compiled (`--compile=true`) in bf16 autocast,
+gpt2-baseline and gpt2-speedup again with the whole model as one graph (`--compile=model`), and
 bench/microbatch_cuda.py (the size `auto` finds against fixed ones).
 
 Per arm: ms/step and tokens/s (the median of metrics.jsonl's records after the first, each
@@ -82,6 +83,14 @@ ARMS = {
     "gpt2-speedrun": ("gpt2-speedrun", GPT, GPT_SMOKE),
     "bert-pretrain-baseline": ("bert-pretrain-baseline", BERT, BERT_SMOKE),
     "mosaicbert": ("mosaicbert", BERT, BERT_SMOKE),
+    # The whole model as one graph (nanoGPT's form) against the regional compile above:
+    # which `compile=auto` should pick on one GPU. In --smoke, eager like the others.
+    "gpt2-baseline-whole-model": ("gpt2-baseline", [*GPT, "--compile=model"], GPT_SMOKE),
+    "gpt2-speedup-whole-model": (
+        "gpt2-speedup",
+        [*GPT, "--seq_length_warmup_min_len=1024", "--compile=model"],
+        [*GPT_SMOKE, "--seq_length_warmup_min_len=64"],
+    ),
     "microbatch_cuda": ("microbatch_cuda", [], []),
 }
 ARM_SECONDS = 60  # a compiled arm's usual wall time: below this much budget, skipped
