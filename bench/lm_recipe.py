@@ -216,7 +216,10 @@ def main() -> None:
     )
     add_clock(parser)
     parser.add_argument(
-        "--plot", type=Path, default=Path(__file__).resolve().parent / "lm_recipe.png"
+        "--plot",
+        type=Path,
+        default=None,
+        help="also draw the curves into this PNG file (default: no plot)",
     )
     args = parser.parse_args()
     apply_clock(args.clock)
@@ -284,7 +287,7 @@ def main() -> None:
         arm: [[(p[2], p[3]) for p in points] for points in runs]
         for arm, runs in curves.items()
     }
-    if plot_curves(
+    if args.plot and plot_curves(
         seconds_and_loss,
         args.plot,
         xlabel=f"training time (s, {args.clock} clock; evaluation excluded)",

@@ -74,7 +74,10 @@ def main() -> None:
         help="train.py flags for every run, one string (e.g. '--seq_len=512')",
     )
     parser.add_argument(
-        "--plot", type=Path, default=Path(__file__).resolve().parent / "recipe.png"
+        "--plot",
+        type=Path,
+        default=None,
+        help="also draw the curves into this PNG file (default: no plot)",
     )
     args = parser.parse_args()
     apply_clock(args.clock)
@@ -126,7 +129,7 @@ def main() -> None:
                 speedups[arm].append(times["gpt2-baseline"] / reached)
             else:  # never reached: its ratio is below the baseline's time over its whole run
                 bounds[arm].append(times["gpt2-baseline"] / points[-1][0])
-    if plot_curves(
+    if args.plot and plot_curves(
         curves,
         args.plot,
         xlabel=f"training time (s, {args.clock} clock)",

@@ -139,7 +139,8 @@ def main() -> None:
     parser.add_argument(
         "--plot",
         type=Path,
-        default=Path(__file__).resolve().parent / "vision_recipe.png",
+        default=None,
+        help="also draw the curves into this PNG file (default: no plot)",
     )
     args = parser.parse_args()
     arms = [BASELINE, *(arm for arm in args.arms if arm != BASELINE)]
@@ -206,7 +207,7 @@ def main() -> None:
         arm: [[(p[1], p[2]) for p in points] for points in runs]
         for arm, runs in curves.items()
     }
-    if plot_curves(
+    if args.plot and plot_curves(
         seconds_and_top1,
         args.plot,
         xlabel="training time (s, CPU; evaluation excluded)",
