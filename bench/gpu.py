@@ -85,7 +85,11 @@ ARMS = {
     "mosaicbert": ("mosaicbert", BERT, BERT_SMOKE),
     # The whole model as one graph (nanoGPT's form) against the regional compile above:
     # which `compile=auto` should pick on one GPU. In --smoke, eager like the others.
-    "gpt2-baseline-whole-model": ("gpt2-baseline", [*GPT, "--compile=model"], GPT_SMOKE),
+    "gpt2-baseline-whole-model": (
+        "gpt2-baseline",
+        [*GPT, "--compile=model"],
+        GPT_SMOKE,
+    ),
     "gpt2-speedup-whole-model": (
         "gpt2-speedup",
         [*GPT, "--seq_length_warmup_min_len=1024", "--compile=model"],
