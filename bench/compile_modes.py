@@ -4,11 +4,11 @@ CUDA) and `model` (the whole model as one graph, the loss compiled apart: nanoGP
 
 Each arm is a fresh process on the CPU (the same model, data, seed and steps), run
 interleaved round by round. Reported per arm: the median step time after warmup (the
-monitor's step_ms; with `--cpu-clock` the process's CPU seconds, torch on one thread), its
+monitor's step_ms; with `--clock cpu` (the default) the process's CPU seconds, torch on one thread), its
 ratio to the eager arm, and the run's whole wall seconds (the cold compile is most of the
 difference: inductor compiles in worker processes, so a CPU clock would not see it).
 
-    python bench/compile_modes.py [--rounds 2] [--steps 40] [--model tiny] [--cpu-clock]
+    python bench/compile_modes.py [--rounds 2] [--steps 40] [--model tiny] [--clock cpu|wall]
 """
 
 from __future__ import annotations
@@ -17,7 +17,15 @@ import argparse
 import os
 import time
 
-from _common import generate, median, print_conditions, scratch, train
+from _common import (
+    add_clock,
+    apply_clock,
+    generate,
+    median,
+    print_conditions,
+    scratch,
+    train,
+)
 
 WARMUP_STEPS = 5
 MODES = ("false", "true", "model")
@@ -33,19 +41,17 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16, help="global batch")
     parser.add_argument("--micro", type=int, default=8, help="microbatch")
-    parser.add_argument(
-        "--cpu-clock",
-        action="store_true",
-        help="step times in CPU seconds, torch on one thread (a shared machine)",
-    )
+    add_clock(parser)
     args = parser.parse_args()
+    apply_clock(args.clock)
+    cpu_clock = args.clock == "cpu"
     root = scratch()
     project = generate("gpt2-baseline", root)
     print_conditions()
     print(
         f"gpt2-baseline {args.model}, seq {args.seq_len}, batch {args.batch} x "
         f"microbatch {args.micro}, {args.steps} steps (median after {WARMUP_STEPS}); "
-        + ("CPU time, 1 thread" if args.cpu_clock else "wall time, default threads")
+        + ("CPU time, 1 thread" if cpu_clock else "wall time, default threads")
     )
     print(f"{'compile':8} {'round':>5} {'ms/step':>9} {'run wall s':>11}  load (1 min)")
     steps_ms: dict[str, list[float]] = {mode: [] for mode in MODES}
@@ -67,7 +73,7 @@ def main() -> None:
                 f"--save_interval={args.steps}ba",
                 "--eval_batches=1",
                 "--autoresume=false",
-                cpu_clock=args.cpu_clock,
+                cpu_clock=cpu_clock,
             )
             walls[mode].append(time.perf_counter() - start)
             steps_ms[mode].append(

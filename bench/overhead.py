@@ -21,11 +21,11 @@ So the generated loop also runs on a copy of the project whose model.py has nano
 
 Where Lightning is installed (optional), its Trainer runs the same work as a fourth column.
 Runs alternate A B C ... in one invocation; each reports its median step time after warmup.
-`--cpu-clock` times every column in its process's CPU seconds with torch on one thread (the
+`--clock cpu` (the default; `--clock wall` the wall clock) times every column in its process's CPU seconds with torch on one thread (the
 generated loop's monitor and nanoGPT's `time.time()` read the process clock): on a machine
 shared with other jobs, wall time measures the waiting for a core, CPU time the work.
 
-    python bench/overhead.py [--rounds 3] [--steps 60] [--nanogpt ~/nanoGPT] [--cpu-clock]
+    python bench/overhead.py [--rounds 3] [--steps 60] [--nanogpt ~/nanoGPT] [--clock cpu|wall]
 """
 
 from __future__ import annotations
@@ -43,7 +43,16 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import ALLOCATOR, bench_env, generate, median, scratch, train
+from _common import (
+    ALLOCATOR,
+    add_clock,
+    apply_clock,
+    bench_env,
+    generate,
+    median,
+    scratch,
+    train,
+)
 
 WARMUP_STEPS = 5
 
@@ -279,7 +288,7 @@ print(json.dumps([b - a for a, b in zip(module.times, module.times[1:])]))
 """
 
 
-# Prepended to a timed process under --cpu-clock: its clocks read the process's CPU time.
+# Prepended to a timed process under --clock cpu: its clocks read the process's CPU time.
 CPU_CLOCK = "import time\ntime.perf_counter = time.time = time.process_time\n"
 NANOGPT_FILES = ("train.py", "model.py", "configurator.py")
 NANOGPT_ITER = re.compile(r"^iter (\d+): loss [-\d.naif]+, time ([\d.]+)ms", re.M)
@@ -288,7 +297,7 @@ PRESET_SIZES = {"tiny": (4, 4, 128), "small": (6, 6, 384)}
 
 
 def timed_env(cpu_clock: bool) -> dict[str, str]:
-    """The benches' environment; under --cpu-clock torch on one thread."""
+    """The benches' environment; under --clock cpu torch on one thread."""
     return {**bench_env(), **({"OMP_NUM_THREADS": "1"} if cpu_clock else {})}
 
 
@@ -453,12 +462,10 @@ def main() -> None:
         help="a checkout of github.com/karpathy/nanoGPT: its own train.py is timed "
         "(else its step as re-implemented here)",
     )
-    parser.add_argument(
-        "--cpu-clock",
-        action="store_true",
-        help="time CPU seconds, torch on one thread (for a machine shared with others)",
-    )
+    add_clock(parser)
     args = parser.parse_args()
+    apply_clock(args.clock)
+    cpu_clock = args.clock == "cpu"
     root = scratch()
     project = generate("gpt2-baseline", root)
     erf_project = exact_gelu_copy(project, root)
@@ -468,7 +475,7 @@ def main() -> None:
         # ... and compute dominates.
         "larger": ("small", 256, 8, 4, max(WARMUP_STEPS + 5, args.steps // 3)),
     }
-    clock = "CPU time, 1 thread" if args.cpu_clock else "wall time, default threads"
+    clock = "CPU time, 1 thread" if cpu_clock else "wall time, default threads"
     print(f"allocator: {' '.join(f'{k}={v}' for k, v in ALLOCATOR.items())}; {clock}")
     with_lightning = (
         importlib.util.find_spec("lightning") is not None
@@ -482,8 +489,8 @@ def main() -> None:
 
     def nano_ms(shape: tuple) -> float:
         if args.nanogpt:
-            return nanogpt_step_ms(folder, shape, args.cpu_clock)
-        return reimplemented_nanogpt_step_ms(train_bin, shape, args.cpu_clock)
+            return nanogpt_step_ms(folder, shape, cpu_clock)
+        return reimplemented_nanogpt_step_ms(train_bin, shape, cpu_clock)
 
     columns = ["raw", "generated", "generated, erf", "nanoGPT"]
     columns += ["lightning"] if with_lightning else []
@@ -497,20 +504,16 @@ def main() -> None:
         times: dict[str, list[float]] = {name: [] for name in columns}
         for round_ in range(args.rounds):
             run = f"{size}-{round_}"
-            times["raw"].append(raw_step_ms(project, shape, args.cpu_clock))
+            times["raw"].append(raw_step_ms(project, shape, cpu_clock))
             times["generated"].append(
-                generated_step_ms(project, root, run, shape, args.cpu_clock)
+                generated_step_ms(project, root, run, shape, cpu_clock)
             )
             times["generated, erf"].append(
-                generated_step_ms(
-                    erf_project, root, f"{run}-erf", shape, args.cpu_clock
-                )
+                generated_step_ms(erf_project, root, f"{run}-erf", shape, cpu_clock)
             )
             times["nanoGPT"].append(nano_ms(shape))
             if with_lightning:
-                times["lightning"].append(
-                    lightning_step_ms(project, shape, args.cpu_clock)
-                )
+                times["lightning"].append(lightning_step_ms(project, shape, cpu_clock))
             print(
                 f"{size:8} {round_:5d} "
                 + " ".join(f"{times[name][-1]:17.2f}" for name in columns)
