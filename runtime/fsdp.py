@@ -196,7 +196,16 @@ def parallelize(
         return model
     if config.parallelism == "ddp" or config.sharding_strategy == "NO_SHARD":
         device_ids = [env.device] if env.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids)
+        # DDP broadcasts rank 0's buffers before every forward: a collective per pass,
+        # which also meets runtime.microbatch's votes out of turn when one rank retries.
+        # Only buffers a checkpoint holds can drift apart between ranks (BatchNorm's
+        # running statistics); unsaved ones are constants every rank builds alike
+        # (ALiBi's slopes, BlurPool's kernel), so a model with only those skips it.
+        saved = model.state_dict().keys()
+        drifting = any(name in saved for name, _ in model.named_buffers())
+        return DistributedDataParallel(
+            model, device_ids=device_ids, broadcast_buffers=drifting
+        )
 
     if config.sharding_strategy == "HYBRID_SHARD":
         shard = config.hybrid_shard_size or env.local_world_size
