@@ -2,9 +2,10 @@
 
     python busy_workers.py N PIDS_FILE path/to/train.py --key=value ...
 
-Each worker asked for a batch past the first N of the epoch appends its pid to PIDS_FILE and
-works on it for ten minutes (as a worker decoding a large batch, or waiting on a slow store,
-does); the rank kills itself (-9) once checkpoint step-N is saved. Nothing else changes.
+Each worker asked for a batch past the first N + 1 of the epoch appends its pid to PIDS_FILE
+and works on it for ten minutes (as a worker decoding a large batch, or waiting on a slow
+store, does); the rank kills itself (-9) once checkpoint step-N is saved. (Batch N, the next
+step's, the loop fetches before it saves step N: it is served.) Nothing else changes.
 """
 
 import os
@@ -23,7 +24,7 @@ _save = checkpoint.Checkpointer.save
 
 
 def slow_fetch(self, index):
-    if index >= STOP:
+    if index > STOP:
         with open(PIDS, "a") as out:
             out.write(f"{os.getpid()}\n")
         time.sleep(600)

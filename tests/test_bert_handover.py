@@ -160,7 +160,8 @@ def test_an_export_in_berts_layout_is_a_bert_for_masked_lm_transformers_fine_tun
     ids = torch.tensor([[2, 7, 9, 11, 3], [2, 8, 3, 0, 0]])
     with torch.no_grad():
         logits = hf(input_ids=ids, attention_mask=ids != 0).logits
-        expected = encoder(ids, ids != 0)  # the head at every real token
+        real = (ids != 0).flatten().nonzero()[:, 0]  # flat positions, as train.py's
+        expected = encoder(ids, real)  # the head at every real token
     assert torch.allclose(logits[ids != 0], expected, atol=1e-4)
     classifier = transformers.AutoModelForSequenceClassification.from_pretrained(
         tmp_path / "hf", num_labels=2

@@ -377,7 +377,9 @@ def test_value_clipping_clamps_every_gradient_entry(
     assert len(names) > 10
     for name in names:
         most = limit * weights[name].numel() ** 0.5  # every entry at +-limit
-        assert row[f"l2_norm/grad/{name}"] <= most * (1 + 1e-5), name
+        # fp32 rounding of the norm: torch.linalg.vector_norm of 65,536 equal entries on
+        # the CPU is 3.3e-5 off their exact norm
+        assert row[f"l2_norm/grad/{name}"] <= most * (1 + 1e-4), name
     # A layer norm's weight has no zero gradient entries: all of them are at the limit.
     numel = weights["ln_f.weight"].numel()
     assert row["l2_norm/grad/ln_f.weight"] == pytest.approx(

@@ -638,7 +638,9 @@ def test_cli_remove_then_add(tmp_path: Path) -> None:
     assert "modified  model.py" in removed.stdout
     assert "alibi" not in (project / ".copier-answers.yml").read_text()
     commit_all(project, "no alibi")
-    added = scaffold_cli("add", "alibi", str(project))
+    # The recipe's full-length rows, which the catalog's default (0.25) is not.
+    scaling = "train_sequence_length_scaling=1.0"
+    added = scaffold_cli("add", "alibi", str(project), "--set", scaling)
     assert added.returncode == 0, added.stderr
     assert files_of(project) == edited
 

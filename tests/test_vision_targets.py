@@ -245,10 +245,15 @@ def test_cutout_blanks_exactly_the_stated_squares(modules) -> None:
 def test_colout_drops_exactly_the_stated_rows_and_columns(
     modules, p_row, p_col, rows, cols
 ) -> None:
-    data = modules["data"]  # an image op: it lives in data.py
+    data = modules["data"]  # the draw lives in data.py, the indexing in train.py
     # Pixel values encode their place: value = 8 * row + column.
     x = torch.arange(64.0).view(1, 1, 8, 8).expand(3, 2, 8, 8)
-    out = data.colout_batch(x, p_row, p_col, seed=SEED, step=5)
+
+    def colout(p_row: float, p_col: float, step: int) -> torch.Tensor:
+        kept_rows, kept_cols = data.colout_kept(8, 8, p_row, p_col, SEED, step)
+        return x[..., kept_rows, :][..., kept_cols]  # as train.py's BATCH_START block
+
+    out = colout(p_row, p_col, 5)
     assert out.shape == (3, 2, rows, cols)
     kept_rows, kept_cols = out[0, 0, :, 0] // 8, out[0, 0, 0, :] % 8
     assert kept_rows.tolist() == sorted(set(kept_rows.tolist()))  # distinct, in order
@@ -256,12 +261,9 @@ def test_colout_drops_exactly_the_stated_rows_and_columns(
     assert torch.equal(
         out, x[..., kept_rows.long(), :][..., kept_cols.long()]
     )  # same for all
-    again = data.colout_batch(x, p_row, p_col, seed=SEED, step=5)
-    assert torch.equal(out, again)  # a pure function of (seed, step)
-    others = [data.colout_batch(x, 0.25, 0.5, seed=SEED, step=s) for s in range(6, 10)]
-    assert any(
-        not torch.equal(o, data.colout_batch(x, 0.25, 0.5, SEED, 5)) for o in others
-    )
+    assert torch.equal(out, colout(p_row, p_col, 5))  # a pure function of (seed, step)
+    others = [colout(0.25, 0.5, s) for s in range(6, 10)]
+    assert any(not torch.equal(o, colout(0.25, 0.5, 5)) for o in others)
 
 
 # ---------------------------------------------------------------- a real first step
