@@ -12,15 +12,18 @@ import pytest
 from conftest import RECIPES
 from projects import checkout_env, read_metrics, run_train
 
-# One recipe per task in every run (gpt2-speedup is README's main job); the others with --slow:
-# their own tests differ only in answers, and test_vision_recipes, test_image, test_modern and
-# test_text_classification train those recipes in every run.
+# The projects' own tests in every run: README's main job (gpt2-speedup), one image, one
+# text-classification and one BERT-pretraining recipe; the others with --slow. Their own
+# tests differ only in answers, and other files cover every task in every run:
+# test_vision_recipes, test_image, test_modern and test_text_classification train those
+# recipes; the LLM and diffusion tasks (the slowest own tests: a process per run that
+# imports transformers or diffusers) are killed with -9 and resumed bitwise in
+# test_catalog_resume, and trained, exported and sampled in test_llm_finetune and
+# test_diffusion.
 OWN_TESTS_EVERY_RUN = (
     "gpt2-speedup",
     "cifar-resnet56-baseline",
     "bert-sst2-speedup",
-    "llm-sft",
-    "sd-baseline",
     "mosaicbert",
 )
 

@@ -254,6 +254,10 @@ def test_every_algorithm_renders_alone_and_trains(
             f"# end algorithm: {name}\n"
         )
     train = (project / "train.py").read_text()
+    # no classes but Config, no dynamo config written per step (test_model_points.py)
+    from test_model_points import check_train_py
+
+    assert check_train_py(train) == []
     # one fence per train.* snippet: each train.<EVENT> one under its event marker, the
     # imports/config/checks/functions ones before main(); metrics go where the task logs
     places = fenced_events(train, name)
@@ -336,9 +340,37 @@ def cuttable_files(name: str) -> list[str]:
     return files
 
 
-@pytest.mark.parametrize(
-    "algorithm", [name for name in CATALOG if cuttable_files(name)]
-)
+def fence_count(name: str) -> int:
+    spec = CATALOG[name]
+    in_train = [spot for spot in spec.spots if spot.startswith("train.")]
+    in_model = spec.model_points(first_pairing(name)[1])
+    return len(in_train) * ("train.py" in cuttable_files(name)) + len(in_model) * (
+        "model.py" in cuttable_files(name)
+    )
+
+
+def cutting_cases() -> list:
+    """Every algorithm whose fences can be cut by hand; in every run, per task the ones
+    with the most fences to cut and any cut from both files, the rest with --slow (a
+    render and a run each)."""
+    names = [name for name in CATALOG if cuttable_files(name)]
+    most = {
+        task: max(fence_count(n) for n in names if first_pairing(n)[0] == task)
+        for task in {first_pairing(n)[0] for n in names}
+    }
+    every_run = {
+        name
+        for name in names
+        if fence_count(name) == most[first_pairing(name)[0]]
+        or len(cuttable_files(name)) == 2
+    }
+    return [
+        name if name in every_run else pytest.param(name, marks=pytest.mark.slow)
+        for name in names
+    ]
+
+
+@pytest.mark.parametrize("algorithm", cutting_cases())
 def test_deleting_an_algorithms_fences_by_hand_leaves_no_dangling_name(
     algorithm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
