@@ -256,6 +256,17 @@ def _spot_of(snippet: Path) -> str:
     return spot
 
 
+def task_events(algorithms: Mapping[str, Algorithm], task: str) -> tuple[str, ...]:
+    """The loop events where an algorithm of `algorithms` can act in a project of `task`,
+    in loop order: train.py marks these and no others."""
+    acts: set[str] = set()
+    for spec in algorithms.values():
+        if task in spec.tasks:
+            model_only = task in spec.model_only_tasks
+            acts |= {e for e in spec.events if e == "MODEL" or not model_only}
+    return tuple(event for event in EVENTS if event in acts)
+
+
 def catalog_order(algorithms: Mapping[str, Algorithm | SimpleNamespace]) -> list[str]:
     """Names in the order their code runs at any event: every declared `before`/`after` holds,
     ties broken alphabetically (a stable topological sort)."""

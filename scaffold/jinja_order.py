@@ -1,6 +1,8 @@
 """Jinja filters over the catalog of the template being rendered: `in_catalog_order` (the
-selected algorithms in the order their code runs) and `algorithm` (a name's catalog entry:
-its declared hyperparameters, ranges, spots, `replaces`, architecture phrase).
+selected algorithms in the order their code runs), `algorithm` (a name's catalog entry:
+its declared hyperparameters, ranges, spots, `replaces`, architecture phrase) and
+`task_events` (the loop events an algorithm of the catalog can act at in a task: the ones
+train.py marks).
 
 The order of the `algorithms` answer is not to be trusted: `scaffold new` passes it in catalog
 order, but copier writes `.copier-answers.yml` with sorted keys, so every later render (upgrade,
@@ -65,11 +67,20 @@ def algorithm(environment: Environment, name: str) -> Algorithm:
     return _template_catalog(environment).get(name) or Algorithm(name, "")
 
 
+@pass_environment
+def task_events(environment: Environment, task: str) -> tuple[str, ...]:
+    """The loop events where an algorithm of the template's catalog can act in `task`."""
+    from scaffold.catalog import task_events as events
+
+    return events(_template_catalog(environment), task)
+
+
 class CatalogOrderExtension(Extension):
-    """Registers `in_catalog_order` and `algorithm` in copier's jinja environment
+    """Registers `in_catalog_order`, `algorithm` and `task_events` in copier's jinja environment
     (`_jinja_extensions`)."""
 
     def __init__(self, environment: Environment) -> None:
         super().__init__(environment)
         environment.filters["in_catalog_order"] = in_catalog_order
         environment.filters["algorithm"] = algorithm
+        environment.filters["task_events"] = task_events

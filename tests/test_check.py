@@ -19,7 +19,7 @@ import yaml
 
 from conftest import RECIPES, scaffold_cli
 from scaffold import __version__
-from scaffold.catalog import EVENTS
+from scaffold.catalog import EVENTS, load_algorithms, task_events
 from scaffold.check import check
 from scaffold.compare import (
     BROKEN,
@@ -35,6 +35,7 @@ from scaffold.compare import (
 from scaffold.diff import diff, diff_texts
 from scaffold.fences import read_py
 from scaffold.history import TemplateRelease
+from scaffold.paths import template_dir
 from scaffold.project import pristine_render, read_answers
 from scaffold.render import commit_all
 from scaffold.upgrade import UpdateError, add, remove, upgrade
@@ -98,9 +99,11 @@ def test_an_unedited_project_is_clean_and_its_diff_is_empty(
     assert sorted(a.name for a in report.algorithms) == sorted(recorded)
     assert all(a.status == INTACT for a in report.algorithms)
     assert report.markers and all(m.status == "present" for m in report.markers)
-    # forward_backward(), above main(), holds the microbatch events; main() the others, in
-    # loop order.
-    assert [m.name for m in report.markers] == [*EVENTS[6:9], *EVENTS[:6], *EVENTS[9:]]
+    # The events where an algorithm of the task can act: forward_backward(), above main(),
+    # holds the microbatch events, main() the others, in loop order.
+    marked = task_events(load_algorithms(template_dir()), read_answers(project)["task"])
+    in_file_order = [*EVENTS[6:9], *EVENTS[:6], *EVENTS[9:]]
+    assert [m.name for m in report.markers] == [e for e in in_file_order if e in marked]
     assert diff(project) == []
 
 
@@ -119,7 +122,8 @@ def test_cli_check_and_diff_of_an_unedited_project(generated: dict[str, Path]) -
         assert re.search(
             rf"^{name}\tintact\t{count}/{count}\t", result.stdout, re.MULTILINE
         ), result.stdout
-    assert "event markers: 14 of 14 in place" in result.stdout
+    marked = len(task_events(load_algorithms(template_dir()), "causal_lm"))
+    assert f"event markers: {marked} of {marked} in place" in result.stdout
     assert "ok: upgrade, add and remove can proceed" in result.stdout
     result = scaffold_cli("diff", str(project))
     assert result.returncode == 0 and result.stdout == "", result.stdout + result.stderr
@@ -397,10 +401,10 @@ def _marker_removed(project: Path) -> None:
 
 def _markers_swapped(project: Path) -> None:
     text = (project / "train.py").read_text()
-    text = text.replace("# event: EPOCH_END", "# event: @").replace(
-        "# event: FIT_END", "# event: EPOCH_END"
+    text = text.replace("# event: BATCH_END", "# event: @").replace(
+        "# event: EVAL", "# event: BATCH_END"
     )
-    (project / "train.py").write_text(text.replace("# event: @", "# event: FIT_END"))
+    (project / "train.py").write_text(text.replace("# event: @", "# event: EVAL"))
     commit_all(project, "swap")
 
 
@@ -454,7 +458,7 @@ PROBLEMS = [
         None,
         "train.py: the marker `# event: BATCH_END` is missing",
     ),
-    (_markers_swapped, None, None, "the marker `# event: EPOCH_END` is out of order"),
+    (_markers_swapped, None, None, "the marker `# event: BATCH_END` is out of order"),
     (
         _field_renamed,
         "gradient_clipping",

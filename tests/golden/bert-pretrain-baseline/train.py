@@ -7,8 +7,9 @@
 
 Algorithms: none.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
-hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end algorithm:
-NAME`. `scaffold upgrade` merges newer template versions in and keeps your edits.
+for this task hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end
+algorithm: NAME`. `scaffold upgrade` merges newer template versions in and keeps your
+edits.
 """
 
 from __future__ import annotations
@@ -260,14 +261,10 @@ def forward_backward(
         with torch.autocast(targets.device.type, torch.bfloat16, enabled=is_amp(cfg)):
             logits = model(**micro_inputs)
 
-        # event: AFTER_FORWARD
-
         loss = loss_fn(
             logits,  # (masked tokens, vocab): the only tokens predicted
             micro_targets.flatten()[micro_inputs["predict"]],
         )
-
-        # event: LOSS
 
         (loss * loss_scale).backward()
         loss_sum += loss.detach()
@@ -275,8 +272,6 @@ def forward_backward(
 
 
 def main() -> None:
-    # event: INIT
-
     cfg = config.parse(Config)
     env, parallel = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
@@ -364,8 +359,6 @@ def main() -> None:
         async_save=cfg.save_async,
     )
 
-    # event: OPTIMIZER
-
     # Resume: load_path, else this run's newest complete checkpoint, restores all of
     # `state` and the RNG, saved on any number of ranks. The batch order is a function
     # of progress (the global sample cursor): nothing is replayed.
@@ -402,12 +395,8 @@ def main() -> None:
     # SIGUSR1 (SLURM's notice), SIGTERM or torchrun gone: finish the step, save, stop.
     preemption = preempt.Preemption()
 
-    # event: FIT_START
-
-    stopping = False
-    while not (progress.reached(cfg.max_duration) or stopping or stopper.stopped):
-        # event: EPOCH_START
-
+    finished = progress.reached(cfg.max_duration) or stopper.stopped  # a resumed run
+    while not finished:
         epoch = progress.epoch
         # This rank's share of global batch `index` in the epoch's seeded order,
         # masked as a whole (the masks do not depend on the world size); which of its
@@ -425,8 +414,6 @@ def main() -> None:
                 "predicted": batch.predicted,
             }
             targets = batch.targets
-
-            # event: BATCH_START
 
             fraction = progress.fraction(cfg.max_duration)
             lr = lr_at(fraction, cfg, progress.batches_per_epoch)
@@ -448,8 +435,6 @@ def main() -> None:
                 loss_fn,
             )
 
-            # event: AFTER_BACKWARD
-
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             # The next batch, fetched while the device still works through this step:
@@ -460,15 +445,11 @@ def main() -> None:
             progress.advance(samples=cfg.global_batch_size, tokens=batch.num_tokens)
             train_loss.add(loss_sum, max(batch.num_masked, 1))  # no device sync
 
-            # event: BATCH_END
-
             monitor.update(progress)
             profiler.step(progress)  # records the --profile window, writes its traces
             finished = progress.reached(cfg.max_duration)
-            stopping = preemption.agreed()  # any rank's signal: all save, stop after it
             metrics = {}
             if progress.at_interval(cfg.eval_interval, cfg.max_duration) or finished:
-                # event: EVAL
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
@@ -479,20 +460,16 @@ def main() -> None:
 
                 monitor.log(progress, **metrics)
             finished = stopper.update(progress, metrics, cfg.max_duration) or finished
-            save_due = progress.at_interval(cfg.save_interval, cfg.max_duration)
-            if save_due or finished or stopping:
+            finished = preemption.agreed() or finished  # any rank's signal: all stop
+            if progress.at_interval(cfg.save_interval, cfg.max_duration) or finished:
                 with monitor.paused():
                     checkpointer.save(state)
-            if finished or stopping:
+            if finished:
                 break
-
-        # event: EPOCH_END
-
-    # event: FIT_END
 
     checkpointer.close()  # an async save in flight: finished and marked complete
     outcome = f"done: step {progress.batch}, {progress.token:,} tokens"
-    if stopping:  # exit status 0; under SLURM the batch script requeues the job
+    if preemption.stopped_by:  # exit status 0; under SLURM the job is requeued
         outcome = (
             f"stopped by {preemption.stopped_by} after step {progress.batch}, saved"
         )

@@ -7,8 +7,9 @@
 
 Algorithms: low_precision_layernorm, layer_freezing.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
-hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end algorithm:
-NAME`. `scaffold upgrade` merges newer template versions in and keeps your edits.
+for this task hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end
+algorithm: NAME`. `scaffold upgrade` merges newer template versions in and keeps your
+edits.
 """
 
 from __future__ import annotations
@@ -315,11 +316,7 @@ def forward_backward(
                 ),
             ).logits
 
-        # event: AFTER_FORWARD
-
         loss = F.cross_entropy(logits.float(), micro_targets, reduction="sum")
-
-        # event: LOSS
 
         (loss * loss_scale).backward()
         loss_sum += loss.detach()
@@ -327,8 +324,6 @@ def forward_backward(
 
 
 def main() -> None:
-    # event: INIT
-
     cfg = config.parse(Config)
     env, parallel = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
@@ -419,8 +414,6 @@ def main() -> None:
         async_save=cfg.save_async,
     )
 
-    # event: OPTIMIZER
-
     # Resume: load_path, else this run's newest complete checkpoint, restores all of
     # `state` and the RNG, saved on any number of ranks. The batch order is a function
     # of progress (the global sample cursor): nothing is replayed.
@@ -464,10 +457,8 @@ def main() -> None:
     freezable = freezable_units(model, blocks, cfg.layer_freezing_units)
     # end algorithm: layer_freezing
 
-    stopping = False
-    while not (progress.reached(cfg.max_duration) or stopping or stopper.stopped):
-        # event: EPOCH_START
-
+    finished = progress.reached(cfg.max_duration) or stopper.stopped  # a resumed run
+    while not finished:
         epoch = progress.epoch
         # This rank's share of global batch `index` in the epoch's seeded order,
         # padded to the longest text in the global batch.
@@ -524,15 +515,11 @@ def main() -> None:
             progress.advance(samples=cfg.global_batch_size, tokens=num_tokens)
             train_loss.add(loss_sum, cfg.global_batch_size)  # no device sync
 
-            # event: BATCH_END
-
             monitor.update(progress)
             profiler.step(progress)  # records the --profile window, writes its traces
             finished = progress.reached(cfg.max_duration)
-            stopping = preemption.agreed()  # any rank's signal: all save, stop after it
             metrics = {}
             if progress.at_interval(cfg.eval_interval, cfg.max_duration) or finished:
-                # event: EVAL
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
@@ -547,20 +534,16 @@ def main() -> None:
 
                 monitor.log(progress, **metrics)
             finished = stopper.update(progress, metrics, cfg.max_duration) or finished
-            save_due = progress.at_interval(cfg.save_interval, cfg.max_duration)
-            if save_due or finished or stopping:
+            finished = preemption.agreed() or finished  # any rank's signal: all stop
+            if progress.at_interval(cfg.save_interval, cfg.max_duration) or finished:
                 with monitor.paused():
                     checkpointer.save(state)
-            if finished or stopping:
+            if finished:
                 break
-
-        # event: EPOCH_END
-
-    # event: FIT_END
 
     checkpointer.close()  # an async save in flight: finished and marked complete
     outcome = f"done: step {progress.batch}, {progress.sample:,} samples"
-    if stopping:  # exit status 0; under SLURM the batch script requeues the job
+    if preemption.stopped_by:  # exit status 0; under SLURM the job is requeued
         outcome = (
             f"stopped by {preemption.stopped_by} after step {progress.batch}, saved"
         )

@@ -7,8 +7,9 @@
 
 Algorithms: none.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
-hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end algorithm:
-NAME`. `scaffold upgrade` merges newer template versions in and keeps your edits.
+for this task hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end
+algorithm: NAME`. `scaffold upgrade` merges newer template versions in and keeps your
+edits.
 """
 
 from __future__ import annotations
@@ -201,15 +202,6 @@ def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * decayed))
 
 
-def augmentations(cfg: Config) -> list[data.Augment]:
-    """Per-sample augmentations of the training images, applied in this order after the
-    crop (data.Batches.transform; in the DataLoader workers for images on disk). Each
-    draws from the sample's generator, seeded by (seed, epoch, sample index)."""
-    augment: list[data.Augment] = []
-
-    return augment
-
-
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
@@ -309,7 +301,6 @@ def main() -> None:
             crop=cfg.train_crop,
             rank=env.rank,
             world_size=env.world_size,
-            augment=augmentations(cfg),
         )
         train_batches = data.Batches(images, "train", **batches)
         val_sizes = dict(image_size=cfg.eval_image_size, resize=cfg.eval_resize)
@@ -432,10 +423,8 @@ def main() -> None:
 
     # event: FIT_START
 
-    stopping = False
-    while not (progress.reached(cfg.max_duration) or stopping or stopper.stopped):
-        # event: EPOCH_START
-
+    finished = progress.reached(cfg.max_duration) or stopper.stopped  # a resumed run
+    while not finished:
         epoch = progress.epoch
         # This rank's shares of the epoch's global batches, in the epoch's seeded order,
         # from where training stands (a resumed run starts mid-epoch). Each is on its
@@ -494,7 +483,6 @@ def main() -> None:
             monitor.update(progress)
             profiler.step(progress)  # records the --profile window, writes its traces
             finished = progress.reached(cfg.max_duration)
-            stopping = preemption.agreed()  # any rank's signal: all save, stop after it
             metrics = {}
             if progress.at_interval(cfg.eval_interval, cfg.max_duration) or finished:
                 # event: EVAL
@@ -508,20 +496,16 @@ def main() -> None:
 
                 monitor.log(progress, **metrics)
             finished = stopper.update(progress, metrics, cfg.max_duration) or finished
-            save_due = progress.at_interval(cfg.save_interval, cfg.max_duration)
-            if save_due or finished or stopping:
+            finished = preemption.agreed() or finished  # any rank's signal: all stop
+            if progress.at_interval(cfg.save_interval, cfg.max_duration) or finished:
                 with monitor.paused():
                     checkpointer.save(state)
-            if finished or stopping:
+            if finished:
                 break
-
-        # event: EPOCH_END
-
-    # event: FIT_END
 
     checkpointer.close()  # an async save in flight: finished and marked complete
     outcome = f"done: step {progress.batch}, {progress.sample:,} samples"
-    if stopping:  # exit status 0; under SLURM the batch script requeues the job
+    if preemption.stopped_by:  # exit status 0; under SLURM the job is requeued
         outcome = (
             f"stopped by {preemption.stopped_by} after step {progress.batch}, saved"
         )

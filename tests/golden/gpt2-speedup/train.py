@@ -7,8 +7,9 @@
 
 Algorithms: gradient_clipping, seq_length_warmup, alibi.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
-hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end algorithm:
-NAME`. `scaffold upgrade` merges newer template versions in and keeps your edits.
+for this task hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end
+algorithm: NAME`. `scaffold upgrade` merges newer template versions in and keeps your
+edits.
 """
 
 from __future__ import annotations
@@ -299,11 +300,7 @@ def forward_backward(
         with torch.autocast(targets.device.type, torch.bfloat16, enabled=is_amp(cfg)):
             logits = model(micro_inputs)
 
-        # event: AFTER_FORWARD
-
         loss = loss_fn(logits, micro_targets)
-
-        # event: LOSS
 
         (loss * loss_scale).backward()
         loss_sum += loss.detach()
@@ -311,8 +308,6 @@ def forward_backward(
 
 
 def main() -> None:
-    # event: INIT
-
     cfg = config.parse(Config)
     env, parallel = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
@@ -420,10 +415,8 @@ def main() -> None:
 
     # event: FIT_START
 
-    stopping = False
-    while not (progress.reached(cfg.max_duration) or stopping or stopper.stopped):
-        # event: EPOCH_START
-
+    finished = progress.reached(cfg.max_duration) or stopper.stopped  # a resumed run
+    while not finished:
         epoch = progress.epoch
         # This rank's share of global batch `index` in the epoch's seeded order.
         # Each is on its way to the device before its step (dist.to_device: the copy
@@ -499,7 +492,6 @@ def main() -> None:
             monitor.update(progress)
             profiler.step(progress)  # records the --profile window, writes its traces
             finished = progress.reached(cfg.max_duration)
-            stopping = preemption.agreed()  # any rank's signal: all save, stop after it
             metrics = {}
             if progress.at_interval(cfg.eval_interval, cfg.max_duration) or finished:
                 # event: EVAL
@@ -521,24 +513,20 @@ def main() -> None:
 
                 monitor.log(progress, **metrics)
             finished = stopper.update(progress, metrics, cfg.max_duration) or finished
-            save_due = progress.at_interval(cfg.save_interval, cfg.max_duration)
-            if save_due or finished or stopping:
+            finished = preemption.agreed() or finished  # any rank's signal: all stop
+            if progress.at_interval(cfg.save_interval, cfg.max_duration) or finished:
                 with monitor.paused():
                     checkpointer.save(state)
-            if finished or stopping:
+            if finished:
                 break
-
-        # event: EPOCH_END
-
-    # event: FIT_END
 
     checkpointer.close()  # an async save in flight: finished and marked complete
     outcome = f"done: step {progress.batch}, {progress.token:,} tokens"
-    if stopping:  # exit status 0; under SLURM the batch script requeues the job
+    if preemption.stopped_by:  # exit status 0; under SLURM the job is requeued
         outcome = (
             f"stopped by {preemption.stopped_by} after step {progress.batch}, saved"
         )
-    if env.world_size == 1 and not stopping:  # what it learned (sample.py: more)
+    if env.world_size == 1 and not preemption.stopped_by:  # what it learned
         monitor.info(sample.preview(fsdp.unwrap(model), cfg))
     monitor.info(f"{outcome}; outputs in {run_dir}")
     monitor.close()

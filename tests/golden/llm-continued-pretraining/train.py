@@ -7,8 +7,9 @@
 
 Algorithms: none.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
-hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end algorithm:
-NAME`. `scaffold upgrade` merges newer template versions in and keeps your edits.
+for this task hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end
+algorithm: NAME`. `scaffold upgrade` merges newer template versions in and keeps your
+edits.
 """
 
 from __future__ import annotations
@@ -300,7 +301,6 @@ def forward_backward(
         zip(split_rows(inputs, microbatch_size), targets.split(microbatch_size))
     )
     for i, (micro_inputs, micro_targets) in enumerate(microbatches):
-        # event: MICROBATCH_START
 
         # Reduce gradients over ranks once, in the last backward.
         fsdp.sync_gradients(model, i == len(microbatches) - 1)
@@ -315,11 +315,7 @@ def forward_backward(
                 use_cache=False,
             ).logits
 
-        # event: AFTER_FORWARD
-
         loss = loss_fn(logits, micro_targets)  # IGNORE targets: questions, padding
-
-        # event: LOSS
 
         (loss * loss_scale).backward()
         loss_sum += loss.detach()
@@ -327,8 +323,6 @@ def forward_backward(
 
 
 def main() -> None:
-    # event: INIT
-
     cfg = config.parse(Config)
     env, parallel = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
@@ -380,8 +374,6 @@ def main() -> None:
     with config.failing(runlock.RunInUse):
         run_lock = runlock.acquire(run_dir)
 
-    # event: MODEL
-
     # Training FLOPs per token, for MFU (GPUs only): one row's forward, counted by
     # torch, x3 for the backward, over its tokens.
     example = torch.zeros(1, cfg.seq_len, dtype=torch.long, device=env.device)
@@ -428,8 +420,6 @@ def main() -> None:
         async_save=cfg.save_async,
     )
 
-    # event: OPTIMIZER
-
     # Resume: load_path, else this run's newest complete checkpoint, restores all of
     # `state` and the RNG, saved on any number of ranks. The batch order is a function
     # of progress (the global sample cursor): nothing is replayed.
@@ -468,10 +458,8 @@ def main() -> None:
 
     # event: FIT_START
 
-    stopping = False
-    while not (progress.reached(cfg.max_duration) or stopping or stopper.stopped):
-        # event: EPOCH_START
-
+    finished = progress.reached(cfg.max_duration) or stopper.stopped  # a resumed run
+    while not finished:
         epoch = progress.epoch
         # This rank's share of global batch `index` in the epoch's seeded order:
         # input_ids, position_ids and the labels (the targets).
@@ -485,8 +473,6 @@ def main() -> None:
             batch = upcoming
             inputs = {name: rows for name, rows in batch.items() if name != "labels"}
             targets = batch["labels"]
-
-            # event: BATCH_START
 
             fraction = progress.fraction(cfg.max_duration)
             lr = lr_at(fraction, cfg, progress.batches_per_epoch)
@@ -524,15 +510,11 @@ def main() -> None:
             )
             train_loss.add(loss_sum, num_targets)  # no device sync
 
-            # event: BATCH_END
-
             monitor.update(progress)
             profiler.step(progress)  # records the --profile window, writes its traces
             finished = progress.reached(cfg.max_duration)
-            stopping = preemption.agreed()  # any rank's signal: all save, stop after it
             metrics = {}
             if progress.at_interval(cfg.eval_interval, cfg.max_duration) or finished:
-                # event: EVAL
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
@@ -544,20 +526,16 @@ def main() -> None:
 
                 monitor.log(progress, **metrics)
             finished = stopper.update(progress, metrics, cfg.max_duration) or finished
-            save_due = progress.at_interval(cfg.save_interval, cfg.max_duration)
-            if save_due or finished or stopping:
+            finished = preemption.agreed() or finished  # any rank's signal: all stop
+            if progress.at_interval(cfg.save_interval, cfg.max_duration) or finished:
                 with monitor.paused():
                     checkpointer.save(state)
-            if finished or stopping:
+            if finished:
                 break
-
-        # event: EPOCH_END
-
-    # event: FIT_END
 
     checkpointer.close()  # an async save in flight: finished and marked complete
     outcome = f"done: step {progress.batch}, {progress.token:,} tokens"
-    if stopping:  # exit status 0; under SLURM the batch script requeues the job
+    if preemption.stopped_by:  # exit status 0; under SLURM the job is requeued
         outcome = (
             f"stopped by {preemption.stopped_by} after step {progress.batch}, saved"
         )

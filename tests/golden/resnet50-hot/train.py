@@ -8,8 +8,9 @@
 Algorithms: blurpool, sam, colout, label_smoothing, mixup, progressive_resizing,
 randaugment, stochastic_depth, channels_last, ema.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
-hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end algorithm:
-NAME`. `scaffold upgrade` merges newer template versions in and keeps your edits.
+for this task hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end
+algorithm: NAME`. `scaffold upgrade` merges newer template versions in and keeps your
+edits.
 """
 
 from __future__ import annotations
@@ -762,10 +763,8 @@ def main() -> None:
         progressive_resizing_static_compile(size, len(fsdp.unwrap(model).blocks), cfg)
     # end algorithm: progressive_resizing
 
-    stopping = False
-    while not (progress.reached(cfg.max_duration) or stopping or stopper.stopped):
-        # event: EPOCH_START
-
+    finished = progress.reached(cfg.max_duration) or stopper.stopped  # a resumed run
+    while not finished:
         epoch = progress.epoch
         # This rank's shares of the epoch's global batches, in the epoch's seeded order,
         # from where training stands (a resumed run starts mid-epoch). Each is on its
@@ -940,7 +939,6 @@ def main() -> None:
             monitor.update(progress)
             profiler.step(progress)  # records the --profile window, writes its traces
             finished = progress.reached(cfg.max_duration)
-            stopping = preemption.agreed()  # any rank's signal: all save, stop after it
             metrics = {}
             if progress.at_interval(cfg.eval_interval, cfg.max_duration) or finished:
                 # event: EVAL
@@ -979,20 +977,16 @@ def main() -> None:
 
                 monitor.log(progress, **metrics)
             finished = stopper.update(progress, metrics, cfg.max_duration) or finished
-            save_due = progress.at_interval(cfg.save_interval, cfg.max_duration)
-            if save_due or finished or stopping:
+            finished = preemption.agreed() or finished  # any rank's signal: all stop
+            if progress.at_interval(cfg.save_interval, cfg.max_duration) or finished:
                 with monitor.paused():
                     checkpointer.save(state)
-            if finished or stopping:
+            if finished:
                 break
-
-        # event: EPOCH_END
-
-    # event: FIT_END
 
     checkpointer.close()  # an async save in flight: finished and marked complete
     outcome = f"done: step {progress.batch}, {progress.sample:,} samples"
-    if stopping:  # exit status 0; under SLURM the batch script requeues the job
+    if preemption.stopped_by:  # exit status 0; under SLURM the job is requeued
         outcome = (
             f"stopped by {preemption.stopped_by} after step {progress.batch}, saved"
         )

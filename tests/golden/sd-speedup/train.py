@@ -7,8 +7,9 @@
 
 Algorithms: low_precision_groupnorm, low_precision_layernorm, precomputed_latents, ema.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
-hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end algorithm:
-NAME`. `scaffold upgrade` merges newer template versions in and keeps your edits.
+for this task hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end
+algorithm: NAME`. `scaffold upgrade` merges newer template versions in and keeps your
+edits.
 """
 
 from __future__ import annotations
@@ -533,7 +534,6 @@ def forward_backward(
         zip(split_rows(inputs, microbatch_size), targets.split(microbatch_size))
     )
     for i, (micro_inputs, micro_targets) in enumerate(microbatches):
-        # event: MICROBATCH_START
 
         # Reduce gradients over ranks once, in the last backward.
         fsdp.sync_gradients(model, i == len(microbatches) - 1)
@@ -541,8 +541,6 @@ def forward_backward(
             logits = model(
                 micro_inputs["noisy"], micro_inputs["timesteps"], micro_inputs["states"]
             ).sample
-
-        # event: AFTER_FORWARD
 
         loss = (
             F.mse_loss(logits.float(), micro_targets, reduction="none")
@@ -558,8 +556,6 @@ def forward_backward(
 
 
 def main() -> None:
-    # event: INIT
-
     cfg = config.parse(Config)
     env, parallel = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
@@ -725,12 +721,8 @@ def main() -> None:
     # SIGUSR1 (SLURM's notice), SIGTERM or torchrun gone: finish the step, save, stop.
     preemption = preempt.Preemption()
 
-    # event: FIT_START
-
-    stopping = False
-    while not (progress.reached(cfg.max_duration) or stopping or stopper.stopped):
-        # event: EPOCH_START
-
+    finished = progress.reached(cfg.max_duration) or stopper.stopped  # a resumed run
+    while not finished:
         epoch = progress.epoch
         # This rank's share of global batch `index` in the epoch's seeded order:
         # images in [-1, 1] and caption token ids.
@@ -784,8 +776,6 @@ def main() -> None:
                 model, inputs, targets, cfg.device_microbatch_size, loss_scale, cfg
             )
 
-            # event: AFTER_BACKWARD
-
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             # The next batch, fetched while the device still works through this step:
@@ -810,7 +800,6 @@ def main() -> None:
             monitor.update(progress)
             profiler.step(progress)  # records the --profile window, writes its traces
             finished = progress.reached(cfg.max_duration)
-            stopping = preemption.agreed()  # any rank's signal: all save, stop after it
             metrics = {}
             if progress.at_interval(cfg.eval_interval, cfg.max_duration) or finished:
                 # event: EVAL
@@ -835,20 +824,16 @@ def main() -> None:
 
                 monitor.log(progress, **metrics)
             finished = stopper.update(progress, metrics, cfg.max_duration) or finished
-            save_due = progress.at_interval(cfg.save_interval, cfg.max_duration)
-            if save_due or finished or stopping:
+            finished = preemption.agreed() or finished  # any rank's signal: all stop
+            if progress.at_interval(cfg.save_interval, cfg.max_duration) or finished:
                 with monitor.paused():
                     checkpointer.save(state)
-            if finished or stopping:
+            if finished:
                 break
-
-        # event: EPOCH_END
-
-    # event: FIT_END
 
     checkpointer.close()  # an async save in flight: finished and marked complete
     outcome = f"done: step {progress.batch}, {progress.sample:,} samples"
-    if stopping:  # exit status 0; under SLURM the batch script requeues the job
+    if preemption.stopped_by:  # exit status 0; under SLURM the job is requeued
         outcome = (
             f"stopped by {preemption.stopped_by} after step {progress.batch}, saved"
         )
