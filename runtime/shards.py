@@ -150,12 +150,19 @@ class Shards:
         return sum(self.chunk_sizes) * self.per_sample
 
     def __getitem__(self, index: int) -> Any:
-        return self.dataset[int(index)]
+        try:
+            return self.dataset[int(index)]
+        except KeyError:
+            # litdata 0.2.76 reading a bucket: moving to the next chunk, its reader unmaps
+            # the previous one (item_loader.close: a membership check, then a delete) and
+            # the entry can be gone in between (KeyError: 0, seen once on 2 ranks). The
+            # item was not read yet and the entry is gone, so a second read goes through.
+            return self.dataset[int(index)]
 
     def take(self, ids: np.ndarray) -> list[Any]:
         """Samples `ids` in the order given, read in index order: chunk by chunk, since
         litdata pays ~1 ms of file locking each time a read moves to another chunk."""
-        loaded = {int(i): self.dataset[int(i)] for i in sorted(set(map(int, ids)))}
+        loaded = {int(i): self[int(i)] for i in sorted(set(map(int, ids)))}
         return [loaded[int(i)] for i in ids]
 
     def order(self, seed: int, epoch: int, group: int = SHUFFLE_CHUNKS) -> np.ndarray:

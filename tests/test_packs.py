@@ -117,13 +117,15 @@ def train_in_process(
 
 def fenced_events(source: str, name: str) -> list[str]:
     """Where each `# algorithm: name` fence of train.py sits: the event point it follows inside
-    main(), or the module-level section (config/checks/functions/imports) before main().
+    forward_backward() or main(), the start of either (no marker above it there: a task
+    marks only the events its algorithms can act at), or the module-level section
+    (config/checks/functions/imports) before them.
     """
     found, place = [], "module"
     for line in source.splitlines():
         stripped = line.strip()
-        if line.startswith("def main"):
-            place = "main"
+        if line.startswith(("def main(", "def forward_backward(")):
+            place = line.removeprefix("def ").split("(")[0]
         elif stripped.startswith("# event: "):
             place = stripped.removeprefix("# event: ")
         elif stripped == f"# algorithm: {name}":

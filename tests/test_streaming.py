@@ -309,3 +309,25 @@ def test_bad_shard_folder_and_empty_prefix_are_one_line_exit_2(
         ), result.stderr
         assert "Traceback" not in result.stderr
         assert not (tmp_path / "runs").exists()
+
+
+def test_a_read_that_loses_the_reader_race_is_read_again() -> None:
+    """litdata's reader can raise KeyError while it unmaps the chunk it leaves (a bucket
+    read on 2 ranks); the item was not read, so Shards reads it once more."""
+
+    class Racy:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def __getitem__(self, index: int) -> int:
+            self.calls += 1
+            if self.calls == 2:  # the first read of a new chunk
+                raise KeyError(0)
+            return index * 10
+
+    dataset = Racy()
+    split = shards.Shards("s3://b/lm/train", dataset, chunk_sizes=[1, 2])
+    assert split.take(np.array([2, 1, 0])) == [20, 10, 0]
+    assert dataset.calls == 4
+    with pytest.raises(KeyError):  # a missing item stays an error
+        shards.Shards("x", {}, chunk_sizes=[1])[0]
