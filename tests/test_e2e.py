@@ -8,12 +8,12 @@ from pathlib import Path
 
 import black
 import pytest
-import yaml
 
 from conftest import RECIPES
 from projects import checkout_env, read_metrics, run_train
 from scaffold.catalog import EVENTS, load_algorithms, task_events
 from scaffold.paths import template_dir
+from scaffold.project import read_answers
 
 # The projects' own tests in every run: README's main job (gpt2-speedup), one image, one
 # text-classification and one BERT-pretraining recipe; the others with --slow. Their own
@@ -77,9 +77,7 @@ def test_every_event_point_is_marked_in_order(
     """The events where an algorithm of the project's task can act are marked, in loop
     order; the others (no algorithm acts at EPOCH_START, EPOCH_END or FIT_END) are not.
     """
-    task = yaml.safe_load((generated[recipe] / ".copier-answers.yml").read_text())[
-        "task"
-    ]
+    task = read_answers(generated[recipe])["task"]
     acting = task_events(load_algorithms(template_dir()), task)
     assert acting and not {"EPOCH_START", "EPOCH_END", "FIT_END"} & set(acting)
     events = [event for event in EVENTS if event in acting]

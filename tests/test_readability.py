@@ -19,7 +19,7 @@ MAX_DEPTH = 5
 # Lines a reader scrolls through, measured on the 0.2.0 goldens: 494 and 1,304; 0.3.0
 # met 450 and 1,000 at the edge. The loop's batch prefetch (no host sync), the compiled
 # loss and the object-store check since then brought them to 477 and 1,014; markers only
-# where an algorithm can act and one flag to end the loop to 465 and 1,008. The next
+# where an algorithm can act and one flag to end the loop to 466 and 1,009. The next
 # goal, with the loop's steps out of main(): 420 and 900.
 MAX_LINES = {"gpt2-baseline": 470, "resnet50-hot": 1010}
 # Task templates hold only task-specific code: shared runs longer than this are a copy.

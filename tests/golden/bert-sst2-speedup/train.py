@@ -457,7 +457,8 @@ def main() -> None:
     freezable = freezable_units(model, blocks, cfg.layer_freezing_units)
     # end algorithm: layer_freezing
 
-    finished = progress.reached(cfg.max_duration) or stopper.stopped  # a resumed run
+    # The one flag that ends training (a resumed run may already have finished).
+    finished = progress.reached(cfg.max_duration) or stopper.stopped
     while not finished:
         epoch = progress.epoch
         # This rank's share of global batch `index` in the epoch's seeded order,

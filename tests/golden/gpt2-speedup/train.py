@@ -415,7 +415,8 @@ def main() -> None:
 
     # event: FIT_START
 
-    finished = progress.reached(cfg.max_duration) or stopper.stopped  # a resumed run
+    # The one flag that ends training (a resumed run may already have finished).
+    finished = progress.reached(cfg.max_duration) or stopper.stopped
     while not finished:
         epoch = progress.epoch
         # This rank's share of global batch `index` in the epoch's seeded order.

@@ -664,7 +664,8 @@ def main() -> None:
         progressive_resizing_static_compile(size, len(fsdp.unwrap(model).blocks), cfg)
     # end algorithm: progressive_resizing
 
-    finished = progress.reached(cfg.max_duration) or stopper.stopped  # a resumed run
+    # The one flag that ends training (a resumed run may already have finished).
+    finished = progress.reached(cfg.max_duration) or stopper.stopped
     while not finished:
         epoch = progress.epoch
         # This rank's shares of the epoch's global batches, in the epoch's seeded order,
