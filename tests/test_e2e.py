@@ -15,19 +15,19 @@ from scaffold.catalog import EVENTS, load_algorithms, task_events
 from scaffold.paths import template_dir
 from scaffold.project import read_answers
 
-# The projects' own tests in every run: README's main job (gpt2-speedup), one image, one
-# text-classification and one BERT-pretraining recipe; the others with --slow. Their own
-# tests differ only in answers, and other files cover every task in every run:
-# test_vision_recipes, test_image, test_modern and test_text_classification train those
-# recipes; the LLM and diffusion tasks (the slowest own tests: a process per run that
-# imports transformers or diffusers) are killed with -9 and resumed bitwise in
-# test_catalog_resume, and trained, exported and sampled in test_llm_finetune and
-# test_diffusion.
+# The projects' own tests in every run: README's main job (gpt2-speedup), one image and
+# one text-classification recipe; the others with --slow. Their own tests differ only in
+# answers, and other files cover every task in every run: test_vision_recipes,
+# test_image, test_modern and test_text_classification train those recipes; BERT
+# pretraining is killed -9 and resumed bitwise in test_catalog_resume and resumed
+# elastically in test_masked_lm; the LLM and diffusion tasks (the slowest own tests: a
+# process per run that imports transformers or diffusers) are killed with -9 and resumed
+# bitwise in test_catalog_resume, and trained, exported and sampled in test_llm_finetune
+# and test_diffusion.
 OWN_TESTS_EVERY_RUN = (
     "gpt2-speedup",
     "cifar-resnet56-baseline",
     "bert-sst2-speedup",
-    "mosaicbert",
 )
 
 

@@ -549,9 +549,13 @@ def test_elastic_resume_2_to_3_to_1_ranks(project: Path, tmp_path: Path) -> None
     )  # a meaningful bound
 
 
+@pytest.mark.slow
 def test_kill_9_resumes_bitwise(project: Path, tmp_path: Path) -> None:
     """Killed (-9) at random moments, restarted each time: the finished run equals an
     uninterrupted one bitwise (crops, order, BatchNorm running statistics, optimizer).
+
+    With --slow: every run kills this task at its worst moment (inside a save) in
+    test_catalog_resume, and with busy data workers, reading MDS shards, in test_mds.
     """
     common = [
         *SMALL,
