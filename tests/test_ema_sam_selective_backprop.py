@@ -361,7 +361,10 @@ def test_selective_backprop_scoring_leaves_the_batchnorm_statistics(modules) -> 
     rng = np.random.default_rng(0)  # unused by "top"
     kept = train.select_high_loss(scored, inputs, labels, 4, cfg, env, 4, rng)
     for net in (scored, plain):
-        train.forward_backward(net, *kept, 4, 1.0, cfg)
+        search = train.microbatch.Search(
+            net, net.blocks, env, 4, per_rank_batch=4, log=lambda _: None
+        )
+        train.forward_backward(net, *kept, search, 1.0, cfg)
         train.update_running_stats(net, lambda total: total)
     norms = [
         [m for m in net.modules() if hasattr(m, "step_stats")]

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import RECIPES
 from scaffold.paths import template_dir
+from scaffold.render import new_project
 
 TASKS = template_dir() / "tasks"
 # nanoGPT's train.py nests its loop 5 levels deep; so may ours (DESIGN.md §3).
@@ -22,6 +23,8 @@ MAX_DEPTH = 5
 # where an algorithm can act and one flag to end the loop to 466 and 1,009. The next
 # goal, with the loop's steps out of main(): 420 and 900.
 MAX_LINES = {"gpt2-baseline": 470, "resnet50-hot": 1010}
+# With the out-of-memory search (auto_microbatching=true): 495 and 1,046 lines.
+MAX_LINES_SEARCHING = {"gpt2-baseline": 500, "resnet50-hot": 1050}
 # Task templates hold only task-specific code: shared runs longer than this are a copy.
 MAX_SHARED_RUN = 10
 
@@ -62,6 +65,37 @@ def test_train_py_is_shallow_and_defines_only_config(
     assert "attempt" not in source and "microbatch.Search" not in source, recipe
     if recipe in MAX_LINES:
         assert len(source.splitlines()) <= MAX_LINES[recipe], recipe
+
+
+@pytest.fixture(scope="module")
+def searching(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every shipped recipe with the out-of-memory search (auto_microbatching=true), the
+    option the generated script itself suggests."""
+    root = tmp_path_factory.mktemp("searching")
+    for recipe in RECIPES:
+        new_project(recipe, root / recipe, ["auto_microbatching=true"], recipe)
+    return {recipe: root / recipe for recipe in RECIPES}
+
+
+def test_with_the_microbatch_search_every_recipe_stays_as_shallow(
+    searching: dict[str, Path],
+) -> None:
+    """The search retries inside forward_backward() and evaluate(): main() keeps its
+    depth, and no statement is left for black to split oddly (`with (` alone)."""
+    problems = []
+    for recipe, project in searching.items():
+        source = (project / "train.py").read_text()
+        main = main_function(ast.parse(source))
+        if depth(main) > MAX_DEPTH:
+            problems.append(f"{recipe}: main() nests {depth(main)} levels")
+        if "with (\n" in source:
+            problems.append(f"{recipe}: a with statement split by black")
+        if "microbatch.Search(" not in source:
+            problems.append(f"{recipe}: no search")
+        limit = MAX_LINES_SEARCHING.get(recipe)
+        if limit and len(source.splitlines()) > limit:
+            problems.append(f"{recipe}: {len(source.splitlines())} lines")
+    assert not problems, problems
 
 
 def shared_runs(

@@ -260,7 +260,7 @@ def forward_backward(
 ) -> torch.Tensor:
     """Forward and backward over this rank's batch in microbatches of `microbatch_size`
     rows, gradients adding up in .grad (reduced over ranks in the last backward)."""
-    clear_step_stats(model)  # ghost BatchNorm: this step's statistics start empty
+    clear_step_stats(model)  # ghost BatchNorm: this step's stats start empty
     loss_sum = torch.zeros((), device=targets.device)
     microbatches = list(
         zip(inputs.split(microbatch_size), targets.split(microbatch_size))
