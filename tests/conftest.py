@@ -18,7 +18,6 @@ REPO = Path(__file__).resolve().parent.parent
 collect_ignore = ["golden"]  # generated projects' own tests run in test_e2e.py
 RECIPES = tuple(recipe_paths(template_dir()))  # every shipped recipe
 RECIPE_AUTO_IMAGE = "cifar-resnet56-baseline"  # the image task with auto_microbatching
-PROJECT_NAME = "my-gpt"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -80,11 +79,11 @@ def scaffold_cli(
 def generated(
     tmp_path_factory: pytest.TempPathFactory, isolated_home: Path
 ) -> dict[str, Path]:
-    """Each shipped recipe generated once through the CLI, as `my-gpt`."""
+    """Each shipped recipe generated once through the CLI, named after its recipe."""
     root = tmp_path_factory.mktemp("generated")
     projects = {}
     for recipe in RECIPES:
-        dest = root / recipe / PROJECT_NAME
+        dest = root / recipe / recipe
         result = scaffold_cli("new", "--recipe", recipe, str(dest))
         assert result.returncode == 0, result.stderr
         projects[recipe] = dest
@@ -106,7 +105,7 @@ def generated_auto(
         "sd-speedup",
     )
     for recipe in auto:
-        dest = root / recipe / PROJECT_NAME
+        dest = root / recipe / recipe
         result = scaffold_cli(
             "new", "--recipe", recipe, "--set", "auto_microbatching=true", str(dest)
         )
