@@ -2,6 +2,9 @@
 
     cfg = config.parse(Config)        # reads sys.argv[1:], exits with a message on error
 
+A value a field's type refuses can carry its own fix, said instead of "expected an integer":
+    config.parse(Config, refusals={"device_microbatch_size": {"auto": "why; the fix"}})
+
 Accepted forms: --key=value, --key value, bare --flag for bool fields, and
 --config FILE.toml (a flat table of field names, applied first so that
 command-line values win). Values are converted by the field's type hint:
@@ -29,7 +32,7 @@ import tokenize
 import tomllib
 import types
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import tomli_w
@@ -253,7 +256,17 @@ def _scan_argv(
     return raw, config_path
 
 
-def _read_toml(path: str, hints: dict[str, Any]) -> dict[str, Any]:
+# A field's refused values that carry their own fix: {field: {value as text: why and fix}}.
+Refusals = Mapping[str, Mapping[str, str]]
+
+
+def _refusal(refusals: Refusals | None, name: str, value: object) -> str | None:
+    return (refusals or {}).get(name, {}).get(str(value))
+
+
+def _read_toml(
+    path: str, hints: dict[str, Any], refusals: Refusals | None = None
+) -> dict[str, Any]:
     """Load and type-check a flat TOML config file."""
     try:
         with open(path, "rb") as file:
@@ -289,24 +302,28 @@ def _read_toml(path: str, hints: dict[str, Any]) -> dict[str, Any]:
         try:
             values[name] = _from_toml(value, hints[name])
         except ValueError as error:
+            why = _refusal(refusals, name, value) or error
             raise ConfigError(
-                f"bad value {value!r} for key {key!r} in config file {path!r}: {error}"
+                f"bad value {value!r} for key {key!r} in config file {path!r}: {why}"
             ) from None
     return values
 
 
-def from_args(cls: type[T], argv: Sequence[str]) -> T:
+def from_args(cls: type[T], argv: Sequence[str], refusals: Refusals | None = None) -> T:
     """Build `cls` from command-line arguments (and the --config file they name)."""
     hints = _field_hints(cls)
     raw, config_path = _scan_argv(argv, hints)
-    values = _read_toml(config_path, hints) if config_path is not None else {}
+    values = {}
+    if config_path is not None:
+        values = _read_toml(config_path, hints, refusals)
     for name, text in raw.items():
         try:
             values[name] = _from_text(text, hints[name])
         except TimeError as error:
             raise ConfigError(f"bad value for --{name}: {error}") from None
         except ValueError as error:
-            raise ConfigError(f"bad value {text!r} for --{name}: {error}") from None
+            why = _refusal(refusals, name, text) or error
+            raise ConfigError(f"bad value {text!r} for --{name}: {why}") from None
     for field in _init_fields(cls):
         required = (
             field.default is dataclasses.MISSING
@@ -406,7 +423,11 @@ def format_help(cls: type, prog: str = "train.py") -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse(cls: type[T], argv: Sequence[str] | None = None) -> T:
+def parse(
+    cls: type[T],
+    argv: Sequence[str] | None = None,
+    refusals: Refusals | None = None,
+) -> T:
     """from_args() for scripts: prints help or a one-line error and exits instead of raising."""
     args = list(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:
@@ -416,7 +437,7 @@ def parse(cls: type[T], argv: Sequence[str] | None = None) -> T:
         sys.stdout.write(format_help(cls, prog))
         raise SystemExit(0)
     try:
-        return from_args(cls, args)
+        return from_args(cls, args, refusals)
     except ConfigError as error:
         fail(str(error))
 

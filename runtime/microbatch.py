@@ -208,15 +208,19 @@ class Injection:
             )
 
 
+# Why a fixed-size project refuses device_microbatch_size=auto, and the fix.
+NO_SEARCH = (
+    "this project was generated with a fixed microbatch size and has no out-of-memory "
+    "search; add it with `scaffold set auto_microbatching=true` (your edits are kept), "
+    "or give a size"
+)
+
+
 def check(device_microbatch_size: int | str, auto: bool = True) -> str | None:
     """Why this size (or SCAFFOLD_INJECT_OOM) cannot be used, or None. `auto`: whether
     the project was generated with the search (a plain accumulation loop has none)."""
     if device_microbatch_size == "auto" and not auto:
-        return (
-            "device_microbatch_size=auto: this project was generated with a fixed "
-            "microbatch size and has no out-of-memory search; add it with `scaffold set "
-            "auto_microbatching=true` (your edits are kept), or give a size"
-        )
+        return f"device_microbatch_size=auto: {NO_SEARCH}"
     if device_microbatch_size != "auto" and (
         not isinstance(device_microbatch_size, int) or device_microbatch_size < 1
     ):

@@ -19,7 +19,6 @@ REPO = Path(__file__).resolve().parent.parent
 collect_ignore = ["golden"]  # generated projects' own tests run in test_e2e.py
 RECIPES = tuple(recipe_paths(template_dir()))  # every shipped recipe
 RECIPE_AUTO_IMAGE = "cifar-resnet56-baseline"  # the image task with auto_microbatching
-PROJECT_NAME = "my-gpt"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -109,9 +108,9 @@ def scaffold_new_many(projects: dict[Path, list[str]]) -> None:
 def generated(
     tmp_path_factory: pytest.TempPathFactory, isolated_home: Path
 ) -> dict[str, Path]:
-    """Each shipped recipe generated once through the CLI, as `my-gpt`."""
+    """Each shipped recipe generated once through the CLI, named after its recipe."""
     root = tmp_path_factory.mktemp("generated")
-    projects = {recipe: root / recipe / PROJECT_NAME for recipe in RECIPES}
+    projects = {recipe: root / recipe / recipe for recipe in RECIPES}
     scaffold_new_many({dest: ["--recipe", r] for r, dest in projects.items()})
     return projects
 
@@ -129,7 +128,7 @@ def generated_auto(
         "llm-lora",
         "sd-speedup",
     )
-    projects = {recipe: root / recipe / PROJECT_NAME for recipe in auto}
+    projects = {recipe: root / recipe / recipe for recipe in auto}
     scaffold_new_many(
         {
             dest: ["--recipe", r, "--set", "auto_microbatching=true"]

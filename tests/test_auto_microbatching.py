@@ -26,6 +26,9 @@ TINY = [
 def test_a_plain_project_refuses_auto_in_one_line_naming_the_command(
     generated: dict[str, Path], tmp_path: Path
 ) -> None:
+    # Its Config advertises only what it accepts: a size, not auto.
+    source = (generated["gpt2-baseline"] / "train.py").read_text()
+    assert "    device_microbatch_size: int = " in source
     result = run_train(
         generated["gpt2-baseline"], tmp_path, *TINY, "--device_microbatch_size=auto"
     )
@@ -58,6 +61,7 @@ def test_scaffold_set_merges_the_search_in_and_keeps_edits(
     source = train_py.read_text()
     assert "print('hand edit')" in source and "<<<<<<<" not in source
     assert "for attempt in microbatching.attempts(" in source
+    assert '    device_microbatch_size: int | Literal["auto"] = "auto"' in source
     assert "auto_microbatching: true" in (project / ".copier-answers.yml").read_text()
     trained = run_train(
         project, tmp_path, *TINY, "--device_microbatch_size=auto", "--run_name=a"

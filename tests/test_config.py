@@ -115,6 +115,24 @@ def test_int_or_auto_union() -> None:
 # ---------------------------------------------------------------- errors
 
 
+def test_a_refused_value_says_its_own_fix_on_the_command_line_and_in_a_file(
+    tmp_path: Path,
+) -> None:
+    refusals = {"batch_size": {"all": "no such size; give a number of samples"}}
+    with pytest.raises(ConfigError) as caught:
+        config.from_args(Config, ["--batch_size=all"], refusals)
+    assert str(caught.value) == (
+        "bad value 'all' for --batch_size: no such size; give a number of samples"
+    )
+    path = write(tmp_path, 'batch_size = "all"\n')
+    with pytest.raises(ConfigError) as caught:
+        config.from_args(Config, [f"--config={path}"], refusals)
+    assert str(caught.value).endswith(": no such size; give a number of samples")
+    # other refused values of the field keep the generic line
+    with pytest.raises(ConfigError, match="expected an integer"):
+        config.from_args(Config, ["--batch_size=many"], refusals)
+
+
 def test_int_rejects_fraction() -> None:
     message = parse_error(["--batch_size=1.5"])
     assert "--batch_size" in message and "'1.5'" in message and "integer" in message

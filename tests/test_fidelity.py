@@ -46,6 +46,27 @@ def test_every_speed_up_figure_names_its_source(path: Path) -> None:
     assert not unsourced, unsourced
 
 
+# A generated project has no bench/ and no tracker: what its files cite from scaffold's
+# measurements says whose they are, and no issue number of ours (another project's, named,
+# is a citation: "Composer's LayerFreezing cannot resume: its issue 1002").
+BARE_BENCH = re.compile(r"bench/\S+")
+SCAFFOLDS = re.compile(r"scaffold's\s+(`python\s+)?`?bench/|in scaffold's repository")
+OUR_ISSUE = re.compile(r"(?<!its )(?<!pytorch )\bissues? #?\d+", re.IGNORECASE)
+
+
+def test_generated_files_cite_scaffolds_bench_by_name_and_no_issue_of_ours() -> None:
+    problems = []
+    for path in sorted((REPO / "tests" / "golden").rglob("*")):
+        if not path.is_file() or ".git" in path.parts:
+            continue
+        for paragraph in paragraphs(path):
+            if OUR_ISSUE.search(paragraph) or (
+                BARE_BENCH.search(paragraph) and not SCAFFOLDS.search(paragraph)
+            ):
+                problems.append(f"{path.relative_to(REPO)}: {paragraph.strip()[:160]}")
+    assert not problems, "\n".join(problems)
+
+
 # ---------------------------------------------------------------- the fidelity table
 
 TABLE = REPO / "docs" / "fidelity.md"

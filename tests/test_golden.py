@@ -7,10 +7,13 @@ the diff like code.
 from __future__ import annotations
 
 import difflib
+import re
 import shutil
 from pathlib import Path
 
 import pytest
+
+import yaml
 
 from conftest import RECIPES, REPO
 
@@ -86,3 +89,57 @@ def test_generated_project_is_committed(
     finally:
         shutil.rmtree(project / "runs")
     assert status.stdout == "", status.stdout
+
+
+# Comments true for the project at hand: no comment names an algorithm the recipe did not
+# select, or an evaluation metric its code never produces. Fence markers name their own
+# algorithm; "AugMix's operations" cites another work's source. Two catalog names are also
+# ordinary words in these files: Llama's own rotary positions and transformers' generate().
+ORDINARY_WORDS = {"generate", "rotary"}
+METRIC = re.compile(r"(?<![-\w])(?:ema_)?(val_\w+)")
+
+
+def spelled(name: str) -> re.Pattern[str]:
+    """An algorithm's name as a comment writes it: mixup, MixUp, selective backprop."""
+    return re.compile(
+        r"(?<![\w.`])" + name.replace("_", r"[_ -]?") + r"(?![\w']|`)", re.IGNORECASE
+    )
+
+
+ALGORITHMS = {
+    path.name: spelled(path.name)
+    for path in sorted((REPO / "templates" / "algorithms").iterdir())
+    if path.is_dir() and path.name not in ORDINARY_WORDS
+}
+
+
+def test_comments_name_only_what_the_project_has() -> None:
+    problems = []
+    for golden in sorted(GOLDEN.iterdir()):
+        answers = yaml.safe_load((golden / ".copier-answers.yml").read_text())
+        selected = set(answers.get("algorithms") or {})
+        files = {
+            path: path.read_text().splitlines() for path in sorted(golden.rglob("*.py"))
+        }
+        code = "\n".join(
+            line for lines in files.values() for line in lines if "#" not in line
+        )
+        for path, lines in files.items():
+            for number, line in enumerate(lines, 1):
+                comment = line.partition("#")[2].strip()
+                if not comment or re.match(r"(end )?algorithm: ", comment):
+                    continue
+                named = [
+                    name
+                    for name, pattern in ALGORITHMS.items()
+                    if name not in selected and pattern.search(comment)
+                ]
+                named += [
+                    metric
+                    for metric in METRIC.findall(comment)
+                    if f'"{metric}"' not in code
+                ]
+                if named:
+                    where = path.relative_to(GOLDEN)
+                    problems.append(f"{where}:{number}: {named}: {comment[:90]}")
+    assert not problems, "\n".join(problems)

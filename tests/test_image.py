@@ -643,9 +643,9 @@ def test_the_recipe_defaults_train_the_digits_well_above_chance(
     )
     ok(result)
     assert "model: tiny," in result.stdout
-    records = read_metrics(tmp_path, "my-gpt")
+    records = read_metrics(tmp_path, RECIPE)
     assert (
-        'model = "tiny"' in (tmp_path / "runs" / "my-gpt" / "config.toml").read_text()
+        'model = "tiny"' in (tmp_path / "runs" / RECIPE / "config.toml").read_text()
     )  # auto, resolved
     assert records[-1]["step"] == 160 and records[-1]["val_top1"] > 0.9, records[-1]
     assert records[9]["val_top1"] < 0.5  # it learned during the run (step 10: not yet)

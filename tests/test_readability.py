@@ -63,6 +63,7 @@ def test_train_py_is_shallow_and_defines_only_config(
     assert classes == ["Config"], (recipe, classes)
     # A fixed microbatch size (every shipped recipe): plain accumulation, no retry.
     assert "attempt" not in source and "microbatch.Search" not in source, recipe
+    assert "    device_microbatch_size: int = " in source, recipe  # no "auto" offered
     if recipe in MAX_LINES:
         assert len(source.splitlines()) <= MAX_LINES[recipe], recipe
 

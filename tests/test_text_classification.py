@@ -615,12 +615,12 @@ def test_the_offline_demo_learns_from_the_defaults(
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "prose or code" in result.stdout
-    evals = [r for r in read_metrics(tmp_path, "my-gpt") if "accuracy" in r]
+    evals = [r for r in read_metrics(tmp_path, RECIPE) if "accuracy" in r]
     accuracy, val_loss = [r["accuracy"] for r in evals], [r["val_loss"] for r in evals]
     assert (
         len(evals) == 3 and accuracy[0] > 0.65 and accuracy[-1] > 0.8
     ), accuracy  # measured: .88, .88, .92
     assert val_loss[-1] < val_loss[0], val_loss
     assert (
-        "lr = 0.001" in (tmp_path / "runs" / "my-gpt" / "config.toml").read_text()
+        "lr = 0.001" in (tmp_path / "runs" / RECIPE / "config.toml").read_text()
     )  # demo_lr, resolved

@@ -1,4 +1,4 @@
-"""Train my-gpt: a ResNet image classifier (recipe `cifar-resnet56-baseline`).
+"""Train cifar-resnet56-baseline: a ResNet image classifier (recipe `cifar-resnet56-baseline`).
 
     python train.py                     # CPU or one GPU, on the embedded default data
     python train.py --data=/data/imagenet --model=resnet50 --max_duration=90ep
@@ -42,7 +42,9 @@ from runtime.time import Progress, Time, as_fraction, check_fraction
 
 @dataclass
 class Config:
-    run_name: str = "my-gpt"  # runs/<run_name>/; rerunning a name resumes it
+    run_name: str = (
+        "cifar-resnet56-baseline"  # runs/<run_name>/; rerunning a name resumes it
+    )
     seed: int = 42  # a run is a function of (config, seed)
     data: str = ""  # "": sklearn's digits; ImageFolder, cifar-10-batches-bin, shards
     # ImageFolder sizes (CIFAR and the digits keep their 32 and 8 pixels). Training at a
@@ -70,7 +72,7 @@ class Config:
     max_duration: Time = Time.parse("160ep")  # training length
     global_batch_size: int = 1024  # samples per step, summed over ranks
     # samples per forward/backward (gradient accumulation over the rank's batch)
-    device_microbatch_size: int | Literal["auto"] = 256
+    device_microbatch_size: int = 256
     optimizer: Literal["sgd", "adamw"] = "sgd"
     lr: float = 1.2  # peak learning rate
     lr_warmup: Time = Time.parse("5ep")  # linear from 0, then cosine decay
@@ -137,7 +139,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     if cfg.model == "auto":
         cfg.model = "cifar-resnet56" if cfg.data else "tiny"
     problem = fsdp.check(parallel, env)
-    problem = problem or microbatch.check(cfg.device_microbatch_size, auto=False)
+    problem = problem or microbatch.check(cfg.device_microbatch_size)
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
     problem = problem or checkpoint.check_access(cfg.save_folder, cfg.load_path)
     problem = problem or check_model(cfg.model)  # a preset, or a hub model importable
@@ -287,7 +289,9 @@ def forward_backward(
 def main() -> None:
     # event: INIT
 
-    cfg = config.parse(Config)
+    cfg = config.parse(
+        Config, refusals={"device_microbatch_size": {"auto": microbatch.NO_SEARCH}}
+    )
     env, parallel = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
@@ -376,8 +380,8 @@ def main() -> None:
         log=monitor.info,
     )
     # What a checkpoint holds: entries with state_dict() and load_state_dict(). An
-    # algorithm with state of its own (EMA weights) adds one at OPTIMIZER, and may name
-    # the entry `scaffold export` writes out for inference (by default "model").
+    # algorithm with state of its own adds one at OPTIMIZER, and may name the entry
+    # `scaffold export` writes out for inference (by default "model").
     state = dict(model=model, optimizer=optimizer, progress=progress, stopper=stopper)
     checkpointer = checkpoint.Checkpointer(
         cfg.save_folder or run_dir / "checkpoints",

@@ -1,4 +1,4 @@
-"""Train my-gpt: a ResNet image classifier (recipe `cifar-resnet56-medium`).
+"""Train cifar-resnet56-medium: a ResNet image classifier (recipe `cifar-resnet56-medium`).
 
     python train.py                     # CPU or one GPU, on the embedded default data
     python train.py --data=/data/imagenet --model=resnet50 --max_duration=90ep
@@ -48,7 +48,9 @@ import copy
 
 @dataclass
 class Config:
-    run_name: str = "my-gpt"  # runs/<run_name>/; rerunning a name resumes it
+    run_name: str = (
+        "cifar-resnet56-medium"  # runs/<run_name>/; rerunning a name resumes it
+    )
     seed: int = 42  # a run is a function of (config, seed)
     data: str = ""  # "": sklearn's digits; ImageFolder, cifar-10-batches-bin, shards
     # ImageFolder sizes (CIFAR and the digits keep their 32 and 8 pixels). Training at a
@@ -76,7 +78,7 @@ class Config:
     max_duration: Time = Time.parse("240ep")  # training length
     global_batch_size: int = 1024  # samples per step, summed over ranks
     # samples per forward/backward (gradient accumulation over the rank's batch)
-    device_microbatch_size: int | Literal["auto"] = 256
+    device_microbatch_size: int = 256
     optimizer: Literal["sgd", "adamw"] = "sgd"
     lr: float = 1.2  # peak learning rate
     lr_warmup: Time = Time.parse("5ep")  # linear from 0, then cosine decay
@@ -175,7 +177,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     if cfg.model == "auto":
         cfg.model = "cifar-resnet56" if cfg.data else "tiny"
     problem = fsdp.check(parallel, env)
-    problem = problem or microbatch.check(cfg.device_microbatch_size, auto=False)
+    problem = problem or microbatch.check(cfg.device_microbatch_size)
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
     problem = problem or checkpoint.check_access(cfg.save_folder, cfg.load_path)
     problem = problem or check_model(cfg.model)  # a preset, or a hub model importable
@@ -494,7 +496,9 @@ def forward_backward(
 def main() -> None:
     # event: INIT
 
-    cfg = config.parse(Config)
+    cfg = config.parse(
+        Config, refusals={"device_microbatch_size": {"auto": microbatch.NO_SEARCH}}
+    )
     env, parallel = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
@@ -602,8 +606,8 @@ def main() -> None:
         log=monitor.info,
     )
     # What a checkpoint holds: entries with state_dict() and load_state_dict(). An
-    # algorithm with state of its own (EMA weights) adds one at OPTIMIZER, and may name
-    # the entry `scaffold export` writes out for inference (by default "model").
+    # algorithm with state of its own adds one at OPTIMIZER, and may name the entry
+    # `scaffold export` writes out for inference (by default "model").
     state = dict(model=model, optimizer=optimizer, progress=progress, stopper=stopper)
     checkpointer = checkpoint.Checkpointer(
         cfg.save_folder or run_dir / "checkpoints",
@@ -701,7 +705,6 @@ def main() -> None:
             # MixUp (Zhang et al. 2018): mix each sample and its target with a partner
             # from the global batch, before the microbatch split. lam and the partners
             # come from (seed, step): the same pairs on any world size, after a resume.
-            # The "batch mixer" draw is shared with other mixers: one mixer per step.
             mixup_lambda = 1.0
             if (
                 data.step_rng(cfg.seed, progress.batch, "batch mixer").random()
@@ -709,8 +712,7 @@ def main() -> None:
             ):
                 rng = data.step_rng(cfg.seed, progress.batch, "mixup")
                 mixup_lambda = float(rng.beta(cfg.mixup_alpha, cfg.mixup_alpha))
-                # Over this step's global rows: fewer than global_batch_size after a
-                # selection (selective backprop); every rank holds as many.
+                # Partners among this step's global rows (every rank holds as many).
                 partner = torch.from_numpy(
                     rng.permutation(len(inputs) * env.world_size)
                 )

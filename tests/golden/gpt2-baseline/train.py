@@ -1,4 +1,4 @@
-"""Train my-gpt: a GPT-2 language model (recipe `gpt2-baseline`).
+"""Train gpt2-baseline: a GPT-2 language model (recipe `gpt2-baseline`).
 
     python train.py                     # CPU or one GPU, on the embedded default data
     python train.py --max_duration=2000ba --lr=1e-3 --data=corpus.txt
@@ -35,7 +35,7 @@ from runtime.time import Progress, Time, as_fraction, check_fraction
 
 @dataclass
 class Config:
-    run_name: str = "my-gpt"  # runs/<run_name>/; rerunning a name resumes it
+    run_name: str = "gpt2-baseline"  # runs/<run_name>/; rerunning a name resumes it
     seed: int = 42  # a run is a function of (config, seed)
     data: str = ""  # "": stdlib source; a text file, a folder, uint16 .bin, shards
     vocab_size: int = 0  # 0: from the data (bytes 256; .bin: meta.pkl, else GPT-2's)
@@ -51,7 +51,7 @@ class Config:
     max_duration: Time = Time.parse("600ba")  # training length
     global_batch_size: int = 16  # samples per step, summed over ranks
     # samples per forward/backward (gradient accumulation over the rank's batch)
-    device_microbatch_size: int | Literal["auto"] = 8
+    device_microbatch_size: int = 8
     lr: float = 0.002  # peak learning rate (AdamW)
     lr_warmup: Time = Time.parse("0.05dur")  # linear from 0, then cosine decay
     min_lr_ratio: float = 0.1  # the cosine ends at min_lr_ratio * lr
@@ -116,7 +116,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     # `auto` settled for this device: the run's config.toml records what ran.
     cfg.precision, cfg.compile = parallel.precision, parallel.compile
     problem = fsdp.check(parallel, env)
-    problem = problem or microbatch.check(cfg.device_microbatch_size, auto=False)
+    problem = problem or microbatch.check(cfg.device_microbatch_size)
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
     problem = problem or checkpoint.check_access(cfg.save_folder, cfg.load_path)
     problem = problem or early_stop.check(
@@ -236,7 +236,9 @@ def forward_backward(
 
 
 def main() -> None:
-    cfg = config.parse(Config)
+    cfg = config.parse(
+        Config, refusals={"device_microbatch_size": {"auto": microbatch.NO_SEARCH}}
+    )
     env, parallel = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
@@ -310,8 +312,8 @@ def main() -> None:
         log=monitor.info,
     )
     # What a checkpoint holds: entries with state_dict() and load_state_dict(). An
-    # algorithm with state of its own (EMA weights) adds one at OPTIMIZER, and may name
-    # the entry `scaffold export` writes out for inference (by default "model").
+    # algorithm with state of its own adds one at OPTIMIZER, and may name the entry
+    # `scaffold export` writes out for inference (by default "model").
     state = dict(model=model, optimizer=optimizer, progress=progress, stopper=stopper)
     checkpointer = checkpoint.Checkpointer(
         checkpoints, keep=cfg.save_num_checkpoints_to_keep, async_save=cfg.save_async

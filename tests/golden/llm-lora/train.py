@@ -1,4 +1,4 @@
-"""Train my-gpt: fine-tune a causal LM (recipe `llm-lora`).
+"""Train llm-lora: fine-tune a causal LM (recipe `llm-lora`).
 
     python train.py                     # CPU or one GPU: tiny Llama, embedded data
     python train.py --model=Qwen/Qwen2.5-0.5B --data=chats.jsonl --data_format=chat
@@ -44,7 +44,7 @@ from runtime.time import Progress, Time, as_fraction, check_fraction
 
 @dataclass
 class Config:
-    run_name: str = "my-gpt"  # runs/<run_name>/; rerunning a name resumes it
+    run_name: str = "llm-lora"  # runs/<run_name>/; rerunning a name resumes it
     seed: int = 42  # a run is a function of (config, seed)
     # data: "" Python's documentation (offline); text: a text file or folder of them;
     # chat: JSON Lines of {"messages": [...]} or {"prompt": ..., "response": ...}
@@ -75,7 +75,7 @@ class Config:
     max_duration: Time = Time.parse("12ep")  # training length
     global_batch_size: int = 16  # samples per step, summed over ranks
     # samples per forward/backward (gradient accumulation over the rank's batch)
-    device_microbatch_size: int | Literal["auto"] = 8
+    device_microbatch_size: int = 8
     lr: float = 0.003  # peak learning rate (AdamW)
     lr_warmup: Time = Time.parse("0.05dur")  # linear from 0, then cosine
     min_lr_ratio: float = 0.1  # the cosine decays to min_lr_ratio * lr
@@ -138,7 +138,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     # `auto` settled for this device: the run's config.toml records what ran.
     cfg.precision, cfg.compile = parallel.precision, parallel.compile
     problem = fsdp.check(parallel, env)
-    problem = problem or microbatch.check(cfg.device_microbatch_size, auto=False)
+    problem = problem or microbatch.check(cfg.device_microbatch_size)
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
     problem = problem or checkpoint.check_access(cfg.save_folder, cfg.load_path)
     problem = problem or early_stop.check(
@@ -332,7 +332,9 @@ def forward_backward(
 
 
 def main() -> None:
-    cfg = config.parse(Config)
+    cfg = config.parse(
+        Config, refusals={"device_microbatch_size": {"auto": microbatch.NO_SEARCH}}
+    )
     env, parallel = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
@@ -424,8 +426,8 @@ def main() -> None:
         log=monitor.info,
     )
     # What a checkpoint holds: entries with state_dict() and load_state_dict(). An
-    # algorithm with state of its own (EMA weights) adds one at OPTIMIZER, and may name
-    # the entry `scaffold export` writes out for inference (by default "model").
+    # algorithm with state of its own adds one at OPTIMIZER, and may name the entry
+    # `scaffold export` writes out for inference (by default "model").
     state = dict(model=model, optimizer=optimizer, progress=progress, stopper=stopper)
     checkpointer = checkpoint.Checkpointer(
         cfg.save_folder or run_dir / "checkpoints",

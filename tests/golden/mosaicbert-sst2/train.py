@@ -1,4 +1,4 @@
-"""Train my-gpt: fine-tune a BERT text classifier (recipe `mosaicbert-sst2`).
+"""Train mosaicbert-sst2: fine-tune a BERT text classifier (recipe `mosaicbert-sst2`).
 
     python train.py                     # CPU or one GPU: tiny BERT, embedded data
     python train.py --model=../exported --data=sst2.csv  # a masked_lm run's export
@@ -33,7 +33,7 @@ from runtime.time import Progress, Time, as_fraction, check_fraction
 
 @dataclass
 class Config:
-    run_name: str = "my-gpt"  # runs/<run_name>/; rerunning a name resumes it
+    run_name: str = "mosaicbert-sst2"  # runs/<run_name>/; rerunning a name resumes it
     seed: int = 42  # a run is a function of (config, seed)
     # data: "" the embedded default; a .csv, .jsonl or .parquet file; a datasets folder;
     # MDS shards (a folder or URL with train/ and val/)
@@ -51,7 +51,7 @@ class Config:
     max_duration: Time = Time.parse("3ep")  # training length
     global_batch_size: int = 32  # samples per step, summed over ranks
     # samples per forward/backward (gradient accumulation over the rank's batch)
-    device_microbatch_size: int | Literal["auto"] = 16
+    device_microbatch_size: int = 16
     # peak learning rate (AdamW); auto: 2e-05 (the recipe's, for fine-tuning a
     # pretrained model), or demo_lr for model=tiny
     lr: float | Literal["auto"] = "auto"
@@ -118,7 +118,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     if cfg.lr == "auto":  # the recipe's rate; the offline demo's for model=tiny
         cfg.lr = cfg.demo_lr if cfg.model == "tiny" else 2e-05
     problem = fsdp.check(parallel, env)
-    problem = problem or microbatch.check(cfg.device_microbatch_size, auto=False)
+    problem = problem or microbatch.check(cfg.device_microbatch_size)
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
     problem = problem or checkpoint.check_access(cfg.save_folder, cfg.load_path)
     problem = problem or early_stop.check(
@@ -251,7 +251,9 @@ def forward_backward(
 
 
 def main() -> None:
-    cfg = config.parse(Config)
+    cfg = config.parse(
+        Config, refusals={"device_microbatch_size": {"auto": microbatch.NO_SEARCH}}
+    )
     env, parallel = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
@@ -330,8 +332,8 @@ def main() -> None:
         log=monitor.info,
     )
     # What a checkpoint holds: entries with state_dict() and load_state_dict(). An
-    # algorithm with state of its own (EMA weights) adds one at OPTIMIZER, and may name
-    # the entry `scaffold export` writes out for inference (by default "model").
+    # algorithm with state of its own adds one at OPTIMIZER, and may name the entry
+    # `scaffold export` writes out for inference (by default "model").
     state = dict(model=model, optimizer=optimizer, progress=progress, stopper=stopper)
     checkpointer = checkpoint.Checkpointer(
         cfg.save_folder or run_dir / "checkpoints",

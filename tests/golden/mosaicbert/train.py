@@ -1,4 +1,4 @@
-"""Train my-gpt: BERT masked-LM pretraining (recipe `mosaicbert`).
+"""Train mosaicbert: BERT masked-LM pretraining (recipe `mosaicbert`).
 
     python train.py                     # CPU or one GPU: Python's docs, WordPiece
     python train.py --model=bert-base --data=corpus.txt --max_duration=70000ba
@@ -35,7 +35,7 @@ from runtime.time import Progress, Time, as_fraction, check_fraction
 
 @dataclass
 class Config:
-    run_name: str = "my-gpt"  # runs/<run_name>/; rerunning a name resumes it
+    run_name: str = "mosaicbert"  # runs/<run_name>/; rerunning a name resumes it
     seed: int = 42  # a run is a function of (config, seed)
     # data: "" Python's documentation topics; a .txt/.jsonl file, a folder, litdata
     data: str = ""
@@ -55,7 +55,7 @@ class Config:
     max_duration: Time = Time.parse("300ba")  # training length
     global_batch_size: int = 32  # samples per step, summed over ranks
     # samples per forward/backward (gradient accumulation over the rank's batch)
-    device_microbatch_size: int | Literal["auto"] = 16
+    device_microbatch_size: int = 16
     lr: float = 0.002  # peak learning rate (AdamW)
     lr_warmup: Time = Time.parse("0.06dur")  # linear from 0, then linear decay
     min_lr_ratio: float = 0.02  # the decay ends at min_lr_ratio * lr
@@ -122,7 +122,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
     # `auto` settled for this device: the run's config.toml records what ran.
     cfg.precision, cfg.compile = parallel.precision, parallel.compile
     problem = fsdp.check(parallel, env)
-    problem = problem or microbatch.check(cfg.device_microbatch_size, auto=False)
+    problem = problem or microbatch.check(cfg.device_microbatch_size)
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
     problem = problem or checkpoint.check_access(cfg.save_folder, cfg.load_path)
     problem = problem or early_stop.check(
@@ -317,7 +317,9 @@ def forward_backward(
 
 
 def main() -> None:
-    cfg = config.parse(Config)
+    cfg = config.parse(
+        Config, refusals={"device_microbatch_size": {"auto": microbatch.NO_SEARCH}}
+    )
     env, parallel = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
@@ -395,8 +397,8 @@ def main() -> None:
         log=monitor.info,
     )
     # What a checkpoint holds: entries with state_dict() and load_state_dict(). An
-    # algorithm with state of its own (EMA weights) adds one at OPTIMIZER, and may name
-    # the entry `scaffold export` writes out for inference (by default "model").
+    # algorithm with state of its own adds one at OPTIMIZER, and may name the entry
+    # `scaffold export` writes out for inference (by default "model").
     state = dict(model=model, optimizer=optimizer, progress=progress, stopper=stopper)
     checkpointer = checkpoint.Checkpointer(
         cfg.save_folder or run_dir / "checkpoints",

@@ -482,8 +482,8 @@ def progressive_resize(
 
 # algorithm: randaugment
 # ---------------------------------------------------------------- image operations
-# AugMix's operations (Hendrycks et al. 2020), which Composer's RandAugment and AugMix
-# both draw from, on uint8 tensors (C, H, W), in Composer's three sets
+# AugMix's operations (Hendrycks et al. 2020), which Composer's RandAugment draws from
+# too, on uint8 tensors (C, H, W), in Composer's three sets
 # (composer/algorithms/utils/augmentation_primitives.py, augmentation_sets): "safe"
 # leaves out the four colour operations, which overlap the corruptions of the
 # ImageNet-C benchmark; "all" draws their factors as Composer does by default,
