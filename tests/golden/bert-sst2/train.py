@@ -1,11 +1,11 @@
-"""Train bert-sst2: fine-tune a Hugging Face text classifier (recipe `bert-sst2`).
+"""Train bert-sst2: fine-tune a Hugging Face text classifier.
 
     python train.py                     # CPU or one GPU: tiny BERT, embedded data
     python train.py --model=bert-base-uncased --data=sst2.csv
     python train.py --config run.toml   # keys as in Config below; flags override it
     python train.py --help              # every key, its default and meaning
 
-Algorithms: none.
+Recipe `bert-sst2`; algorithms: none.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
 for this task hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end
 algorithm: NAME`. `scaffold upgrade` merges newer template versions in and keeps your

@@ -1,11 +1,11 @@
-"""Train cifar-resnet56-baseline: a ResNet image classifier (recipe `cifar-resnet56-baseline`).
+"""Train cifar-resnet56-baseline: a ResNet image classifier.
 
     python train.py                     # CPU or one GPU, on the embedded default data
     python train.py --data=/data/imagenet --model=resnet50 --max_duration=90ep
     python train.py --config run.toml   # keys as in Config below; flags override it
     python train.py --help              # every key, its default and meaning
 
-Algorithms: none.
+Recipe `cifar-resnet56-baseline`; algorithms: none.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
 for this task hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end
 algorithm: NAME`. `scaffold upgrade` merges newer template versions in and keeps your

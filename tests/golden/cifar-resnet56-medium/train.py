@@ -1,12 +1,12 @@
-"""Train cifar-resnet56-medium: a ResNet image classifier (recipe `cifar-resnet56-medium`).
+"""Train cifar-resnet56-medium: a ResNet image classifier.
 
     python train.py                     # CPU or one GPU, on the embedded default data
     python train.py --data=/data/imagenet --model=resnet50 --max_duration=90ep
     python train.py --config run.toml   # keys as in Config below; flags override it
     python train.py --help              # every key, its default and meaning
 
-Algorithms: blurpool, sam, label_smoothing, mixup, progressive_resizing, channels_last,
-ema.
+Recipe `cifar-resnet56-medium`; algorithms: blurpool, sam, label_smoothing, mixup,
+progressive_resizing, channels_last, ema.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
 for this task hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end
 algorithm: NAME`. `scaffold upgrade` merges newer template versions in and keeps your

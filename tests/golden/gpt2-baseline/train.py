@@ -1,11 +1,11 @@
-"""Train gpt2-baseline: a GPT-2 language model (recipe `gpt2-baseline`).
+"""Train gpt2-baseline: a GPT-2 language model.
 
     python train.py                     # CPU or one GPU, on the embedded default data
     python train.py --max_duration=2000ba --lr=1e-3 --data=corpus.txt
     python train.py --config run.toml   # keys as in Config below; flags override it
     python train.py --help              # every key, its default and meaning
 
-Algorithms: gradient_clipping.
+Recipe `gpt2-baseline`; algorithms: gradient_clipping.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
 for this task hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end
 algorithm: NAME`. `scaffold upgrade` merges newer template versions in and keeps your

@@ -1,12 +1,12 @@
-"""Train gpt2-modern: a GPT-2 language model (recipe `gpt2-modern`).
+"""Train gpt2-modern: a GPT-2 language model.
 
     python train.py                     # CPU or one GPU, on the embedded default data
     python train.py --max_duration=2000ba --lr=1e-3 --data=corpus.txt
     python train.py --config run.toml   # keys as in Config below; flags override it
     python train.py --help              # every key, its default and meaning
 
-Algorithms: logit_softcap, muon, qk_norm, relu_squared, rotary, gradient_clipping,
-zero_init.
+Recipe `gpt2-modern`; algorithms: logit_softcap, muon, qk_norm, relu_squared, rotary,
+gradient_clipping, zero_init.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
 for this task hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end
 algorithm: NAME`. `scaffold upgrade` merges newer template versions in and keeps your

@@ -1,12 +1,12 @@
-"""Train gpt2-speedrun: a GPT-2 language model (recipe `gpt2-speedrun`).
+"""Train gpt2-speedrun: a GPT-2 language model.
 
     python train.py                     # CPU or one GPU, on the embedded default data
     python train.py --max_duration=2000ba --lr=1e-3 --data=corpus.txt
     python train.py --config run.toml   # keys as in Config below; flags override it
     python train.py --help              # every key, its default and meaning
 
-Algorithms: bigram_hash_embedding, logit_softcap, muon, qk_norm, relu_squared, rotary,
-gradient_clipping, zero_init.
+Recipe `gpt2-speedrun`; algorithms: bigram_hash_embedding, logit_softcap, muon, qk_norm,
+relu_squared, rotary, gradient_clipping, zero_init.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
 for this task hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end
 algorithm: NAME`. `scaffold upgrade` merges newer template versions in and keeps your

@@ -1,11 +1,11 @@
-"""Train llm-lora: fine-tune a causal LM (recipe `llm-lora`).
+"""Train llm-lora: fine-tune a causal LM.
 
     python train.py                     # CPU or one GPU: tiny Llama, embedded data
     python train.py --model=Qwen/Qwen2.5-0.5B --data=chats.jsonl --data_format=chat
     python train.py --config run.toml   # keys as in Config below; flags override it
     python train.py --help              # every key, its default and meaning
 
-Algorithms: none.
+Recipe `llm-lora`; algorithms: none.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
 for this task hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end
 algorithm: NAME`. `scaffold upgrade` merges newer template versions in and keeps your

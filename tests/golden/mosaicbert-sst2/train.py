@@ -1,11 +1,11 @@
-"""Train mosaicbert-sst2: fine-tune a BERT text classifier (recipe `mosaicbert-sst2`).
+"""Train mosaicbert-sst2: fine-tune a BERT text classifier.
 
     python train.py                     # CPU or one GPU: tiny BERT, embedded data
     python train.py --model=../exported --data=sst2.csv  # a masked_lm run's export
     python train.py --config run.toml   # keys as in Config below; flags override it
     python train.py --help              # every key, its default and meaning
 
-Algorithms: gated_linear_units, alibi.
+Recipe `mosaicbert-sst2`; algorithms: gated_linear_units, alibi.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
 for this task hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end
 algorithm: NAME`. `scaffold upgrade` merges newer template versions in and keeps your

@@ -1,12 +1,12 @@
-"""Train resnet50-hot: a ResNet image classifier (recipe `resnet50-hot`).
+"""Train resnet50-hot: a ResNet image classifier.
 
     python train.py                     # CPU or one GPU, on the embedded default data
     python train.py --data=/data/imagenet --model=resnet50 --max_duration=90ep
     python train.py --config run.toml   # keys as in Config below; flags override it
     python train.py --help              # every key, its default and meaning
 
-Algorithms: blurpool, sam, colout, label_smoothing, mixup, progressive_resizing,
-randaugment, stochastic_depth, channels_last, ema.
+Recipe `resnet50-hot`; algorithms: blurpool, sam, colout, label_smoothing, mixup,
+progressive_resizing, randaugment, stochastic_depth, channels_last, ema.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
 for this task hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end
 algorithm: NAME`. `scaffold upgrade` merges newer template versions in and keeps your

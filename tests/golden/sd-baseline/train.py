@@ -1,11 +1,11 @@
-"""Train sd-baseline: text-to-image latent diffusion (recipe `sd-baseline`).
+"""Train sd-baseline: text-to-image latent diffusion.
 
     python train.py                     # CPU or one GPU: tiny parts, captioned digits
     python train.py --model=./sd2-base --data=captions.jsonl --resolution=512
     python train.py --config run.toml   # keys as in Config below; flags override it
     python train.py --help              # every key, its default and meaning
 
-Algorithms: none.
+Recipe `sd-baseline`; algorithms: none.
 This loop is yours to edit. `# event: NAME` comments mark where scaffold's algorithms
 for this task hook in; each algorithm's code is fenced by `# algorithm: NAME` ... `# end
 algorithm: NAME`. `scaffold upgrade` merges newer template versions in and keeps your

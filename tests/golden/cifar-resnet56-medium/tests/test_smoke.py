@@ -76,7 +76,7 @@ def test_accuracy_rises(tmp_path: Path) -> None:
     # - progressive resizing from half the digits' 8 pixels,
     # - MixUp,
     # so this asks that it learns, not how far.
-    # Validation loss falls, top-1 ends above chance (10 classes: 0.1), the training loss
+    # Validation loss falls, top-1 ends above chance (10 classes: 0.1), training loss
     # goes down.
     top1 = [r["val_top1"] for r in records if "val_top1" in r]
     val_loss = [r["val_loss"] for r in records if "val_loss" in r]
