@@ -1,8 +1,10 @@
 """Model-changing algorithms live in model.py, not train.py (DESIGN §2): for every shipped
 recipe, and for every algorithm rendered alone on each task and model family it declares
 (test_packs.py applies `check_train_py` there), the generated train.py (read as a syntax
-tree, never run) defines no class but `Config` and never writes torch._dynamo's
-configuration inside main()'s loop, directly or through a function it calls there.
+tree, never run) defines no class but `Config`, never writes torch._dynamo's
+configuration inside main()'s loop, directly or through a function it calls there, and
+keeps every algorithm's fence inside main() to a step of at most
+MAX_FENCE_CODE_LINES code lines: longer logic is a function the fence calls.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 from conftest import RECIPES
 
 DYNAMO_CONFIG = "torch._dynamo.config"
+MAX_FENCE_CODE_LINES = 6
 
 
 def dotted(node: ast.AST) -> str:
@@ -88,6 +91,28 @@ def check_train_py(source: str) -> list[str]:
             problems.append(
                 f"writes {DYNAMO_CONFIG} inside main()'s loop at line {loop.lineno}"
             )
+    # main()'s lines up to the next top-level statement: a fence may close after its last
+    end = min((n.lineno - 1 for n in tree.body if n.lineno > main.lineno), default=None)
+    lines = source.splitlines()[main.lineno - 1 : end]
+    return problems + long_fences(lines, main.lineno)
+
+
+def long_fences(lines: list[str], first_line: int) -> list[str]:
+    """Fences among `lines` (main()'s) with over MAX_FENCE_CODE_LINES code lines."""
+    problems = []
+    name, start, code = "", 0, 0
+    for number, line in enumerate(lines, first_line):
+        text = line.strip()
+        if text.startswith("# algorithm: "):
+            name, start, code = text.removeprefix("# algorithm: "), number, 0
+        elif text.startswith("# end algorithm: "):
+            if code > MAX_FENCE_CODE_LINES:
+                problems.append(
+                    f"fence {name} in main() at line {start} has {code} code lines"
+                )
+            name = ""
+        elif name and text and not text.startswith("#"):
+            code += 1
     return problems
 
 
@@ -115,15 +140,28 @@ def main():
         compile_for(step)
     while True:
         torch._dynamo.config.automatic_dynamic_shapes = False
+    # algorithm: mixup
+    a = 1
+    # a step's logic inline: seven code lines
+    b = 2
+    c = 3
+
+    d = 4
+    e = 5
+    f = 6
+    g = 7
+    # end algorithm: mixup
 """
     problems = check_train_py(before)
     assert problems[0].startswith("defines class BlurConv2d")
     assert [p.split(" at line ")[0] for p in problems[1:]] == [
         f"writes {DYNAMO_CONFIG} inside main()'s loop"
-    ] * 2
+    ] * 2 + ["fence mixup in main()"]
+    assert problems[-1].endswith("has 7 code lines")
     assert (
         check_train_py(
             before.replace("compile_for(step)", "pass")
+            .replace("    g = 7\n", "")
             .replace("torch._dynamo.config.automatic_dynamic_shapes = False", "break")
             .replace("class BlurConv2d(torch.nn.Conv2d):\n    pass\n", "")
         )
