@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -68,6 +70,48 @@ def run_train(
         text=True,
         timeout=timeout,
     )
+
+
+TRAIN_MANY = Path(__file__).resolve().parent / "train_many.py"
+
+
+def run_train_many(
+    runs: dict[str, tuple[Path, Path, list[str]]], timeout: int = 300
+) -> dict[str, subprocess.CompletedProcess[str]]:
+    """`python train.py ARGS` in `workdir` (on the CPU) for each name: (project, workdir,
+    args), in that order, all in one interpreter (tests/train_many.py): for runs that stop
+    in setup, whose cost is mostly importing torch. What each would have returned alone.
+    """
+    jobs_dir = Path(tempfile.mkdtemp(prefix="train-many."))
+    jobs = [
+        [
+            str(project / "train.py"),
+            str(workdir),
+            ["--device=cpu", *args],
+            str(jobs_dir / name),
+        ]
+        for name, (project, workdir, args) in runs.items()
+    ]
+    (jobs_dir / "jobs.json").write_text(json.dumps(jobs))
+    driver = subprocess.run(
+        [sys.executable, str(TRAIN_MANY), str(jobs_dir / "jobs.json")],
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout * len(jobs),
+    )
+    assert driver.returncode == 0, driver.stdout[-3000:] + driver.stderr[-3000:]
+    results = {
+        name: subprocess.CompletedProcess(
+            ["train.py", *args],
+            int((jobs_dir / f"{name}.code").read_text()),
+            (jobs_dir / f"{name}.out").read_text(),
+            (jobs_dir / f"{name}.err").read_text(),
+        )
+        for name, (_, _, args) in runs.items()
+    }
+    shutil.rmtree(jobs_dir)
+    return results
 
 
 STOP_AFTER = Path(__file__).resolve().parent / "stop_after.py"

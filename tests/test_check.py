@@ -11,12 +11,16 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
+import scaffold.check
+import scaffold.diff
 from conftest import RECIPES, scaffold_cli
 from scaffold import __version__
 from scaffold.catalog import EVENTS, load_algorithms, task_events
@@ -85,7 +89,28 @@ def status(report: Report, algorithm: str) -> str:
 # --- no edits --------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def one_pristine_render(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """`check` and `diff` share one pristine render per answers and version (rendering is
+    most of their cost; neither writes to the render)."""
+    renders: dict[str, Path] = {}
+    with ExitStack() as kept:
+
+        @contextmanager
+        def shared(answers: dict[str, Any], version: str) -> Iterator[Path]:
+            key = repr((sorted(answers.items()), version))
+            if key not in renders:
+                renders[key] = kept.enter_context(pristine_render(answers, version))
+            yield renders[key]
+
+        monkeypatch.setattr(scaffold.check, "pristine_render", shared)
+        monkeypatch.setattr(scaffold.diff, "pristine_render", shared)
+        yield
+        assert len(renders) == 1, "check and diff rendered different answers"
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.usefixtures("one_pristine_render")
 def test_an_unedited_project_is_clean_and_its_diff_is_empty(
     recipe: str, generated: dict[str, Path]
 ) -> None:

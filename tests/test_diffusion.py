@@ -29,7 +29,12 @@ pytest.importorskip("sklearn")
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from projects import checkout_env, read_metrics, run_train  # noqa: E402
+from projects import (  # noqa: E402
+    checkout_env,
+    read_metrics,
+    run_train,
+    run_train_many,
+)
 
 RECIPE = "sd-baseline"
 SMALL = [
@@ -168,10 +173,17 @@ def test_bad_input_is_one_line_and_writes_nothing(
             "is longer than the text encoder's 16 tokens; shorten it",
         ),
     }
+    for name in cases:
+        (tmp_path / name).mkdir()
+    results = run_train_many(
+        {
+            name: (generated[RECIPE], tmp_path / name, [*SMALL, *args])
+            for name, (args, _) in cases.items()
+        }
+    )
     for name, (args, expected) in cases.items():
         workdir = tmp_path / name
-        workdir.mkdir()
-        result = run_train(generated[RECIPE], workdir, *SMALL, *args)
+        result = results[name]
         assert result.returncode == 2, (name, result.stderr)
         lines = result.stderr.strip().splitlines()
         assert (

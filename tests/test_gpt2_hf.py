@@ -27,6 +27,7 @@ from projects import (
     project_modules,
     read_metrics,
     run_train,
+    run_train_many,
 )  # noqa: E402
 
 SEQ = (
@@ -309,33 +310,43 @@ def test_refusals_are_one_line_and_write_nothing(
             "needs transformers: pip install 'scaffold[hf]'",
         ),
     }
-    for name, (recipe, args, expected) in cases.items():
-        workdir = tmp_path / "work" / name
-        workdir.mkdir(parents=True)
-        env = None
-        if name == "no-transformers":
-            env = {
-                **checkout_env(),
-                "PYTHONPATH": f"{blocker.parent}:{checkout_env()['PYTHONPATH']}",
-            }
-        result = subprocess.run(
-            [
-                sys.executable,
-                str(generated[recipe] / "train.py"),
-                "--device=cpu",
-                *RUN,
-                f"--data={data}",
-                f"--run_name={name}",
-                *args,
-            ],
-            cwd=workdir,
-            env=env or checkout_env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        one_line_error(result, expected)
-        assert not (workdir / "runs").exists(), name
+    for name in cases:
+        (tmp_path / "work" / name).mkdir(parents=True)
+    # One interpreter for the runs that share this checkout's environment (imports once).
+    results = run_train_many(
+        {
+            name: (
+                generated[recipe],
+                tmp_path / "work" / name,
+                [*RUN, f"--data={data}", f"--run_name={name}", *args],
+            )
+            for name, (recipe, args, _) in cases.items()
+            if name != "no-transformers"
+        }
+    )
+    recipe, args, _ = cases["no-transformers"]
+    results["no-transformers"] = subprocess.run(
+        [
+            sys.executable,
+            str(generated[recipe] / "train.py"),
+            "--device=cpu",
+            *RUN,
+            f"--data={data}",
+            "--run_name=no-transformers",
+            *args,
+        ],
+        cwd=tmp_path / "work" / "no-transformers",
+        env={
+            **checkout_env(),
+            "PYTHONPATH": f"{blocker.parent}:{checkout_env()['PYTHONPATH']}",
+        },
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    for name, (_, _, expected) in cases.items():
+        one_line_error(results[name], expected)
+        assert not (tmp_path / "work" / name / "runs").exists(), name
 
     # Without init_from, a GPT project's modules do not import transformers.
     probe = subprocess.run(
