@@ -32,7 +32,7 @@ from torch import nn
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from runtime import checkpoint, dist, fsdp  # noqa: E402
+from runtime import checkpoint, dist, parallel  # noqa: E402
 from runtime.time import Progress  # noqa: E402
 
 
@@ -65,8 +65,8 @@ def build(
     torch.manual_seed(0)
     model = Model(params)
     if env is not None and env.world_size > 1:
-        model = fsdp.parallelize(
-            model, model.blocks, env, fsdp.ParallelConfig(parallelism="fsdp")
+        model = parallel.parallelize(
+            model, model.blocks, env, parallel.ParallelConfig(parallelism="fsdp")
         )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model(torch.randint(0, 50304, (1, 8))).float().pow(

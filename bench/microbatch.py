@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn as nn
 
-from runtime import dist, fsdp, microbatch
+from runtime import dist, parallel, microbatch
 
 
 class Net(nn.Module):
@@ -66,11 +66,11 @@ def main() -> None:
 
     def build(size: int | str) -> tuple[nn.Module, microbatch.Search]:
         model = Net(args.width, args.depth).to(env.device)
-        model = fsdp.parallelize(
-            model, model.blocks, env, fsdp.ParallelConfig(parallelism=args.parallelism)
+        model = parallel.parallelize(
+            model, model.blocks, env, parallel.ParallelConfig(parallelism=args.parallelism)
         )
         search = microbatch.Search(
-            model, fsdp.unwrap(model).blocks, env, size, args.batch, log=dist.print0
+            model, parallel.unwrap(model).blocks, env, size, args.batch, log=dist.print0
         )
         return model, search
 
@@ -85,7 +85,7 @@ def main() -> None:
                         raise torch.OutOfMemoryError(
                             "bench: pretend this size does not fit"
                         )
-                    fsdp.sync_gradients(model, i == len(chunks) - 1)
+                    parallel.sync_gradients(model, i == len(chunks) - 1)
                     (model(chunk).square().mean() / len(chunks)).backward()
         for p in model.parameters():
             p.grad = None

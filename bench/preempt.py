@@ -29,7 +29,7 @@ def worker(project: str, model_name: str, rounds: int, steps: int) -> None:
     sys.path.insert(0, project)
     from model import GPT, PRESETS, GPTConfig  # the generated project's model
 
-    from runtime import dist, fsdp
+    from runtime import dist, parallel
     from runtime.preempt import Preemption
 
     env = dist.environment("cpu")
@@ -41,7 +41,7 @@ def worker(project: str, model_name: str, rounds: int, steps: int) -> None:
             vocab_size=256, max_seq_len=seq_len, dropout=0.0, **PRESETS[model_name]
         )
     )
-    parallel = fsdp.ParallelConfig(
+    plan = parallel.ParallelConfig(
         parallelism="fsdp",
         sharding_strategy="FULL_SHARD",
         precision="fp32",
@@ -49,7 +49,7 @@ def worker(project: str, model_name: str, rounds: int, steps: int) -> None:
         cpu_offload=False,
         hybrid_shard_size=0,
     )
-    model = fsdp.parallelize(model, model.blocks, env, parallel)
+    model = parallel.parallelize(model, model.blocks, env, plan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     preemption = Preemption()
     data = torch.randint(0, 256, (per_rank, seq_len + 1))
@@ -59,7 +59,7 @@ def worker(project: str, model_name: str, rounds: int, steps: int) -> None:
         inputs, targets = data[:, :-1], data[:, 1:]
         microbatches = list(zip(inputs.split(micro), targets.split(micro)))
         for i, (x, y) in enumerate(microbatches):
-            fsdp.sync_gradients(model, i == len(microbatches) - 1)
+            parallel.sync_gradients(model, i == len(microbatches) - 1)
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")
             (loss / y.numel()).backward()
         optimizer.step()

@@ -71,7 +71,7 @@ FSDP's per-iteration state, but leaves partial gradients behind (sharded `.grad`
 unsharded ones accumulated across microbatches without sync) that would silently add into
 the next attempt; they are dropped explicitly.
 DDP: its reducer cannot survive a backward that stops half way, so while searching every
-microbatch runs without gradient sync (`fsdp.sync_gradients` is told to defer) and the
+microbatch runs without gradient sync (`parallel.sync_gradients` is told to defer) and the
 gradients are all-reduced by hand (divided by the world size, as DDP does) once every rank
 agreed that the attempt succeeded. Later steps use DDP's own bucketed all-reduce.
 One process: no votes; the error is caught and the batch retried.
@@ -107,7 +107,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from runtime import fsdp
+from runtime import parallel
 from runtime.dist import DistEnv
 
 INJECT_ENV = "SCAFFOLD_INJECT_OOM"
@@ -409,7 +409,7 @@ class Search:
         if not self._announced and self.settled_len == 0:
             self._log(f"microbatch size: auto, starting at {self.size}")
         self._announced = True
-        fsdp.defer_gradient_sync(self.model, True)  # DDP: reduced by hand once it fits
+        parallel.defer_gradient_sync(self.model, True)  # DDP: reduced by hand once it fits
         try:
             for attempt in self._search(self.size, seq_len, "the batch"):
                 yield attempt
@@ -417,7 +417,7 @@ class Search:
                     self.size = attempt.size
                     self._settle(seq_len, proven=not 0 < rows < attempt.size)
         finally:
-            fsdp.defer_gradient_sync(self.model, False)
+            parallel.defer_gradient_sync(self.model, False)
 
     def eval_attempts(self, seq_len: int) -> Iterator[Attempt]:
         """Attempts at one evaluation pass (forwards only) over sequences of `seq_len`.

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 
-from runtime import checkpoint, dist, fsdp
+from runtime import checkpoint, dist, parallel
 from runtime.early_stop import EarlyStopper
 from runtime.time import Progress, Time
 
@@ -58,8 +58,8 @@ def build(env: dist.DistEnv, parallelism: str, seed: int) -> dict:
     the progress and an early stopper."""
     torch.manual_seed(seed)
     model, ema = Tiny(), Tiny()
-    config = fsdp.ParallelConfig(parallelism=parallelism)
-    model, ema = (fsdp.parallelize(m, m.blocks, env, config) for m in (model, ema))
+    config = parallel.ParallelConfig(parallelism=parallelism)
+    model, ema = (parallel.parallelize(m, m.blocks, env, config) for m in (model, ema))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     stopper = EarlyStopper("val_loss", Time.parse("5ba"), log=lambda line: None)
     return {

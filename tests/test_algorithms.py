@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from projects import project_modules, read_metrics, run_train
-from runtime import fsdp
+from runtime import parallel
 
 TINY = [
     "--seq_len=64",
@@ -309,7 +309,7 @@ def test_adaptive_clipping_scales_each_unit_to_its_weight_norm() -> None:
     torch.nn.init.zeros_(model[2].bias)
     (model(torch.randn(5, 2, 4, 4)) * torch.arange(4.0)).sum().backward()
     before = {name: param.grad.clone() for name, param in model.named_parameters()}
-    fsdp.clip_grad_adaptive_(model.parameters(), 0.05)
+    parallel.clip_grad_adaptive_(model.parameters(), 0.05)
     scales = []
     for name, param in model.named_parameters():
         weight, grad = param.detach(), before[name]

@@ -47,7 +47,7 @@ from test_upgrade import make_template, replace_once, snapshot
 
 RECIPE = "gpt2-speedup"  # alibi (model.py), gradient_clipping and seq_length_warmup (train.py)
 CLIP_STEP = (
-    "            grad_norm = fsdp.clip_grad_norm_(\n"
+    "            grad_norm = parallel.clip_grad_norm_(\n"
     "                model.parameters(), cfg.gradient_clipping_max_norm\n"
     "            )\n"
 )
@@ -213,8 +213,8 @@ def test_an_edited_block_is_reported_and_diffed_under_its_algorithm(
 ) -> None:
     edit(
         project,
-        "            grad_norm = fsdp.clip_grad_norm_(\n",
-        "            grad_norm = 2 * fsdp.clip_grad_norm_(\n",
+        "            grad_norm = parallel.clip_grad_norm_(\n",
+        "            grad_norm = 2 * parallel.clip_grad_norm_(\n",
     )
     edit(
         project,
@@ -238,8 +238,8 @@ def test_an_edited_block_is_reported_and_diffed_under_its_algorithm(
     lines = diff(project)
     text = "\n".join(lines)
     assert "=== train.py: algorithm gradient_clipping" in lines
-    assert "-            grad_norm = fsdp.clip_grad_norm_(" in text
-    assert "+            grad_norm = 2 * fsdp.clip_grad_norm_(" in text
+    assert "-            grad_norm = parallel.clip_grad_norm_(" in text
+    assert "+            grad_norm = 2 * parallel.clip_grad_norm_(" in text
     # an edit outside every block is grouped under the code above it (the Config class here)
     assert "+    beta2: float = 0.99" in text and "=== train.py: Config" in lines
     assert sum(line.startswith("@@") for line in lines) == 2
@@ -250,8 +250,8 @@ def test_the_diff_applied_to_the_pristine_render_gives_the_users_files(
 ) -> None:
     edit(
         project,
-        "            grad_norm = fsdp.clip_grad_norm_(\n",
-        "            grad_norm = 2 * fsdp.clip_grad_norm_(\n",
+        "            grad_norm = parallel.clip_grad_norm_(\n",
+        "            grad_norm = 2 * parallel.clip_grad_norm_(\n",
     )
     edit(
         project,
@@ -598,8 +598,8 @@ def test_add_refuses_over_an_unlisted_fence_of_the_same_name(
 def test_remove_of_an_edited_block_shows_it_and_asks_for_force(project: Path) -> None:
     edit(
         project,
-        "            grad_norm = fsdp.clip_grad_norm_(\n",
-        "            grad_norm = 2 * fsdp.clip_grad_norm_(\n",
+        "            grad_norm = parallel.clip_grad_norm_(\n",
+        "            grad_norm = 2 * parallel.clip_grad_norm_(\n",
     )
     edit(
         project,
@@ -616,7 +616,7 @@ def test_remove_of_an_edited_block_shows_it_and_asks_for_force(project: Path) ->
     first, last = clip_block_lines(project)
     assert f"train.py:{first}-{last} (main after AFTER_BACKWARD)" in result.stderr
     assert (
-        "    grad_norm = 2 * fsdp.clip_grad_norm_(" in result.stderr
+        "    grad_norm = 2 * parallel.clip_grad_norm_(" in result.stderr
     )  # the edited block, shown
     assert "scaffold remove gradient_clipping --force" in result.stderr
     assert snapshot(project) == before

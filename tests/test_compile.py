@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from projects import checkout_env, project_modules, read_metrics, run_train
-from runtime import fsdp
+from runtime import parallel
 from runtime.dist import DistEnv
 
 CPU = torch.device("cpu")
@@ -61,13 +61,13 @@ def step(
 def test_auto_means_cuda_only() -> None:
     cuda = torch.device("cuda", 0)
     # auto: regional compilation on CUDA (the loss compiled with it), none on the CPU.
-    assert fsdp.resolve_compile("auto", cuda) is True
-    assert fsdp.resolve_compile("auto", CPU) is False
-    assert fsdp.resolve_compile(True, CPU) and not fsdp.resolve_compile(False, cuda)
-    assert fsdp.resolve_compile("model", CPU) == "model"
-    assert fsdp.resolve_precision("auto", cuda) == "amp_bf16"
-    assert fsdp.resolve_precision("auto", CPU) == "fp32"
-    assert fsdp.resolve_precision("bf16", cuda) == "bf16"
+    assert parallel.resolve_compile("auto", cuda) is True
+    assert parallel.resolve_compile("auto", CPU) is False
+    assert parallel.resolve_compile(True, CPU) and not parallel.resolve_compile(False, cuda)
+    assert parallel.resolve_compile("model", CPU) == "model"
+    assert parallel.resolve_precision("auto", cuda) == "amp_bf16"
+    assert parallel.resolve_precision("auto", CPU) == "fp32"
+    assert parallel.resolve_precision("bf16", cuda) == "bf16"
 
 
 def test_the_loss_is_compiled_whenever_the_model_is() -> None:
@@ -78,10 +78,10 @@ def test_the_loss_is_compiled_whenever_the_model_is() -> None:
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float(), targets, reduction="sum")
 
-    assert fsdp.compile_loss(loss, fsdp.ParallelConfig(compile=False)) is loss
+    assert parallel.compile_loss(loss, parallel.ParallelConfig(compile=False)) is loss
     cuda = torch.device("cuda", 0)
-    for how in (True, "model", fsdp.resolve_compile("auto", cuda)):
-        compiled = fsdp.compile_loss(loss, fsdp.ParallelConfig(compile=how))
+    for how in (True, "model", parallel.resolve_compile("auto", cuda)):
+        compiled = parallel.compile_loss(loss, parallel.ParallelConfig(compile=how))
         assert compiled is not loss
         assert getattr(compiled, "_torchdynamo_orig_callable", None) is loss
 
@@ -93,9 +93,9 @@ def test_whole_model_compile_is_in_place_and_one_process_only(modules) -> None:
     """
     model = tiny_gpt(modules)
     keys = list(model.state_dict())
-    config = fsdp.ParallelConfig(compile="model")
-    assert fsdp.check(config, ONE_PROCESS) is None
-    assert fsdp.parallelize(model, model.blocks, ONE_PROCESS, config) is model
+    config = parallel.ParallelConfig(compile="model")
+    assert parallel.check(config, ONE_PROCESS) is None
+    assert parallel.parallelize(model, model.blocks, ONE_PROCESS, config) is model
     assert list(model.state_dict()) == keys and type(model).__name__ == "GPT"
     assert model._compiled_call_impl is not None  # nn.Module.compile()
     assert all(  # the blocks are traced into the model's graph, not compiled apart
@@ -103,15 +103,15 @@ def test_whole_model_compile_is_in_place_and_one_process_only(modules) -> None:
         for block in model.blocks
     )
     for parallelism in ("fsdp", "ddp"):
-        problem = fsdp.check(
-            fsdp.ParallelConfig(parallelism=parallelism, compile="model"), ONE_PROCESS
+        problem = parallel.check(
+            parallel.ParallelConfig(parallelism=parallelism, compile="model"), ONE_PROCESS
         )
         assert problem and "one process" in problem and "--compile=true" in problem
-    checkpointed = fsdp.ParallelConfig(compile="model", activation_checkpointing=True)
-    problem = fsdp.check(checkpointed, ONE_PROCESS)
+    checkpointed = parallel.ParallelConfig(compile="model", activation_checkpointing=True)
+    problem = parallel.check(checkpointed, ONE_PROCESS)
     assert problem and "checkpointing" in problem and "--compile=true" in problem
-    assert "model or auto" in fsdp.check(
-        fsdp.ParallelConfig(compile="blocks"), ONE_PROCESS
+    assert "model or auto" in parallel.check(
+        parallel.ParallelConfig(compile="blocks"), ONE_PROCESS
     )
 
 
@@ -139,8 +139,8 @@ def test_regional_compile_matches_eager_and_keeps_keys(modules) -> None:
     eager = tiny_gpt(modules)
     compiled = copy.deepcopy(eager)
     keys = list(eager.state_dict())
-    config = fsdp.ParallelConfig(compile=True, activation_checkpointing=True)
-    model = fsdp.parallelize(compiled, compiled.blocks, ONE_PROCESS, config)
+    config = parallel.ParallelConfig(compile=True, activation_checkpointing=True)
+    model = parallel.parallelize(compiled, compiled.blocks, ONE_PROCESS, config)
     assert (
         model is compiled and list(model.state_dict()) == keys
     )  # no `_orig_mod.` prefix
@@ -171,8 +171,8 @@ def test_recompilation_is_bounded_over_sequence_lengths_and_microbatch_sizes(
     automatic dynamic shapes recompile once per dimension that varies, then never again.
     """
     model = tiny_gpt(modules)
-    fsdp.parallelize(
-        model, model.blocks, ONE_PROCESS, fsdp.ParallelConfig(compile=True)
+    parallel.parallelize(
+        model, model.blocks, ONE_PROCESS, parallel.ParallelConfig(compile=True)
     )
     generator = torch.Generator().manual_seed(2)
     before = counters["stats"]["unique_graphs"]
@@ -261,8 +261,8 @@ def test_alibi_flex_attention_inside_compiled_blocks_matches_the_dense_bias(
         )
         dense = model_module.GPT(config)
         flex = copy.deepcopy(dense)
-        fsdp.parallelize(
-            flex, flex.blocks, ONE_PROCESS, fsdp.ParallelConfig(compile=True)
+        parallel.parallelize(
+            flex, flex.blocks, ONE_PROCESS, parallel.ParallelConfig(compile=True)
         )
         generator = torch.Generator().manual_seed(3)
         inputs = [

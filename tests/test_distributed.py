@@ -48,15 +48,15 @@ LAUNCH_TIMEOUT = 300
 FAIL_ON_RANK_1 = """
 import os, runpy, sys
 sys.path.insert(0, os.path.dirname(sys.argv[1]))
-import runtime.fsdp as fsdp
+import runtime.parallel as parallel
 calls = []
-sync = fsdp.sync_gradients
+sync = parallel.sync_gradients
 def sync_then_fail(model, enabled):
     calls.append(enabled)
     if os.environ["RANK"] == "1" and len(calls) == 3:
         raise RuntimeError("injected failure on rank 1")
     return sync(model, enabled)
-fsdp.sync_gradients = sync_then_fail
+parallel.sync_gradients = sync_then_fail
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

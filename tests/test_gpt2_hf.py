@@ -420,7 +420,7 @@ def test_the_mapping_and_init_from_exist_only_where_gpt2s_layout_fits(
             and "hf.read_gpt2" not in train
         )
         assert (
-            "from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch"
+            "from runtime import checkpoint, config, dist, early_stop, parallel, microbatch"
             in train
         )
         assert "HF_LAYOUT_CHANGES" not in model + train

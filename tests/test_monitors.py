@@ -237,7 +237,7 @@ def test_optimizer_norms_are_the_gradient_weight_and_update_norms(
 ) -> None:
     with project_modules(nan_project) as modules:
         optimizer_norms = modules["train"].optimizer_norms
-        local_squared_norms = modules["train"].fsdp.local_squared_norms
+        local_squared_norms = modules["train"].parallel.local_squared_norms
         model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
         model[1].bias.requires_grad_(False)  # no gradient: not logged
         model(torch.randn(5, 3)).square().sum().backward()

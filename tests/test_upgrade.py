@@ -858,9 +858,10 @@ def release_from_git_history(commit: str, version: str, dest: Path) -> TemplateR
     return TemplateRelease(dest / "templates", version)
 
 
+# A line every release since 0.1.0 wrote alike, among unchanged neighbours.
 HAND_EDIT = (
-    "            grad_norm = fsdp.clip_grad_norm_(\n",
-    "            grad_norm = fsdp.clip_grad_norm_(  # hand edit\n",
+    "    save_async: bool = False  # write checkpoints while training goes on\n",
+    "    save_async: bool = False  # write checkpoints while training goes on; hand edit\n",
 )
 
 

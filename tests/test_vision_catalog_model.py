@@ -320,7 +320,7 @@ def test_channels_last_in_the_loop_and_losses_equal_the_contiguous_model(
         text=True,
         timeout=300,
     )
-    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    assert parallel.returncode == 0, parallel.stderr[-3000:]
     rows = (tmp_path / "runs" / "fsdp" / "metrics.jsonl").read_text().splitlines()
     sharded = [json.loads(row)["loss"] for row in rows]
     assert max(abs(a - b) for a, b in zip(sharded, nchw, strict=True)) <= 1e-5
@@ -746,7 +746,7 @@ def test_all_four_together_train(
         text=True,
         timeout=300,
     )
-    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    assert parallel.returncode == 0, parallel.stderr[-3000:]
     rows = (tmp_path / "runs" / "fsdp" / "metrics.jsonl").read_text().splitlines()
     sharded = [json.loads(row)["loss"] for row in rows if "loss" in json.loads(row)]
     assert max(abs(a - b) for a, b in zip(sharded, losses, strict=True)) <= 1e-5

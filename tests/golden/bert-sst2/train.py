@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from data import Batches, load_texts, tokenize, val_batches
 from model import load_model, load_tokenizer, padding_mask, transformer_blocks
-from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, preempt
+from runtime import checkpoint, config, dist, early_stop, microbatch, parallel, preempt
 from runtime import profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum, training_flops
 from runtime.time import Progress, Time, as_fraction, check_fraction
@@ -102,25 +102,25 @@ class Config:
     dist_timeout: int = 600  # seconds a collective waits before the job fails
 
 
-def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
+def setup(cfg: Config) -> tuple[dist.DistEnv, parallel.ParallelConfig]:
     """Check the config against this launch, then join the process group (if any);
     each problem is one `error:` line and exit status 2, before anything is read."""
     with config.failing(ValueError):
         env = dist.environment(cfg.device)  # rank, world size, device, from torchrun
-    parallel = fsdp.ParallelConfig(
-        parallelism=fsdp.resolve_parallelism(cfg.parallelism, env.world_size),
+    plan = parallel.ParallelConfig(
+        parallelism=parallel.resolve_parallelism(cfg.parallelism, env.world_size),
         sharding_strategy=cfg.sharding_strategy,
-        precision=fsdp.resolve_precision(cfg.precision, env.device),
+        precision=parallel.resolve_precision(cfg.precision, env.device),
         activation_checkpointing=cfg.activation_checkpointing,
         cpu_offload=cfg.cpu_offload,
         hybrid_shard_size=cfg.hybrid_shard_size,
-        compile=fsdp.resolve_compile(cfg.compile, env.device),
+        compile=parallel.resolve_compile(cfg.compile, env.device),
     )
     # `auto` settled for this device: the run's config.toml records what ran.
-    cfg.precision, cfg.compile = parallel.precision, parallel.compile
+    cfg.precision, cfg.compile = plan.precision, plan.compile
     if cfg.lr == "auto":  # the recipe's rate; the offline demo's for model=tiny
         cfg.lr = cfg.demo_lr if cfg.model == "tiny" else 2e-05
-    problem = fsdp.check(parallel, env)
+    problem = parallel.check(plan, env)
     problem = problem or microbatch.check(cfg.device_microbatch_size)
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
     problem = problem or checkpoint.check_access(cfg.save_folder, cfg.load_path)
@@ -144,11 +144,11 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
 
     # FSDP and DDP need a process group, on one process too (a group of one rank).
     timeout = timedelta(seconds=cfg.dist_timeout)
-    dist.init_process_group(env, timeout, required=parallel.parallelism != "none")
+    dist.init_process_group(env, timeout, required=plan.parallelism != "none")
     if env.device.type == "cuda":
         # TF32 tensor cores for fp32 matmuls (10-bit mantissa products, fp32 sums).
         torch.backends.cuda.matmul.fp32_precision = "tf32"
-    return env, parallel
+    return env, plan
 
 
 def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
@@ -179,7 +179,7 @@ def save_pretrained(
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(model, options=options)  # a collective: every rank
     if env.is_main:
-        fsdp.unwrap(model).save_pretrained(folder, state_dict=weights)
+        parallel.unwrap(model).save_pretrained(folder, state_dict=weights)
         tokenizer.save_pretrained(folder)
     dist.barrier()
 
@@ -216,7 +216,7 @@ def evaluate(
                 logits = model(
                     input_ids=micro["input_ids"],
                     attention_mask=padding_mask(
-                        fsdp.unwrap(model), micro["attention_mask"] == 1
+                        parallel.unwrap(model), micro["attention_mask"] == 1
                     ),
                 ).logits.float()
             keep = max(real - start, 0)  # padding rows come last: not counted
@@ -262,13 +262,13 @@ def forward_backward(
         # event: MICROBATCH_START
 
         # Reduce gradients over ranks once, in the last backward.
-        fsdp.sync_gradients(model, i == len(microbatches) - 1)
+        parallel.sync_gradients(model, i == len(microbatches) - 1)
         with torch.autocast(targets.device.type, torch.bfloat16, enabled=is_amp(cfg)):
             logits = model(
                 input_ids=micro_inputs["input_ids"],
                 # 4-D for sdpa and eager: transformers would read the 2-D one (a sync).
                 attention_mask=padding_mask(
-                    fsdp.unwrap(model), micro_inputs["attention_mask"] == 1
+                    parallel.unwrap(model), micro_inputs["attention_mask"] == 1
                 ),
             ).logits
 
@@ -283,7 +283,7 @@ def main() -> None:
     cfg = config.parse(
         Config, refusals={"device_microbatch_size": {"auto": microbatch.NO_SEARCH}}
     )
-    env, parallel = setup(cfg)  # one process, or one of torchrun's N
+    env, plan = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
     # A missing path, a bad column, no such model (model.ModelError is a ValueError).
@@ -334,7 +334,7 @@ def main() -> None:
     # Shard or replicate for the launch: FSDP2 per transformer layer then the root, DDP,
     # or nothing. The layers are the model's own `_no_split_modules` (model.py).
     blocks = transformer_blocks(model)
-    model = fsdp.parallelize(model, blocks, env, parallel)
+    model = parallel.parallelize(model, blocks, env, plan)
 
     # Decoupled weight decay on weight matrices; biases and LayerNorm gains have none.
     params = [p for p in model.parameters() if p.requires_grad]
@@ -397,7 +397,7 @@ def main() -> None:
     monitor.info(
         f"model: {cfg.model}, {num_params:,} parameters, {len(blocks)} FSDP units"
     )
-    monitor.info(f"parallelism: {parallel.parallelism}, {env.world_size} process(es)")
+    monitor.info(f"parallelism: {plan.parallelism}, {env.world_size} process(es)")
     for line in resumed.describe() if resumed else []:
         monitor.info(line)
 

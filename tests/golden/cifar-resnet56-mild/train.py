@@ -35,7 +35,7 @@ from model import (
     clear_step_stats,
     update_running_stats,
 )
-from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, preempt
+from runtime import checkpoint, config, dist, early_stop, microbatch, parallel, preempt
 from runtime import profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum, training_flops
 from runtime.time import Progress, Time, as_fraction, check_fraction
@@ -148,25 +148,25 @@ class Config:
     dist_timeout: int = 600  # seconds a collective waits before the job fails
 
 
-def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
+def setup(cfg: Config) -> tuple[dist.DistEnv, parallel.ParallelConfig]:
     """Check the config against this launch, then join the process group (if any);
     each problem is one `error:` line and exit status 2, before anything is read."""
     with config.failing(ValueError):
         env = dist.environment(cfg.device)  # rank, world size, device, from torchrun
-    parallel = fsdp.ParallelConfig(
-        parallelism=fsdp.resolve_parallelism(cfg.parallelism, env.world_size),
+    plan = parallel.ParallelConfig(
+        parallelism=parallel.resolve_parallelism(cfg.parallelism, env.world_size),
         sharding_strategy=cfg.sharding_strategy,
         precision=cfg.precision,
         activation_checkpointing=cfg.activation_checkpointing,
         cpu_offload=cfg.cpu_offload,
         hybrid_shard_size=cfg.hybrid_shard_size,
-        compile=fsdp.resolve_compile(cfg.compile, env.device),
+        compile=parallel.resolve_compile(cfg.compile, env.device),
     )
     # `auto` settled for this device and data: the run's config.toml records what ran.
-    cfg.compile = parallel.compile
+    cfg.compile = plan.compile
     if cfg.model == "auto":
         cfg.model = "cifar-resnet56" if cfg.data else "tiny"
-    problem = fsdp.check(parallel, env)
+    problem = parallel.check(plan, env)
     problem = problem or microbatch.check(cfg.device_microbatch_size)
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
     problem = problem or checkpoint.check_access(cfg.save_folder, cfg.load_path)
@@ -241,12 +241,12 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
 
     # FSDP and DDP need a process group, on one process too (a group of one rank).
     timeout = timedelta(seconds=cfg.dist_timeout)
-    dist.init_process_group(env, timeout, required=parallel.parallelism != "none")
+    dist.init_process_group(env, timeout, required=plan.parallelism != "none")
     if env.device.type == "cuda":
         # TF32 tensor cores for fp32 matmuls and convolutions (fp32 sums).
         torch.backends.cuda.matmul.fp32_precision = "tf32"
         torch.backends.cudnn.conv.fp32_precision = "tf32"
-    return env, parallel
+    return env, plan
 
 
 def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
@@ -325,7 +325,7 @@ def update_ema(
     BatchNorm step counter) are copied. Under FSDP2 both are sharded alike: rank-local.
     """
     average = [*ema_model.parameters(), *ema_model.buffers()]
-    model = fsdp.unwrap(model)  # DDP's wrapper holds the same tensors
+    model = parallel.unwrap(model)  # DDP's wrapper holds the same tensors
     current = [*model.parameters(), *model.buffers()]
     for ema, now in zip(average, current, strict=True):
         if ema.is_floating_point():
@@ -404,7 +404,7 @@ def forward_backward(
         # event: MICROBATCH_START
 
         # Reduce gradients over ranks once, in the last backward.
-        fsdp.sync_gradients(model, i == len(microbatches) - 1)
+        parallel.sync_gradients(model, i == len(microbatches) - 1)
         with torch.autocast(targets.device.type, torch.bfloat16, enabled=is_amp(cfg)):
             logits = model(micro_inputs)
 
@@ -425,7 +425,7 @@ def main() -> None:
     cfg = config.parse(
         Config, refusals={"device_microbatch_size": {"auto": microbatch.NO_SEARCH}}
     )
-    env, parallel = setup(cfg)  # one process, or one of torchrun's N
+    env, plan = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
     # A missing path, a bad file, too few images: one line, exit status 2.
@@ -480,7 +480,7 @@ def main() -> None:
     # cuDNN's bf16/fp16 tensor-core kernels use without transposing. FSDP2 shards
     # only contiguous parameters: under fsdp the weights stay NCHW, and the NHWC
     # inputs (BATCH_START) alone select the NHWC kernels.
-    if parallel.parallelism != "fsdp":
+    if plan.parallelism != "fsdp":
         model = model.to(memory_format=torch.channels_last)
     # end algorithm: channels_last
 
@@ -497,7 +497,7 @@ def main() -> None:
     flops_per_sample = training_flops(model, example)
     # Shard or replicate for the launch: FSDP2 per residual block then the root, DDP,
     # or nothing.
-    model = fsdp.parallelize(model, model.blocks, env, parallel)
+    model = parallel.parallelize(model, model.blocks, env, plan)
 
     # Decay conv and linear weights; BatchNorm parameters and biases stay undecayed.
     params = list(model.parameters())
@@ -546,7 +546,7 @@ def main() -> None:
     # algorithm: ema
     # Sharded like the model (each rank averages its own shards) and checkpointed with
     # it, so a resume on any number of ranks restores the average.
-    ema_model = fsdp.parallelize_copy(ema_model, ema_model.blocks, env, parallel)
+    ema_model = parallel.parallelize_copy(ema_model, ema_model.blocks, env, plan)
     state["ema"] = ema_model
     if cfg.ema_export:
         checkpointer.export = "ema"  # scaffold export writes the averaged weights
@@ -575,7 +575,7 @@ def main() -> None:
         f"{len(images.classes)} classes"
     )
     monitor.info(f"model: {cfg.model}, {num_params:,} parameters")
-    monitor.info(f"parallelism: {parallel.parallelism}, {env.world_size} process(es)")
+    monitor.info(f"parallelism: {plan.parallelism}, {env.world_size} process(es)")
     for line in resumed.describe() if resumed else []:
         monitor.info(line)
 
@@ -590,8 +590,9 @@ def main() -> None:
 
     # algorithm: progressive_resizing
     # Under torch.compile, a static graph per progressive size (`size`: training side).
-    if parallel.compile:
-        progressive_resizing_static_compile(size, len(fsdp.unwrap(model).blocks), cfg)
+    if plan.compile:
+        num_blocks = len(parallel.unwrap(model).blocks)
+        progressive_resizing_static_compile(size, num_blocks, cfg)
     # end algorithm: progressive_resizing
 
     # The one flag that ends training (a resumed run may already have finished).

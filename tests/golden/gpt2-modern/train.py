@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import sample
 from data import Batches, load_tokens, val_batches
 from model import GPT, GPTConfig, depth_dial, model_sizes
-from runtime import checkpoint, config, dist, early_stop, fsdp, microbatch, preempt
+from runtime import checkpoint, config, dist, early_stop, microbatch, parallel, preempt
 from runtime import profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum
 from runtime.time import Progress, Time, as_fraction, check_fraction
@@ -118,23 +118,23 @@ class Config:
     dist_timeout: int = 600  # seconds a collective waits before the job fails
 
 
-def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
+def setup(cfg: Config) -> tuple[dist.DistEnv, parallel.ParallelConfig]:
     """Check the config against this launch, then join the process group (if any);
     each problem is one `error:` line and exit status 2, before anything is read."""
     with config.failing(ValueError):
         env = dist.environment(cfg.device)  # rank, world size, device, from torchrun
-    parallel = fsdp.ParallelConfig(
-        parallelism=fsdp.resolve_parallelism(cfg.parallelism, env.world_size),
+    plan = parallel.ParallelConfig(
+        parallelism=parallel.resolve_parallelism(cfg.parallelism, env.world_size),
         sharding_strategy=cfg.sharding_strategy,
-        precision=fsdp.resolve_precision(cfg.precision, env.device),
+        precision=parallel.resolve_precision(cfg.precision, env.device),
         activation_checkpointing=cfg.activation_checkpointing,
         cpu_offload=cfg.cpu_offload,
         hybrid_shard_size=cfg.hybrid_shard_size,
-        compile=fsdp.resolve_compile(cfg.compile, env.device),
+        compile=parallel.resolve_compile(cfg.compile, env.device),
     )
     # `auto` settled for this device: the run's config.toml records what ran.
-    cfg.precision, cfg.compile = parallel.precision, parallel.compile
-    problem = fsdp.check(parallel, env)
+    cfg.precision, cfg.compile = plan.precision, plan.compile
+    problem = parallel.check(plan, env)
     problem = problem or microbatch.check(cfg.device_microbatch_size)
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
     problem = problem or checkpoint.check_access(cfg.save_folder, cfg.load_path)
@@ -176,11 +176,11 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
 
     # FSDP and DDP need a process group, on one process too (a group of one rank).
     timeout = timedelta(seconds=cfg.dist_timeout)
-    dist.init_process_group(env, timeout, required=parallel.parallelism != "none")
+    dist.init_process_group(env, timeout, required=plan.parallelism != "none")
     if env.device.type == "cuda":
         # TF32 tensor cores for fp32 matmuls (10-bit mantissa products, fp32 sums).
         torch.backends.cuda.matmul.fp32_precision = "tf32"
-    return env, parallel
+    return env, plan
 
 
 def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
@@ -267,7 +267,7 @@ def muon_split(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.T
     Embedding rows are looked up rather than multiplied, and the head maps to the
     vocabulary: both, with biases and norm gains, stay on AdamW (as in the speedrun).
     """
-    hidden = [p for p in fsdp.unwrap(model).blocks.parameters() if p.dim() == 2]
+    hidden = [p for p in parallel.unwrap(model).blocks.parameters() if p.dim() == 2]
     taken = {id(p) for p in hidden}
     return hidden, [p for p in model.parameters() if id(p) not in taken]
 
@@ -336,7 +336,7 @@ def forward_backward(
         # event: MICROBATCH_START
 
         # Reduce gradients over ranks once, in the last backward.
-        fsdp.sync_gradients(model, i == len(microbatches) - 1)
+        parallel.sync_gradients(model, i == len(microbatches) - 1)
         with torch.autocast(targets.device.type, torch.bfloat16, enabled=is_amp(cfg)):
             logits = model(micro_inputs)
 
@@ -351,7 +351,7 @@ def main() -> None:
     cfg = config.parse(
         Config, refusals={"device_microbatch_size": {"auto": microbatch.NO_SEARCH}}
     )
-    env, parallel = setup(cfg)  # one process, or one of torchrun's N
+    env, plan = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
     with config.failing(OSError, ValueError):  # a missing path, too little data
@@ -386,10 +386,10 @@ def main() -> None:
     # Training FLOPs per token, for MFU (GPUs only): see model.py.
     flops_per_token = model.flops_per_token(cfg.seq_len)
     # Shard or replicate for the launch: FSDP2 per block then the root, DDP, or nothing.
-    model = fsdp.parallelize(model, model.blocks, env, parallel)
+    model = parallel.parallelize(model, model.blocks, env, plan)
     # The loss compiled with the model (--compile), as a graph of its own: the fp32
-    # softmax over the vocabulary never holds the logits in fp32 (runtime/fsdp.py).
-    loss_fn = fsdp.compile_loss(next_token_loss, parallel)
+    # softmax over the vocabulary never holds the logits in fp32 (runtime/parallel.py).
+    loss_fn = parallel.compile_loss(next_token_loss, plan)
 
     # algorithm: muon
     # Muon (Jordan et al. 2024) for the blocks' weight matrices: Nesterov momentum,
@@ -463,7 +463,7 @@ def main() -> None:
     monitor.open_trackers(cfg.trackers, config.to_toml(cfg))  # rank 0 writes them
     monitor.info(f"data: {tokens.source}; {tokens.sizes()}")
     monitor.info(f"model: {cfg.model}, {num_params:,} parameters")
-    monitor.info(f"parallelism: {parallel.parallelism}, {env.world_size} process(es)")
+    monitor.info(f"parallelism: {plan.parallelism}, {env.world_size} process(es)")
     for line in resumed.describe() if resumed else []:
         monitor.info(line)
 
@@ -528,8 +528,8 @@ def main() -> None:
             # algorithm: gradient_clipping
             # Rescale all gradients together when their global L2 norm exceeds the
             # limit, so one bad batch cannot throw the weights far (logged: grad_norm).
-            # fsdp.clip_grad_norm_ also handles gradients sharded by FSDP.
-            grad_norm = fsdp.clip_grad_norm_(
+            # parallel.clip_grad_norm_ also handles gradients sharded by FSDP.
+            grad_norm = parallel.clip_grad_norm_(
                 model.parameters(), cfg.gradient_clipping_max_norm
             )
             # end algorithm: gradient_clipping
@@ -584,7 +584,7 @@ def main() -> None:
             f"stopped by {preemption.stopped_by} after step {progress.batch}, saved"
         )
     if env.world_size == 1 and not preemption.stopped_by:  # what it learned
-        monitor.info(sample.preview(fsdp.unwrap(model), cfg))
+        monitor.info(sample.preview(parallel.unwrap(model), cfg))
     monitor.info(f"{outcome}; outputs in {run_dir}")
     monitor.close()
     preemption.close()  # the previous signal handlers again

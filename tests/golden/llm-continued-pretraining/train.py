@@ -35,8 +35,8 @@ from model import (
     training_bytes,
     transformer_blocks,
 )
-from runtime import checkpoint, config, dist, early_stop, fsdp, hf, microbatch, preempt
-from runtime import profile, runlock, trackers
+from runtime import checkpoint, config, dist, early_stop, hf, microbatch, parallel
+from runtime import preempt, profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum, training_flops
 from runtime.time import Progress, Time, as_fraction, check_fraction
 
@@ -115,23 +115,23 @@ class Config:
     dist_timeout: int = 600  # seconds a collective waits before the job fails
 
 
-def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
+def setup(cfg: Config) -> tuple[dist.DistEnv, parallel.ParallelConfig]:
     """Check the config against this launch, then join the process group (if any);
     each problem is one `error:` line and exit status 2, before anything is read."""
     with config.failing(ValueError):
         env = dist.environment(cfg.device)  # rank, world size, device, from torchrun
-    parallel = fsdp.ParallelConfig(
-        parallelism=fsdp.resolve_parallelism(cfg.parallelism, env.world_size),
+    plan = parallel.ParallelConfig(
+        parallelism=parallel.resolve_parallelism(cfg.parallelism, env.world_size),
         sharding_strategy=cfg.sharding_strategy,
-        precision=fsdp.resolve_precision(cfg.precision, env.device),
+        precision=parallel.resolve_precision(cfg.precision, env.device),
         activation_checkpointing=cfg.activation_checkpointing,
         cpu_offload=cfg.cpu_offload,
         hybrid_shard_size=cfg.hybrid_shard_size,
-        compile=fsdp.resolve_compile(cfg.compile, env.device),
+        compile=parallel.resolve_compile(cfg.compile, env.device),
     )
     # `auto` settled for this device: the run's config.toml records what ran.
-    cfg.precision, cfg.compile = parallel.precision, parallel.compile
-    problem = fsdp.check(parallel, env)
+    cfg.precision, cfg.compile = plan.precision, plan.compile
+    problem = parallel.check(plan, env)
     problem = problem or microbatch.check(cfg.device_microbatch_size)
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
     problem = problem or checkpoint.check_access(cfg.save_folder, cfg.load_path)
@@ -161,11 +161,11 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, fsdp.ParallelConfig]:
 
     # FSDP and DDP need a process group, on one process too (a group of one rank).
     timeout = timedelta(seconds=cfg.dist_timeout)
-    dist.init_process_group(env, timeout, required=parallel.parallelism != "none")
+    dist.init_process_group(env, timeout, required=plan.parallelism != "none")
     if env.device.type == "cuda":
         # TF32 tensor cores for fp32 matmuls (10-bit mantissa products, fp32 sums).
         torch.backends.cuda.matmul.fp32_precision = "tf32"
-    return env, parallel
+    return env, plan
 
 
 def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
@@ -201,11 +201,11 @@ def split_rows(
 
 
 def fits(
-    needed: int, cfg: Config, env: dist.DistEnv, parallel: fsdp.ParallelConfig
+    needed: int, cfg: Config, env: dist.DistEnv, plan: parallel.ParallelConfig
 ) -> str | None:
     """None, or why `needed` bytes of training state (activations come on top) do not
     fit this device's memory once FSDP shards them over the ranks."""
-    ranks = env.world_size if parallel.parallelism == "fsdp" else 1
+    ranks = env.world_size if plan.parallelism == "fsdp" else 1
     ranks = 1 if cfg.sharding_strategy == "NO_SHARD" else ranks
     if env.device.type == "cuda" and not cfg.cpu_offload:
         memory = torch.cuda.get_device_properties(env.device).total_memory
@@ -236,7 +236,7 @@ def log_samples(
         model.unshard()
     answers = {}
     for i, messages in enumerate(prompts):
-        answer = respond(fsdp.unwrap(model), tokenizer, messages, cfg.sample_tokens)
+        answer = respond(parallel.unwrap(model), tokenizer, messages, cfg.sample_tokens)
         monitor.info(f"sample: {messages[-1]['content']!r} -> {answer!r}")
         answers[f"sample/{i}"] = answer
     if gathered:
@@ -273,7 +273,7 @@ def evaluate(
             }
             labels = micro.pop("labels")[: max(real - start, 0)]  # padding rows last
             with torch.autocast(env.device.type, torch.bfloat16, enabled=is_amp(cfg)):
-                mask = packed_mask(fsdp.unwrap(model), micro["position_ids"])
+                mask = packed_mask(parallel.unwrap(model), micro["position_ids"])
                 logits = model(**micro, attention_mask=mask, use_cache=False).logits
                 logits = logits[: len(labels)]
             loss_sum += loss_fn(logits, labels)
@@ -305,14 +305,14 @@ def forward_backward(
     for i, (micro_inputs, micro_targets) in enumerate(microbatches):
 
         # Reduce gradients over ranks once, in the last backward.
-        fsdp.sync_gradients(model, i == len(microbatches) - 1)
+        parallel.sync_gradients(model, i == len(microbatches) - 1)
         with torch.autocast(targets.device.type, torch.bfloat16, enabled=is_amp(cfg)):
             logits = model(
                 **micro_inputs,
                 # sdpa and eager: the documents' mask, which transformers would find
                 # by reading position_ids on the host (a sync).
                 attention_mask=packed_mask(
-                    fsdp.unwrap(model), micro_inputs["position_ids"]
+                    parallel.unwrap(model), micro_inputs["position_ids"]
                 ),
                 use_cache=False,
             ).logits
@@ -328,7 +328,7 @@ def main() -> None:
     cfg = config.parse(
         Config, refusals={"device_microbatch_size": {"auto": microbatch.NO_SEARCH}}
     )
-    env, parallel = setup(cfg)  # one process, or one of torchrun's N
+    env, plan = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
     # A missing path, a bad line, no such model (model.ModelError is a ValueError).
@@ -345,7 +345,7 @@ def main() -> None:
                 "--data_format=text"
             )
         # Before loading: the weights, gradients and AdamW state must fit on a device.
-        problem = fits(training_bytes(cfg.model), cfg, env, parallel)
+        problem = fits(training_bytes(cfg.model), cfg, env, plan)
         if problem:
             raise ValueError(problem)
         model = load_model(cfg.model, tokenizer, cfg.seq_len, cfg.attention)
@@ -385,10 +385,10 @@ def main() -> None:
     # Shard or replicate for the launch: FSDP2 per decoder layer then the root, DDP, or
     # nothing. The layers are the model's own `_no_split_modules` (model.py).
     blocks = transformer_blocks(model)
-    model = fsdp.parallelize(model, blocks, env, parallel)
+    model = parallel.parallelize(model, blocks, env, plan)
     # The loss compiled with the model (--compile), as a graph of its own: the fp32
-    # softmax over the vocabulary never holds the logits in fp32 (runtime/fsdp.py).
-    loss_fn = fsdp.compile_loss(next_token_loss, parallel)
+    # softmax over the vocabulary never holds the logits in fp32 (runtime/parallel.py).
+    loss_fn = parallel.compile_loss(next_token_loss, plan)
 
     # AdamW over the trainable parameters; decoupled weight decay on weight matrices
     # only (norms' gains and biases have none).
@@ -449,7 +449,7 @@ def main() -> None:
     monitor.info(
         f"model: {cfg.model}, {num_params:,} parameters, {len(blocks)} FSDP units"
     )
-    monitor.info(f"parallelism: {parallel.parallelism}, {env.world_size} process(es)")
+    monitor.info(f"parallelism: {plan.parallelism}, {env.world_size} process(es)")
     for line in resumed.describe() if resumed else []:
         monitor.info(line)
 
