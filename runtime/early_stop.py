@@ -65,7 +65,10 @@ class EarlyStopper:
         return value > self.best + self.min_delta
 
     def update(
-        self, progress: Progress, metrics: Mapping[str, float], max_duration: Time
+        self,
+        progress: Progress,
+        metrics: Mapping[str, float],
+        max_duration: Time | None = None,
     ) -> bool:
         """True when training should stop now (and from now on)."""
         if not self.metric or self.metric not in metrics:

@@ -348,3 +348,28 @@ def test_scaled_rounds_counts_down_keeps_fractions_and_refuses_zero() -> None:
     for ratio in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(TimeError, match="ratio must be a number > 0"):
             scaled(Time.parse("16ba"), ratio)
+
+
+def test_progress_told_its_duration_once_answers_as_when_told_each_time() -> None:
+    """Told max_duration at construction, every query measures against it, as the
+    explicit argument does (0.3.0 projects pass it per call); checkpoints leave it
+    out, so a resumed run with another max_duration uses its own."""
+    limit = Time.parse("4ep")
+    told = Progress(batches_per_epoch=6, max_duration=limit)
+    plain = Progress(batches_per_epoch=6)
+    for _ in range(9):
+        for progress in (told, plain):
+            progress.advance(samples=4, tokens=100)
+        assert told.fraction() == plain.fraction(limit)
+        assert told.reached() == plain.reached(limit)
+        assert told.at_interval(Time.parse("0.25dur")) == plain.at_interval(
+            Time.parse("0.25dur"), limit
+        )
+        assert told.resolve(Time.parse("0.5dur")) == Time(2, TimeUnit.EPOCH)
+    assert "max_duration" not in told.state_dict()
+    longer = Progress(batches_per_epoch=6, max_duration=Time.parse("8ep"))
+    longer.load_state_dict(json.loads(json.dumps(told.state_dict())))
+    assert longer.fraction() == told.fraction() / 2
+    assert told.fraction(Time.parse("8ep")) == longer.fraction()  # explicit wins
+    with pytest.raises(TimeError, match="pass it to Progress"):
+        plain.fraction()

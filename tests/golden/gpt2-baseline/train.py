@@ -303,7 +303,7 @@ def main() -> None:
     )
     # The log, metrics.jsonl, progress bar and trackers (rank 0 writes them).
     monitor = Monitor(run_dir, cfg.max_duration, cfg.global_batch_size, env.is_main)
-    progress = Progress(batches_per_epoch=train_batches.batches_per_epoch)
+    progress = Progress(train_batches.batches_per_epoch, max_duration=cfg.max_duration)
     stopper = early_stop.EarlyStopper(
         cfg.early_stop_metric,
         cfg.early_stop_patience,
@@ -356,7 +356,7 @@ def main() -> None:
     # event: FIT_START
 
     # The one flag that ends training (a resumed run may already have finished).
-    finished = progress.reached(cfg.max_duration) or stopper.stopped
+    finished = progress.reached() or stopper.stopped
     while not finished:
         epoch = progress.epoch
         # This rank's share of global batch `index` in the epoch's seeded order.
@@ -372,7 +372,7 @@ def main() -> None:
             # event: BATCH_START
 
             inputs, targets = batch[:, :-1], batch[:, 1:]
-            fraction = progress.fraction(cfg.max_duration)
+            fraction = progress.fraction()
             lr = lr_at(fraction, cfg, progress.batches_per_epoch)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -417,15 +417,15 @@ def main() -> None:
 
             monitor.update(progress)
             profiler.step(progress)  # records the --profile window, writes its traces
-            finished = progress.reached(cfg.max_duration)
+            finished = progress.reached()
             metrics = {}
-            if progress.at_interval(cfg.eval_interval, cfg.max_duration) or finished:
+            if progress.at_interval(cfg.eval_interval) or finished:
                 # event: EVAL
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
                     metrics["val_loss"] = evaluate(model, val, cfg, env, loss_fn)
-            if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
+            if metrics or progress.at_interval(cfg.log_interval):
                 metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks
                 metrics["lr"] = lr
 
@@ -434,9 +434,9 @@ def main() -> None:
                 # end algorithm: gradient_clipping
 
                 monitor.log(progress, **metrics)
-            finished = stopper.update(progress, metrics, cfg.max_duration) or finished
+            finished = stopper.update(progress, metrics) or finished
             finished = preemption.agreed() or finished  # any rank's signal: all stop
-            if progress.at_interval(cfg.save_interval, cfg.max_duration) or finished:
+            if progress.at_interval(cfg.save_interval) or finished:
                 with monitor.paused():
                     checkpointer.save(state)
             if finished:

@@ -456,9 +456,9 @@ def progressive_resizing_static_compile(
 def ema_smoothing(cfg: Config) -> float:
     """The share of the average each update keeps: 2^(-update_interval / half_life)
     (Composer's parameterisation). ValueError if the two cannot be compared."""
-    progress = Progress(batches_per_epoch=1)  # resolves `dur` against max_duration
-    interval = progress.resolve(cfg.ema_update_interval, cfg.max_duration)
-    half_life = progress.resolve(cfg.ema_half_life, cfg.max_duration)
+    progress = Progress(1, max_duration=cfg.max_duration)  # resolves `dur` against it
+    interval = progress.resolve(cfg.ema_update_interval)
+    half_life = progress.resolve(cfg.ema_half_life)
     if interval.unit != half_life.unit:
         raise ValueError(
             f"half_life={cfg.ema_half_life} and update_interval="
@@ -694,7 +694,7 @@ def main() -> None:
         )
     # The log, metrics.jsonl, progress bar and trackers (rank 0 writes them).
     monitor = Monitor(run_dir, cfg.max_duration, cfg.global_batch_size, env.is_main)
-    progress = Progress(batches_per_epoch=train_batches.batches_per_epoch)
+    progress = Progress(train_batches.batches_per_epoch, max_duration=cfg.max_duration)
     stopper = early_stop.EarlyStopper(
         cfg.early_stop_metric,
         cfg.early_stop_patience,
@@ -767,7 +767,7 @@ def main() -> None:
     # end algorithm: progressive_resizing
 
     # The one flag that ends training (a resumed run may already have finished).
-    finished = progress.reached(cfg.max_duration) or stopper.stopped
+    finished = progress.reached() or stopper.stopped
     while not finished:
         epoch = progress.epoch
         # This rank's shares of the epoch's global batches, in the epoch's seeded order,
@@ -845,7 +845,7 @@ def main() -> None:
             # last finetune fraction. The size is a function of progress (a resumed run
             # continues the schedule); crop mode's offset comes from (seed, step).
             progressive_size = progressive_resizing_size(
-                progress.fraction(cfg.max_duration), *inputs.shape[-2:], cfg
+                progress.fraction(), *inputs.shape[-2:], cfg
             )
             mode, crop_seed = cfg.progressive_resizing_mode, [cfg.seed, progress.batch]
             inputs = data.progressive_resize(inputs, progressive_size, mode, crop_seed)
@@ -863,7 +863,7 @@ def main() -> None:
                     cfg.max_duration,
                     progress.batches_per_epoch,
                 )
-                ramp = min(progress.fraction(cfg.max_duration) / warmup, 1.0)
+                ramp = min(progress.fraction() / warmup, 1.0)
             # This rank's first sample in the global batch.
             first_sample = env.rank * (cfg.global_batch_size // env.world_size)
             depth.start_step(
@@ -883,7 +883,7 @@ def main() -> None:
             inputs = inputs.contiguous(memory_format=torch.channels_last)
             # end algorithm: channels_last
 
-            fraction = progress.fraction(cfg.max_duration)
+            fraction = progress.fraction()
             lr = lr_at(fraction, cfg, progress.batches_per_epoch)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -932,17 +932,17 @@ def main() -> None:
             # algorithm: ema
             # Fold the weights just stepped into their moving average; up to ema_start
             # (a fraction of training) the "average" is the weights themselves.
-            if progress.fraction(cfg.max_duration) <= cfg.ema_start:
+            if progress.fraction() <= cfg.ema_start:
                 update_ema(ema_model, model, 0.0)
-            elif progress.at_interval(cfg.ema_update_interval, cfg.max_duration):
+            elif progress.at_interval(cfg.ema_update_interval):
                 update_ema(ema_model, model, ema_smoothing(cfg))
             # end algorithm: ema
 
             monitor.update(progress)
             profiler.step(progress)  # records the --profile window, writes its traces
-            finished = progress.reached(cfg.max_duration)
+            finished = progress.reached()
             metrics = {}
-            if progress.at_interval(cfg.eval_interval, cfg.max_duration) or finished:
+            if progress.at_interval(cfg.eval_interval) or finished:
                 # event: EVAL
 
                 # algorithm: ema
@@ -955,7 +955,7 @@ def main() -> None:
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
                     metrics.update(evaluate(model, val, images, cfg, env))
-            if metrics or progress.at_interval(cfg.log_interval, cfg.max_duration):
+            if metrics or progress.at_interval(cfg.log_interval):
                 metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks
                 metrics["lr"] = lr
 
@@ -978,9 +978,9 @@ def main() -> None:
                 # end algorithm: stochastic_depth
 
                 monitor.log(progress, **metrics)
-            finished = stopper.update(progress, metrics, cfg.max_duration) or finished
+            finished = stopper.update(progress, metrics) or finished
             finished = preemption.agreed() or finished  # any rank's signal: all stop
-            if progress.at_interval(cfg.save_interval, cfg.max_duration) or finished:
+            if progress.at_interval(cfg.save_interval) or finished:
                 with monitor.paused():
                     checkpointer.save(state)
             if finished:
