@@ -385,6 +385,23 @@ def sam_descend(model: torch.nn.Module, saved: tuple[list, list, dict]) -> None:
 # end algorithm: sam
 
 
+# algorithm: colout
+def drop_rows_and_columns(
+    inputs: torch.Tensor, cfg: Config, step: int, device: torch.device
+) -> torch.Tensor:
+    """ColOut of this step's batch: every image without the rows and columns drawn for
+    the step (data.colout_kept, the same on every rank), for a cheaper step."""
+    kept = data.colout_kept(
+        *inputs.shape[-2:], cfg.colout_p_row, cfg.colout_p_col, cfg.seed, step
+    )
+    # On their way to the device (dist.to_device: the host does not wait).
+    rows, cols = dist.to_device(kept, device)
+    return inputs[..., rows, :][..., cols]
+
+
+# end algorithm: colout
+
+
 # algorithm: mixup
 def mixup_batch(
     inputs: torch.Tensor,
@@ -793,16 +810,7 @@ def main() -> None:
             # ColOut (Composer): drop a random share of the rows and of the columns of
             # every image of the step: smaller images, cheaper steps. Drawn from (seed,
             # step): every rank drops the same ones.
-            kept = data.colout_kept(
-                *inputs.shape[-2:],
-                cfg.colout_p_row,
-                cfg.colout_p_col,
-                cfg.seed,
-                progress.batch,
-            )
-            # On their way to the device (dist.to_device: the host does not wait).
-            rows, cols = dist.to_device(kept, env.device)
-            inputs = inputs[..., rows, :][..., cols]
+            inputs = drop_rows_and_columns(inputs, cfg, progress.batch, env.device)
             # end algorithm: colout
 
             # algorithm: label_smoothing
