@@ -804,8 +804,9 @@ def test_add_and_remove_stochastic_depth_on_a_hand_edited_project(
         "inputs = inputs.contiguous()  # hand edit" in with_depth
         and "beta2: float = 0.99 " in with_depth
     )
-    # config, checks, MODEL, BATCH_START, MICROBATCH_START, metrics; the rest in model.py
-    assert with_depth.count("# algorithm: stochastic_depth\n") == 6
+    # config, checks, functions, MODEL, BATCH_START, MICROBATCH_START, metrics; the
+    # rest in model.py
+    assert with_depth.count("# algorithm: stochastic_depth\n") == 7
     assert (project / "model.py").read_text().count(
         "# algorithm: stochastic_depth\n"
     ) == 3
