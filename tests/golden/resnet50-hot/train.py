@@ -493,6 +493,43 @@ def progressive_resizing_static_compile(
 # end algorithm: progressive_resizing
 
 
+# algorithm: stochastic_depth
+def stochastic_depth_step(
+    model: torch.nn.Module,
+    cfg: Config,
+    progress: Progress,
+    env: dist.DistEnv,
+    samples: int,
+) -> None:
+    """Draw this step's drops for the blocks of `model` (model.py: StochasticDepth;
+    this rank holds `samples` of the global batch): a pure function of (seed, step,
+    block, global sample), so a resumed run, on any number of ranks or microbatch
+    size, drops the same ones."""
+    # The share of the drop rates in force: below 1 during drop_warmup.
+    ramp = 1.0
+    if cfg.stochastic_depth_drop_warmup != "none":
+        warmup = as_fraction(
+            cfg.stochastic_depth_drop_warmup,
+            cfg.max_duration,
+            progress.batches_per_epoch,
+        )
+        ramp = min(progress.fraction(cfg.max_duration) / warmup, 1.0)
+    # This rank's first sample in the global batch.
+    first_sample = env.rank * (cfg.global_batch_size // env.world_size)
+    fsdp.unwrap(model).stochastic_depth.start_step(
+        cfg.seed,
+        progress.batch,
+        ramp,
+        cfg.global_batch_size,
+        first_sample,
+        samples,
+        env.device,
+    )
+
+
+# end algorithm: stochastic_depth
+
+
 # algorithm: ema
 def ema_smoothing(cfg: Config) -> float:
     """The share of the average each update keeps: 2^(-update_interval / half_life)
@@ -867,29 +904,8 @@ def main() -> None:
             # end algorithm: progressive_resizing
 
             # algorithm: stochastic_depth
-            # This step's drops: a pure function of (seed, step, block, global
-            # sample), so a resumed run, on any number of ranks or microbatch size,
-            # drops the same ones.
-            # The share of the drop rates in force: below 1 during drop_warmup.
-            ramp = 1.0
-            if cfg.stochastic_depth_drop_warmup != "none":
-                warmup = as_fraction(
-                    cfg.stochastic_depth_drop_warmup,
-                    cfg.max_duration,
-                    progress.batches_per_epoch,
-                )
-                ramp = min(progress.fraction(cfg.max_duration) / warmup, 1.0)
-            # This rank's first sample in the global batch.
-            first_sample = env.rank * (cfg.global_batch_size // env.world_size)
-            depth.start_step(
-                cfg.seed,
-                progress.batch,
-                ramp,
-                cfg.global_batch_size,
-                first_sample,
-                inputs.shape[0],
-                env.device,
-            )
+            # This step's drops, the same ones on resume at any world or microbatch size.
+            stochastic_depth_step(model, cfg, progress, env, inputs.shape[0])
             # end algorithm: stochastic_depth
 
             # algorithm: channels_last
