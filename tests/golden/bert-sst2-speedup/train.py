@@ -225,6 +225,20 @@ def frozen_layer_count(
     return int(num_layers * level * ramp)
 
 
+def freeze_layers(
+    freezable: list[torch.nn.Module], cfg: Config, fraction: float
+) -> int:
+    """Drop the gradients of the earliest frozen_layer_count units after `fraction` of
+    training, so AdamW neither steps nor decays them; returns how many."""
+    frozen_layers = frozen_layer_count(
+        fraction, len(freezable), cfg.layer_freezing_start, cfg.layer_freezing_level
+    )
+    for unit in freezable[:frozen_layers]:
+        for param in unit.parameters():
+            param.grad = None
+    return frozen_layers
+
+
 # end algorithm: layer_freezing
 
 
@@ -496,15 +510,7 @@ def main() -> None:
             # algorithm: layer_freezing
             # Freeze the earliest units progressively: drop their gradients, so AdamW
             # neither steps nor decays them. A function of progress: resumes the same.
-            frozen_layers = frozen_layer_count(
-                progress.fraction(),
-                len(freezable),
-                cfg.layer_freezing_start,
-                cfg.layer_freezing_level,
-            )
-            for unit in freezable[:frozen_layers]:
-                for param in unit.parameters():
-                    param.grad = None
+            frozen_layers = freeze_layers(freezable, cfg, progress.fraction())
             # end algorithm: layer_freezing
 
             optimizer.step()

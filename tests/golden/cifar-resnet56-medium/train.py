@@ -330,6 +330,30 @@ def mixup_batch(
     return inputs, lam * targets + (1 - lam) * other_targets
 
 
+def mixup_step(
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    num_classes: int,
+    cfg: Config,
+    step: int,
+    env: dist.DistEnv,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """This step's MixUp: on the steps the "batch mixer" draw gives it, lam drawn from
+    Beta(mixup_alpha, mixup_alpha) and this rank's share mixed with partners from a
+    permutation of the global batch (both from (seed, step)); otherwise the batch as it
+    is and lam 1.0. Returns the inputs, the targets and lam."""
+    mixup_lambda = 1.0
+    if data.step_rng(cfg.seed, step, "batch mixer").random() < cfg.mixup_prob:
+        rng = data.step_rng(cfg.seed, step, "mixup")
+        mixup_lambda = float(rng.beta(cfg.mixup_alpha, cfg.mixup_alpha))
+        # Partners among this step's global rows (every rank holds as many).
+        partner = torch.from_numpy(rng.permutation(len(inputs) * env.world_size))
+        inputs, targets = mixup_batch(
+            inputs, targets, num_classes, mixup_lambda, partner, env.rank
+        )
+    return inputs, targets, mixup_lambda
+
+
 # end algorithm: mixup
 
 
@@ -706,25 +730,9 @@ def main() -> None:
             # MixUp (Zhang et al. 2018): mix each sample and its target with a partner
             # from the global batch, before the microbatch split. lam and the partners
             # come from (seed, step): the same pairs on any world size, after a resume.
-            mixup_lambda = 1.0
-            if (
-                data.step_rng(cfg.seed, progress.batch, "batch mixer").random()
-                < cfg.mixup_prob
-            ):
-                rng = data.step_rng(cfg.seed, progress.batch, "mixup")
-                mixup_lambda = float(rng.beta(cfg.mixup_alpha, cfg.mixup_alpha))
-                # Partners among this step's global rows (every rank holds as many).
-                partner = torch.from_numpy(
-                    rng.permutation(len(inputs) * env.world_size)
-                )
-                inputs, targets = mixup_batch(
-                    inputs,
-                    targets,
-                    len(images.classes),
-                    mixup_lambda,
-                    partner,
-                    env.rank,
-                )
+            inputs, targets, mixup_lambda = mixup_step(
+                inputs, targets, len(images.classes), cfg, progress.batch, env
+            )
             # end algorithm: mixup
 
             # algorithm: progressive_resizing

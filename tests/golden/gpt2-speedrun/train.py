@@ -279,6 +279,34 @@ def muon_momentum_at(fraction: float, cfg: Config, batches_per_epoch: int) -> fl
     return 0.85 + (cfg.muon_momentum - 0.85) * done
 
 
+def muon_and_adamw(model: torch.nn.Module, cfg: Config) -> tuple[muon.Muon, muon.Chain]:
+    """Muon for the blocks' weight matrices (muon_split) and AdamW for the rest (with
+    the task's settings), and the optimizer that steps both: (Muon, both)."""
+    hidden, rest = muon_split(model)
+    muon_optimizer = muon.Muon(
+        hidden,
+        lambda update: muon_orthogonalize(update, cfg),
+        lr=cfg.muon_lr,
+        weight_decay=cfg.muon_weight_decay,
+        momentum=cfg.muon_momentum,
+        cautious=cfg.muon_cautious_weight_decay,
+        beta2=cfg.muon_beta2 if cfg.muon_normuon else None,
+    )
+    adamw = torch.optim.AdamW(
+        [
+            {
+                "params": [p for p in rest if p.dim() >= 2],
+                "weight_decay": cfg.weight_decay,
+            },
+            {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        fused=not cfg.cpu_offload,  # one kernel for the update, as the task's AdamW
+    )
+    return muon_optimizer, muon.Chain(muon_optimizer, adamw)  # checkpointed together
+
+
 # end algorithm: muon
 
 
@@ -397,29 +425,7 @@ def main() -> None:
     # same rate; NorMuon (muon_normuon) then evens out the neurons' step sizes. Under
     # FSDP2, runtime.muon orthogonalises each matrix once, on one rank, instead of on
     # every rank. AdamW keeps embeddings, head, biases, gains.
-    hidden, rest = muon_split(model)
-    muon_optimizer = muon.Muon(
-        hidden,
-        lambda update: muon_orthogonalize(update, cfg),
-        lr=cfg.muon_lr,
-        weight_decay=cfg.muon_weight_decay,
-        momentum=cfg.muon_momentum,
-        cautious=cfg.muon_cautious_weight_decay,
-        beta2=cfg.muon_beta2 if cfg.muon_normuon else None,
-    )
-    adamw = torch.optim.AdamW(
-        [
-            {
-                "params": [p for p in rest if p.dim() >= 2],
-                "weight_decay": cfg.weight_decay,
-            },
-            {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
-        ],
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        fused=not cfg.cpu_offload,  # one kernel for the update, as the task's AdamW
-    )
-    optimizer = muon.Chain(muon_optimizer, adamw)  # steps both; checkpointed together
+    muon_optimizer, optimizer = muon_and_adamw(model, cfg)  # Chain: steps both
     # end algorithm: muon
 
     # The log, metrics.jsonl, progress bar and trackers (rank 0 writes them).

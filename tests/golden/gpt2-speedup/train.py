@@ -213,6 +213,17 @@ def seq_length_warmup_len(warmup_done: float, min_len: int, max_len: int) -> int
     return min(max_len, max(min_len, length))
 
 
+def seq_length_warmup_step(cfg: Config, progress: Progress) -> int:
+    """This step's sequence length: seq_length_warmup_len after the share of
+    seq_length_warmup_duration trained so far."""
+    warmup_done = progress.fraction() / as_fraction(
+        cfg.seq_length_warmup_duration, cfg.max_duration, progress.batches_per_epoch
+    )
+    return seq_length_warmup_len(
+        warmup_done, cfg.seq_length_warmup_min_len, cfg.seq_len
+    )
+
+
 # end algorithm: seq_length_warmup
 
 
@@ -437,14 +448,7 @@ def main() -> None:
             # Short sequences first: early training learns mostly local statistics,
             # and short steps are cheaper (Li et al. 2022). Truncate the batch to a
             # length that grows linearly to seq_len over seq_length_warmup_duration.
-            warmup_done = progress.fraction() / as_fraction(
-                cfg.seq_length_warmup_duration,
-                cfg.max_duration,
-                progress.batches_per_epoch,
-            )
-            seq_len = seq_length_warmup_len(
-                warmup_done, cfg.seq_length_warmup_min_len, cfg.seq_len
-            )
+            seq_len = seq_length_warmup_step(cfg, progress)
             batch = batch[:, : seq_len + 1]
             # end algorithm: seq_length_warmup
 

@@ -385,6 +385,23 @@ def sam_descend(model: torch.nn.Module, saved: tuple[list, list, dict]) -> None:
 # end algorithm: sam
 
 
+# algorithm: colout
+def drop_rows_and_columns(
+    inputs: torch.Tensor, cfg: Config, step: int, device: torch.device
+) -> torch.Tensor:
+    """ColOut of this step's batch: every image without the rows and columns drawn for
+    the step (data.colout_kept, the same on every rank), for a cheaper step."""
+    kept = data.colout_kept(
+        *inputs.shape[-2:], cfg.colout_p_row, cfg.colout_p_col, cfg.seed, step
+    )
+    # On their way to the device (dist.to_device: the host does not wait).
+    rows, cols = dist.to_device(kept, device)
+    return inputs[..., rows, :][..., cols]
+
+
+# end algorithm: colout
+
+
 # algorithm: mixup
 def mixup_batch(
     inputs: torch.Tensor,
@@ -405,6 +422,30 @@ def mixup_batch(
     other_targets = dist.gather_rows(targets)[mine]
     inputs = lam * inputs + (1 - lam) * other_inputs
     return inputs, lam * targets + (1 - lam) * other_targets
+
+
+def mixup_step(
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    num_classes: int,
+    cfg: Config,
+    step: int,
+    env: dist.DistEnv,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """This step's MixUp: on the steps the "batch mixer" draw gives it, lam drawn from
+    Beta(mixup_alpha, mixup_alpha) and this rank's share mixed with partners from a
+    permutation of the global batch (both from (seed, step)); otherwise the batch as it
+    is and lam 1.0. Returns the inputs, the targets and lam."""
+    mixup_lambda = 1.0
+    if data.step_rng(cfg.seed, step, "batch mixer").random() < cfg.mixup_prob:
+        rng = data.step_rng(cfg.seed, step, "mixup")
+        mixup_lambda = float(rng.beta(cfg.mixup_alpha, cfg.mixup_alpha))
+        # Partners among this step's global rows (every rank holds as many).
+        partner = torch.from_numpy(rng.permutation(len(inputs) * env.world_size))
+        inputs, targets = mixup_batch(
+            inputs, targets, num_classes, mixup_lambda, partner, env.rank
+        )
+    return inputs, targets, mixup_lambda
 
 
 # end algorithm: mixup
@@ -450,6 +491,43 @@ def progressive_resizing_static_compile(
 
 
 # end algorithm: progressive_resizing
+
+
+# algorithm: stochastic_depth
+def stochastic_depth_step(
+    model: torch.nn.Module,
+    cfg: Config,
+    progress: Progress,
+    env: dist.DistEnv,
+    samples: int,
+) -> None:
+    """Draw this step's drops for the blocks of `model` (model.py: StochasticDepth;
+    this rank holds `samples` of the global batch): a pure function of (seed, step,
+    block, global sample), so a resumed run, on any number of ranks or microbatch
+    size, drops the same ones."""
+    # The share of the drop rates in force: below 1 during drop_warmup.
+    ramp = 1.0
+    if cfg.stochastic_depth_drop_warmup != "none":
+        warmup = as_fraction(
+            cfg.stochastic_depth_drop_warmup,
+            cfg.max_duration,
+            progress.batches_per_epoch,
+        )
+        ramp = min(progress.fraction() / warmup, 1.0)
+    # This rank's first sample in the global batch.
+    first_sample = env.rank * (cfg.global_batch_size // env.world_size)
+    parallel.unwrap(model).stochastic_depth.start_step(
+        cfg.seed,
+        progress.batch,
+        ramp,
+        cfg.global_batch_size,
+        first_sample,
+        samples,
+        env.device,
+    )
+
+
+# end algorithm: stochastic_depth
 
 
 # algorithm: ema
@@ -794,16 +872,7 @@ def main() -> None:
             # ColOut (Composer): drop a random share of the rows and of the columns of
             # every image of the step: smaller images, cheaper steps. Drawn from (seed,
             # step): every rank drops the same ones.
-            kept = data.colout_kept(
-                *inputs.shape[-2:],
-                cfg.colout_p_row,
-                cfg.colout_p_col,
-                cfg.seed,
-                progress.batch,
-            )
-            # On their way to the device (dist.to_device: the host does not wait).
-            rows, cols = dist.to_device(kept, env.device)
-            inputs = inputs[..., rows, :][..., cols]
+            inputs = drop_rows_and_columns(inputs, cfg, progress.batch, env.device)
             # end algorithm: colout
 
             # algorithm: label_smoothing
@@ -819,25 +888,9 @@ def main() -> None:
             # MixUp (Zhang et al. 2018): mix each sample and its target with a partner
             # from the global batch, before the microbatch split. lam and the partners
             # come from (seed, step): the same pairs on any world size, after a resume.
-            mixup_lambda = 1.0
-            if (
-                data.step_rng(cfg.seed, progress.batch, "batch mixer").random()
-                < cfg.mixup_prob
-            ):
-                rng = data.step_rng(cfg.seed, progress.batch, "mixup")
-                mixup_lambda = float(rng.beta(cfg.mixup_alpha, cfg.mixup_alpha))
-                # Partners among this step's global rows (every rank holds as many).
-                partner = torch.from_numpy(
-                    rng.permutation(len(inputs) * env.world_size)
-                )
-                inputs, targets = mixup_batch(
-                    inputs,
-                    targets,
-                    len(images.classes),
-                    mixup_lambda,
-                    partner,
-                    env.rank,
-                )
+            inputs, targets, mixup_lambda = mixup_step(
+                inputs, targets, len(images.classes), cfg, progress.batch, env
+            )
             # end algorithm: mixup
 
             # algorithm: progressive_resizing
@@ -855,26 +908,7 @@ def main() -> None:
             # This step's drops: a pure function of (seed, step, block, global
             # sample), so a resumed run, on any number of ranks or microbatch size,
             # drops the same ones.
-            # The share of the drop rates in force: below 1 during drop_warmup.
-            ramp = 1.0
-            if cfg.stochastic_depth_drop_warmup != "none":
-                warmup = as_fraction(
-                    cfg.stochastic_depth_drop_warmup,
-                    cfg.max_duration,
-                    progress.batches_per_epoch,
-                )
-                ramp = min(progress.fraction() / warmup, 1.0)
-            # This rank's first sample in the global batch.
-            first_sample = env.rank * (cfg.global_batch_size // env.world_size)
-            depth.start_step(
-                cfg.seed,
-                progress.batch,
-                ramp,
-                cfg.global_batch_size,
-                first_sample,
-                inputs.shape[0],
-                env.device,
-            )
+            stochastic_depth_step(model, cfg, progress, env, inputs.shape[0])
             # end algorithm: stochastic_depth
 
             # algorithm: channels_last

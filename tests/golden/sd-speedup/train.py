@@ -423,6 +423,30 @@ def precompute_encodings(
     return encodings
 
 
+def looked_up_encodings(
+    encodings: dict[str, torch.Tensor],
+    rows: torch.Tensor,
+    latent_noise: torch.Tensor,
+    dropped: torch.Tensor,
+    env: dist.DistEnv,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's latents and text states from the precomputed encodings of its
+    `rows`, as encode() would give them: the posterior sampled with the step's latent
+    noise, a dropped caption given the empty caption's states (caption dropout).
+    Looked up on the host (the batch's rows are host data), then sent to the device."""
+    mean, std, states, empty = dist.to_device(
+        (
+            encodings["mean"][rows],
+            encodings["std"][rows],
+            encodings["states"][encodings["caption"][rows]],
+            encodings["empty"],
+        ),
+        env.device,
+    )
+    latents = mean + std * latent_noise
+    return latents, torch.where(dropped[:, None, None], empty, states)
+
+
 # end algorithm: precomputed_latents
 
 
@@ -749,21 +773,9 @@ def main() -> None:
 
             # algorithm: precomputed_latents
             # Precomputed latents: the batch's encodings looked up, no encoder forward.
-            # The posterior is sampled with the step's latent noise, as encode() does; a
-            # dropped caption gets the empty caption's states (caption dropout). Looked
-            # up on the host (the batch's rows are host data), then sent to the device.
-            rows = batch["index"]
-            mean, std, states, empty = dist.to_device(
-                (
-                    encodings["mean"][rows],
-                    encodings["std"][rows],
-                    encodings["states"][encodings["caption"][rows]],
-                    encodings["empty"],
-                ),
-                env.device,
+            latents, states = looked_up_encodings(
+                encodings, batch["index"], latent_noise, dropped, env
             )
-            latents = mean + std * latent_noise
-            states = torch.where(dropped[:, None, None], empty, states)
             # end algorithm: precomputed_latents
 
             inputs, targets = noised(parts, latents, states, noise, timesteps)
