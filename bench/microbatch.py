@@ -67,7 +67,10 @@ def main() -> None:
     def build(size: int | str) -> tuple[nn.Module, microbatch.Search]:
         model = Net(args.width, args.depth).to(env.device)
         model = parallel.parallelize(
-            model, model.blocks, env, parallel.ParallelConfig(parallelism=args.parallelism)
+            model,
+            model.blocks,
+            env,
+            parallel.ParallelConfig(parallelism=args.parallelism),
         )
         search = microbatch.Search(
             model, parallel.unwrap(model).blocks, env, size, args.batch, log=dist.print0

@@ -409,7 +409,8 @@ class Search:
         if not self._announced and self.settled_len == 0:
             self._log(f"microbatch size: auto, starting at {self.size}")
         self._announced = True
-        parallel.defer_gradient_sync(self.model, True)  # DDP: reduced by hand once it fits
+        # DDP: the gradients are reduced by hand once the batch fits
+        parallel.defer_gradient_sync(self.model, True)
         try:
             for attempt in self._search(self.size, seq_len, "the batch"):
                 yield attempt

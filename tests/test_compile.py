@@ -63,7 +63,9 @@ def test_auto_means_cuda_only() -> None:
     # auto: regional compilation on CUDA (the loss compiled with it), none on the CPU.
     assert parallel.resolve_compile("auto", cuda) is True
     assert parallel.resolve_compile("auto", CPU) is False
-    assert parallel.resolve_compile(True, CPU) and not parallel.resolve_compile(False, cuda)
+    assert parallel.resolve_compile(True, CPU) and not parallel.resolve_compile(
+        False, cuda
+    )
     assert parallel.resolve_compile("model", CPU) == "model"
     assert parallel.resolve_precision("auto", cuda) == "amp_bf16"
     assert parallel.resolve_precision("auto", CPU) == "fp32"
@@ -104,10 +106,13 @@ def test_whole_model_compile_is_in_place_and_one_process_only(modules) -> None:
     )
     for parallelism in ("fsdp", "ddp"):
         problem = parallel.check(
-            parallel.ParallelConfig(parallelism=parallelism, compile="model"), ONE_PROCESS
+            parallel.ParallelConfig(parallelism=parallelism, compile="model"),
+            ONE_PROCESS,
         )
         assert problem and "one process" in problem and "--compile=true" in problem
-    checkpointed = parallel.ParallelConfig(compile="model", activation_checkpointing=True)
+    checkpointed = parallel.ParallelConfig(
+        compile="model", activation_checkpointing=True
+    )
     problem = parallel.check(checkpointed, ONE_PROCESS)
     assert problem and "checkpointing" in problem and "--compile=true" in problem
     assert "model or auto" in parallel.check(
