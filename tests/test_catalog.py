@@ -512,3 +512,26 @@ def test_cli_add_refuses_a_value_out_of_range_with_one_line_and_changes_nothing(
         ["git", "status", "--porcelain"], cwd=dest, capture_output=True, text=True
     )
     assert status.stdout == ""
+
+
+def test_host_templates_name_no_algorithm() -> None:
+    """Tasks, models and the common spine name no algorithm (as a string a template could
+    test, e.g. `"mixup" in algorithms`): an algorithm is its folder, placed by its
+    snippets' file names, and speaks of itself only there."""
+    root = template_dir()
+    names = {
+        folder.name for folder in (root / "algorithms").iterdir() if folder.is_dir()
+    }
+    quoted = re.compile("[\"'](" + "|".join(map(re.escape, sorted(names))) + ")[\"']")
+    hosts = [
+        path
+        for path in root.rglob("*")
+        if path.is_file()
+        and path.relative_to(root).parts[0] not in ("algorithms", "recipes")
+    ]
+    named = [
+        f"{path.relative_to(root)}: {match.group(1)}"
+        for path in hosts
+        for match in quoted.finditer(path.read_text(errors="replace"))
+    ]
+    assert named == []
