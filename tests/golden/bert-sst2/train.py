@@ -188,7 +188,6 @@ def save_pretrained(
 def evaluate(
     model: torch.nn.Module,
     batches: list[dict[str, torch.Tensor]],
-    num_labels: int,
     cfg: Config,
     env: dist.DistEnv,
 ) -> dict[str, float]:
@@ -202,6 +201,7 @@ def evaluate(
     model.eval()
     loss_sum = torch.zeros((), device=env.device, dtype=torch.float64)
     # (true, predicted) label counts
+    num_labels = cfg.num_labels  # settled from the data before training
     confusion = torch.zeros(num_labels, num_labels, device=env.device)
     for batch in batches:
         shares = {k: dist.padded_share(v, env) for k, v in batch.items()}
@@ -297,7 +297,8 @@ def main() -> None:
             cfg.seed,
         )
         tokenizer = load_tokenizer(cfg.model, texts.train.texts)
-        model = load_model(cfg.model, texts.num_labels, tokenizer, cfg.max_seq_len)
+        cfg.num_labels = texts.num_labels  # 0 settled: the run's config.toml records it
+        model = load_model(cfg.model, cfg.num_labels, tokenizer, cfg.max_seq_len)
         # Tokenised once, cached beside the data (the key: data, tokenizer, max length).
         train_tokens, val_tokens = (
             tokenize(
@@ -322,6 +323,9 @@ def main() -> None:
     # One live start per run (an OS lock that kill -9 frees), once all input is read.
     with config.failing(runlock.RunInUse):
         run_lock = runlock.acquire(run_dir)
+    # FSDP's units, each also checkpointed and compiled alone: the transformer
+    # layers, the model's own `_no_split_modules` (model.py).
+    blocks = transformer_blocks(model)
 
     # event: MODEL
 
@@ -331,9 +335,7 @@ def main() -> None:
     # weights' part, most of the work, is exact.
     example = torch.ones(1, cfg.max_seq_len, dtype=torch.long, device=env.device)
     flops_per_token = training_flops(model, {"input_ids": example}) / cfg.max_seq_len
-    # Shard or replicate for the launch: FSDP2 per transformer layer then the root, DDP,
-    # or nothing. The layers are the model's own `_no_split_modules` (model.py).
-    blocks = transformer_blocks(model)
+    # Shard or replicate for the launch: FSDP2 per layer then the root, DDP, or nothing.
     model = parallel.parallelize(model, blocks, env, plan)
 
     # Decoupled weight decay on weight matrices; biases and LayerNorm gains have none.
@@ -463,7 +465,7 @@ def main() -> None:
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
-                    metrics.update(evaluate(model, val, texts.num_labels, cfg, env))
+                    metrics |= evaluate(model, val, cfg, env)
             if metrics or progress.at_interval(cfg.log_interval):
                 metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks
                 metrics["lr"] = lr

@@ -317,8 +317,9 @@ def evaluate(
     cfg: Config,
     env: dist.DistEnv,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-) -> float:
-    """Mean next-token loss over the validation batches, at the full sequence length.
+) -> dict[str, float]:
+    """val_loss: the mean next-token loss over the validation batches, at the full
+    sequence length.
 
     Each rank scores its share of every batch; the loss sums are added over ranks.
     Every rank runs the same number of forwards (under FSDP each one all-gathers the
@@ -337,7 +338,7 @@ def evaluate(
             loss_sum += loss_fn(logits[:keep], micro[:keep, 1:])
     model.train()
     num_tokens = sum(batch.shape[0] for batch in batches) * cfg.seq_len
-    return dist.reduce_sum(loss_sum).item() / num_tokens
+    return {"val_loss": dist.reduce_sum(loss_sum).item() / num_tokens}
 
 
 def is_amp(cfg: Config) -> bool:
@@ -408,13 +409,14 @@ def main() -> None:
     # One live start per run (an OS lock that kill -9 frees), once all input is read.
     with config.failing(runlock.RunInUse):
         run_lock = runlock.acquire(run_dir)
+    blocks = model.blocks  # FSDP's units, each also checkpointed and compiled alone
 
     # event: MODEL
 
     # Training FLOPs per token, for MFU (GPUs only): see model.py.
     flops_per_token = model.flops_per_token(cfg.seq_len)
     # Shard or replicate for the launch: FSDP2 per block then the root, DDP, or nothing.
-    model = parallel.parallelize(model, model.blocks, env, plan)
+    model = parallel.parallelize(model, blocks, env, plan)
     # The loss compiled with the model (--compile), as a graph of its own: the fp32
     # softmax over the vocabulary never holds the logits in fp32 (runtime/parallel.py).
     loss_fn = parallel.compile_loss(next_token_loss, plan)
@@ -561,7 +563,7 @@ def main() -> None:
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
-                    metrics["val_loss"] = evaluate(model, val, cfg, env, loss_fn)
+                    metrics |= evaluate(model, val, cfg, env, loss_fn)
             if metrics or progress.at_interval(cfg.log_interval):
                 metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks
                 metrics["lr"] = lr

@@ -249,8 +249,9 @@ def evaluate(
     cfg: Config,
     env: dist.DistEnv,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-) -> float:
-    """Mean loss per target token (chat: per answer token) over the validation batches.
+) -> dict[str, float]:
+    """val_loss: the mean loss per target token (chat: per answer token) over the
+    validation batches.
 
     Each rank scores its share of every batch; the loss sums are added over ranks.
     Every rank runs the same number of forwards (under FSDP each one all-gathers the
@@ -277,7 +278,7 @@ def evaluate(
             loss_sum += loss_fn(logits, labels)
     model.train()
     num_targets = sum(int((batch["labels"] != IGNORE).sum()) for batch in batches)
-    return dist.reduce_sum(loss_sum).item() / num_targets
+    return {"val_loss": dist.reduce_sum(loss_sum).item() / num_targets}
 
 
 def is_amp(cfg: Config) -> bool:
@@ -375,14 +376,15 @@ def main() -> None:
     # One live start per run (an OS lock that kill -9 frees), once all input is read.
     with config.failing(runlock.RunInUse):
         run_lock = runlock.acquire(run_dir)
+    # FSDP's units, each also checkpointed and compiled alone: the decoder layers,
+    # the model's own `_no_split_modules` (model.py).
+    blocks = transformer_blocks(model)
 
     # Training FLOPs per token, for MFU (GPUs only): one row's forward, counted by
     # torch, x3 for the backward, over its tokens.
     example = torch.zeros(1, cfg.seq_len, dtype=torch.long, device=env.device)
     flops_per_token = training_flops(model, {"input_ids": example}) / cfg.seq_len
-    # Shard or replicate for the launch: FSDP2 per decoder layer then the root, DDP, or
-    # nothing. The layers are the model's own `_no_split_modules` (model.py).
-    blocks = transformer_blocks(model)
+    # Shard or replicate for the launch: FSDP2 per layer then the root, DDP, or nothing.
     model = parallel.parallelize(model, blocks, env, plan)
     # The loss compiled with the model (--compile), as a graph of its own: the fp32
     # softmax over the vocabulary never holds the logits in fp32 (runtime/parallel.py).
@@ -521,7 +523,7 @@ def main() -> None:
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
-                    metrics["val_loss"] = evaluate(model, val, cfg, env, loss_fn)
+                    metrics |= evaluate(model, val, cfg, env, loss_fn)
                     metrics |= log_samples(model, tokenizer, prompts, cfg, monitor)
             if metrics or progress.at_interval(cfg.log_interval):
                 metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks

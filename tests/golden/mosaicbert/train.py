@@ -362,13 +362,14 @@ def main() -> None:
     # One live start per run (an OS lock that kill -9 frees), once all input is read.
     with config.failing(runlock.RunInUse):
         run_lock = runlock.acquire(run_dir)
+    blocks = model.blocks  # FSDP's units, each also checkpointed and compiled alone
 
     # event: MODEL
 
     # Training FLOPs per token, for MFU (GPUs only): see model.py.
     flops_per_token = model.flops_per_token(cfg.seq_len, cfg.mask_rate)
     # Shard or replicate for the launch: FSDP2 per layer then the root, DDP, or nothing.
-    model = parallel.parallelize(model, model.blocks, env, plan)
+    model = parallel.parallelize(model, blocks, env, plan)
     # The loss compiled with the model (--compile), as a graph of its own: the fp32
     # softmax over the vocabulary never holds the logits in fp32 (runtime/parallel.py).
     loss_fn = parallel.compile_loss(masked_token_loss, plan)
@@ -503,7 +504,7 @@ def main() -> None:
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
-                    metrics.update(evaluate(model, val, cfg, env, loss_fn))
+                    metrics |= evaluate(model, val, cfg, env, loss_fn)
             if metrics or progress.at_interval(cfg.log_interval):
                 metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks
                 metrics["lr"] = lr

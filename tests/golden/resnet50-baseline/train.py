@@ -332,6 +332,7 @@ def main() -> None:
     # One live start per run (an OS lock that kill -9 frees), once all input is read.
     with config.failing(runlock.RunInUse):
         run_lock = runlock.acquire(run_dir)
+    blocks = model.blocks  # FSDP's units, each also checkpointed and compiled alone
 
     # event: MODEL
 
@@ -341,9 +342,8 @@ def main() -> None:
     size = train_batches.image_side
     example = torch.zeros(1, images.channels, size, size, device=env.device)
     flops_per_sample = training_flops(model, example)
-    # Shard or replicate for the launch: FSDP2 per residual block then the root, DDP,
-    # or nothing.
-    model = parallel.parallelize(model, model.blocks, env, plan)
+    # Shard or replicate for the launch: FSDP2 per block then the root, DDP, or nothing.
+    model = parallel.parallelize(model, blocks, env, plan)
 
     # Decay conv and linear weights; BatchNorm parameters and biases stay undecayed.
     params = list(model.parameters())
@@ -492,7 +492,7 @@ def main() -> None:
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
-                    metrics.update(evaluate(model, val, images, cfg, env))
+                    metrics |= evaluate(model, val, images, cfg, env)
             if metrics or progress.at_interval(cfg.log_interval):
                 metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks
                 metrics["lr"] = lr

@@ -470,6 +470,7 @@ def main() -> None:
     # One live start per run (an OS lock that kill -9 frees), once all input is read.
     with config.failing(runlock.RunInUse):
         run_lock = runlock.acquire(run_dir)
+    blocks = model.blocks  # FSDP's units, each also checkpointed and compiled alone
 
     # event: MODEL
 
@@ -484,7 +485,9 @@ def main() -> None:
 
     # algorithm: ema
     # The weight average: a copy of the model, never trained (no gradients).
-    ema_model = copy.deepcopy(model).requires_grad_(False)
+    # Copied together, so ema_blocks are ema_model's own (FSDP's units, as `blocks`).
+    ema_model, ema_blocks = copy.deepcopy((model, blocks))
+    ema_model.requires_grad_(False)
     # end algorithm: ema
 
     # Training FLOPs per image, for MFU (GPUs only): one forward at the training size
@@ -493,9 +496,8 @@ def main() -> None:
     size = train_batches.image_side
     example = torch.zeros(1, images.channels, size, size, device=env.device)
     flops_per_sample = training_flops(model, example)
-    # Shard or replicate for the launch: FSDP2 per residual block then the root, DDP,
-    # or nothing.
-    model = parallel.parallelize(model, model.blocks, env, plan)
+    # Shard or replicate for the launch: FSDP2 per block then the root, DDP, or nothing.
+    model = parallel.parallelize(model, blocks, env, plan)
 
     # Decay conv and linear weights; BatchNorm parameters and biases stay undecayed.
     params = list(model.parameters())
@@ -544,7 +546,7 @@ def main() -> None:
     # algorithm: ema
     # Sharded like the model (each rank averages its own shards) and checkpointed with
     # it, so a resume on any number of ranks restores the average.
-    ema_model = parallel.parallelize_copy(ema_model, ema_model.blocks, env, plan)
+    ema_model = parallel.parallelize_copy(ema_model, ema_blocks, env, plan)
     state["ema"] = ema_model
     if cfg.ema_export:
         checkpointer.export = "ema"  # scaffold export writes the averaged weights
@@ -702,7 +704,7 @@ def main() -> None:
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
-                    metrics.update(evaluate(model, val, images, cfg, env))
+                    metrics |= evaluate(model, val, images, cfg, env)
             if metrics or progress.at_interval(cfg.log_interval):
                 metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks
                 metrics["lr"] = lr

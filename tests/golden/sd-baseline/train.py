@@ -500,6 +500,9 @@ def main() -> None:
     # One live start per run (an OS lock that kill -9 frees), once all input is read.
     with config.failing(runlock.RunInUse):
         run_lock = runlock.acquire(run_dir)
+    # FSDP's units, each also checkpointed and compiled alone: the UNet's blocks.
+    # The frozen VAE and text encoder stay whole on every rank.
+    blocks = unet_blocks(model)
 
     # event: MODEL
 
@@ -513,9 +516,7 @@ def main() -> None:
         )[0],
     }
     flops_per_sample = training_flops(model, example)
-    # Shard or replicate for the launch: FSDP2 per UNet block then the root, DDP, or
-    # nothing. The frozen VAE and text encoder are whole on every rank.
-    blocks = unet_blocks(model)
+    # Shard or replicate for the launch: FSDP2 per block then the root, DDP, or nothing.
     model = parallel.parallelize(model, blocks, env, plan)
 
     # AdamW over every UNet parameter, decay included, as mosaicml/diffusion's
@@ -650,7 +651,7 @@ def main() -> None:
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
-                    metrics.update(evaluate(model, parts, val, cfg, env))
+                    metrics |= evaluate(model, parts, val, cfg, env)
                     samples = sample(model, parts, prompt_ids, latent_shape, cfg, env)
                     grid = run_dir / "samples" / f"step-{progress.batch}.png"
                     metrics.update(show(samples, judge, grid, cfg, env))

@@ -638,6 +638,9 @@ def main() -> None:
     # One live start per run (an OS lock that kill -9 frees), once all input is read.
     with config.failing(runlock.RunInUse):
         run_lock = runlock.acquire(run_dir)
+    # FSDP's units, each also checkpointed and compiled alone: the UNet's blocks.
+    # The frozen VAE and text encoder stay whole on every rank.
+    blocks = unet_blocks(model)
 
     # event: MODEL
 
@@ -652,7 +655,9 @@ def main() -> None:
 
     # algorithm: ema
     # The weight average: a copy of the model, never trained (no gradients).
-    ema_model = copy.deepcopy(model).requires_grad_(False)
+    # Copied together, so ema_blocks are ema_model's own (FSDP's units, as `blocks`).
+    ema_model, ema_blocks = copy.deepcopy((model, blocks))
+    ema_model.requires_grad_(False)
     # end algorithm: ema
 
     # Training FLOPs per sample, for MFU (GPUs only): the UNet's forward counted by
@@ -665,9 +670,7 @@ def main() -> None:
         )[0],
     }
     flops_per_sample = training_flops(model, example)
-    # Shard or replicate for the launch: FSDP2 per UNet block then the root, DDP, or
-    # nothing. The frozen VAE and text encoder are whole on every rank.
-    blocks = unet_blocks(model)
+    # Shard or replicate for the launch: FSDP2 per block then the root, DDP, or nothing.
     model = parallel.parallelize(model, blocks, env, plan)
 
     # AdamW over every UNet parameter, decay included, as mosaicml/diffusion's
@@ -706,7 +709,7 @@ def main() -> None:
     # algorithm: ema
     # Sharded like the model (each rank averages its own shards) and checkpointed with
     # it, so a resume on any number of ranks restores the average.
-    ema_model = parallel.parallelize_copy(ema_model, unet_blocks(ema_model), env, plan)
+    ema_model = parallel.parallelize_copy(ema_model, ema_blocks, env, plan)
     state["ema"] = ema_model
     if cfg.ema_export:
         checkpointer.export = "ema"  # scaffold export writes the averaged weights
@@ -829,7 +832,7 @@ def main() -> None:
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
-                    metrics.update(evaluate(model, parts, val, cfg, env))
+                    metrics |= evaluate(model, parts, val, cfg, env)
                     samples = sample(model, parts, prompt_ids, latent_shape, cfg, env)
                     grid = run_dir / "samples" / f"step-{progress.batch}.png"
                     metrics.update(show(samples, judge, grid, cfg, env))
