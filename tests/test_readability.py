@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,25 @@ def test_task_templates_share_no_run_of_more_than_ten_lines() -> None:
                 f"({lines_a[start_a - 1]!r} ...)"
             )
     assert not copies, "write these once in templates/common/:\n" + "\n".join(copies)
+
+
+# The jinja variables a task template may set: names, words and lists of them. Code
+# goes in blocks (`{% block attempts %}...{% endblock %}`), never in a string.
+TASK_VARIABLES = {"runtime_names", "monitor_names", "flops", "unit", "loss_function"}
+TASK_CONDITIONS = {"hf", "packed"}  # what the task's answers select
+
+
+def test_task_templates_pass_no_code_in_strings() -> None:
+    """A task's Python is written as code, in blocks the spine renders, not as jinja
+    strings the spine pastes in (where no reader, linter or editor sees it as code)."""
+    assigned = re.compile(r"{%-?\s*set\s+(\w+)\s*=")
+    strays = [
+        f"{path.relative_to(TASKS)}: {name}"
+        for path in TASKS.glob("*/train.py.jinja")
+        for name in assigned.findall(path.read_text())
+        if name not in TASK_VARIABLES | TASK_CONDITIONS
+    ]
+    assert not strays, strays
 
 
 def test_the_shared_run_finder_finds_a_run() -> None:
