@@ -319,13 +319,13 @@ def main() -> None:
     model.config.label2id = {name: i for i, name in enumerate(texts.label_names)}
     model = model.to(env.device)
     num_params = sum(p.numel() for p in model.parameters())
+    # FSDP's units, each also checkpointed and compiled alone: the transformer
+    # layers, the model's own `_no_split_modules` (model.py).
+    blocks = transformer_blocks(model)
 
     # One live start per run (an OS lock that kill -9 frees), once all input is read.
     with config.failing(runlock.RunInUse):
         run_lock = runlock.acquire(run_dir)
-    # FSDP's units, each also checkpointed and compiled alone: the transformer
-    # layers, the model's own `_no_split_modules` (model.py).
-    blocks = transformer_blocks(model)
 
     # event: MODEL
 

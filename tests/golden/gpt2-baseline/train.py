@@ -275,11 +275,11 @@ def main() -> None:
         model.load_state_dict(init_weights)  # every weight; lm_head re-tied to wte
     model = model.to(env.device)
     num_params = model.num_params()
+    blocks = model.blocks  # FSDP's units, each also checkpointed and compiled alone
 
     # One live start per run (an OS lock that kill -9 frees), once all input is read.
     with config.failing(runlock.RunInUse):
         run_lock = runlock.acquire(run_dir)
-    blocks = model.blocks  # FSDP's units, each also checkpointed and compiled alone
 
     # event: MODEL
 

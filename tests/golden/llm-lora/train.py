@@ -385,13 +385,13 @@ def main() -> None:
     model = model.to(env.device)
     num_params = sum(p.numel() for p in model.parameters())
     num_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # FSDP's units, each also checkpointed and compiled alone: the decoder layers,
+    # the model's own `_no_split_modules` (model.py).
+    blocks = transformer_blocks(model)
 
     # One live start per run (an OS lock that kill -9 frees), once all input is read.
     with config.failing(runlock.RunInUse):
         run_lock = runlock.acquire(run_dir)
-    # FSDP's units, each also checkpointed and compiled alone: the decoder layers,
-    # the model's own `_no_split_modules` (model.py).
-    blocks = transformer_blocks(model)
 
     # Training FLOPs per token, for MFU (GPUs only): one row's forward, counted by
     # torch, x3 for the backward, over its tokens.

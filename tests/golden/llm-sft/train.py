@@ -372,13 +372,13 @@ def main() -> None:
         prompts = [messages[:-1] for messages in texts.val[: cfg.samples]]
     model = model.to(env.device)
     num_params = sum(p.numel() for p in model.parameters())
+    # FSDP's units, each also checkpointed and compiled alone: the decoder layers,
+    # the model's own `_no_split_modules` (model.py).
+    blocks = transformer_blocks(model)
 
     # One live start per run (an OS lock that kill -9 frees), once all input is read.
     with config.failing(runlock.RunInUse):
         run_lock = runlock.acquire(run_dir)
-    # FSDP's units, each also checkpointed and compiled alone: the decoder layers,
-    # the model's own `_no_split_modules` (model.py).
-    blocks = transformer_blocks(model)
 
     # Training FLOPs per token, for MFU (GPUs only): one row's forward, counted by
     # torch, x3 for the backward, over its tokens.

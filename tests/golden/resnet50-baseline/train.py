@@ -328,11 +328,11 @@ def main() -> None:
         model = ResNet(model_config)
     model = model.to(env.device)
     num_params = model.num_params()
+    blocks = model.blocks  # FSDP's units, each also checkpointed and compiled alone
 
     # One live start per run (an OS lock that kill -9 frees), once all input is read.
     with config.failing(runlock.RunInUse):
         run_lock = runlock.acquire(run_dir)
-    blocks = model.blocks  # FSDP's units, each also checkpointed and compiled alone
 
     # event: MODEL
 

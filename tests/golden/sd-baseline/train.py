@@ -496,13 +496,13 @@ def main() -> None:
     model = parts.unet.to(env.device)
     latent_shape = parts.latent_shape(resolution)
     num_params = sum(p.numel() for p in model.parameters())
+    # FSDP's units, each also checkpointed and compiled alone: the UNet's blocks.
+    # The frozen VAE and text encoder stay whole on every rank.
+    blocks = unet_blocks(model)
 
     # One live start per run (an OS lock that kill -9 frees), once all input is read.
     with config.failing(runlock.RunInUse):
         run_lock = runlock.acquire(run_dir)
-    # FSDP's units, each also checkpointed and compiled alone: the UNet's blocks.
-    # The frozen VAE and text encoder stay whole on every rank.
-    blocks = unet_blocks(model)
 
     # event: MODEL
 
