@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.nn as nn
@@ -477,6 +477,17 @@ def check_model(name: str) -> str | None:
     return None
 
 
+def check_weights(name: str, weights: str) -> str | None:
+    """None if model `name` reads pretrained `weights` ("": random ones), else the
+    problem in one line."""
+    if weights and name.partition(":")[0] not in ("torchvision", "timm"):
+        return (
+            f"weights={weights}: pretrained weights are read for torchvision:NAME "
+            "and timm:NAME models (hf:FOLDER: the folder's); remove it or pick one"
+        )
+    return None
+
+
 def check_hf_model(name: str, folder: str) -> str | None:
     """None if `folder` (or a Hub id already in the local cache) holds the config of an
     AutoModelForImageClassification, else the problem in one line."""
@@ -583,6 +594,34 @@ def check_image_side(name: str, net: nn.Module, side: int) -> None:
         ) from None
     finally:
         net.train(training)
+
+
+class ModelConfig(Protocol):
+    """The fields of train.py's Config that choose the model."""
+
+    model: str  # a preset, torchvision:NAME, timm:NAME or hf:FOLDER
+    weights: str
+    bn_group_size: int
+
+
+def build_model(
+    cfg: ModelConfig, num_classes: int, in_channels: int, image_sides: Iterable[int]
+) -> ResNet | HubNet:
+    """A preset ResNet, or a torchvision, timm or HF model fitted to the loop (see
+    HubNet) that takes every one of `image_sides`. ValueError, OSError or RuntimeError
+    (one line) for a hub model it refuses: BatchNorm it cannot make ghost, bad weights,
+    other image sizes."""
+    if cfg.model not in PRESETS:
+        return HubNet(
+            cfg.model, num_classes, cfg.bn_group_size, cfg.weights, image_sides
+        )
+    config = ResNetConfig(
+        num_classes=num_classes,
+        in_channels=in_channels,
+        bn_group_size=cfg.bn_group_size,
+        **PRESETS[cfg.model],
+    )
+    return ResNet(config)
 
 
 class HubNet(nn.Module):
