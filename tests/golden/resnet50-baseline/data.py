@@ -39,7 +39,7 @@ import io
 import json
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -175,16 +175,14 @@ def check(cfg: DataConfig, world_size: int) -> str | None:
     return None
 
 
-def splits(
-    images: ImageData,
-    cfg: DataConfig,
-    rank: int,
-    world_size: int,
-    augment: Sequence[Augment] = (),
-) -> tuple[Batches, Batches]:
-    """This rank's training batches (epoch 0's order; `Batches.at_epoch` for others,
-    `augment` applied after the crop) and validation batches, at the sizes `cfg`
-    sets. ValueError if the training split holds less than one global batch."""
+def load_splits(
+    cfg: DataConfig, env: dist.DistEnv, augment: Sequence[Augment] = ()
+) -> tuple[ImageData, Batches, Batches]:
+    """The images `cfg.data` names, this rank's training batches of them (epoch 0's
+    order; `Batches.at_epoch` for others, `augment` applied after the crop) and its
+    validation batches, at the sizes `cfg` sets. OSError or ValueError (one line) for
+    a missing path, a bad file, too few images."""
+    images = load_images(cfg.data)
     train = Batches(
         images,
         "train",
@@ -192,8 +190,8 @@ def splits(
         cfg.seed,
         cfg.image_size,
         cfg.train_crop,
-        rank=rank,
-        world_size=world_size,
+        rank=env.rank,
+        world_size=env.world_size,
         augment=augment,
     )
     val = Batches(
@@ -203,11 +201,11 @@ def splits(
         cfg.seed,
         cfg.eval_image_size,
         cfg.train_crop,
-        rank=rank,
-        world_size=world_size,
+        rank=env.rank,
+        world_size=env.world_size,
         resize=cfg.eval_resize,
     )
-    return train, val
+    return images, train, val
 
 
 def load_images(data: str) -> ImageData:
@@ -640,19 +638,22 @@ class Batches(torch.utils.data.Dataset):
 
 
 def loader(
-    batches: Batches, start: int, num_workers: int, pin_memory: bool
-) -> torch.utils.data.DataLoader:
-    """Batches start, start + 1, ... of the epoch; images on disk decoded in
+    batches: Batches, start: int, num_workers: int, device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Batches start, start + 1, ... of the epoch, each sent to `device` as it is taken
+    (dist.to_device: the copy does not make the host wait); images on disk decoded in
     `num_workers` processes while the model trains (0, or images in memory: in this
     process), which die with this one."""
-    return torch.utils.data.DataLoader(
+    batches = torch.utils.data.DataLoader(
         batches,
         batch_size=None,  # items are whole batches already
         sampler=range(start, len(batches)),
         num_workers=num_workers if batches.data.on_disk else 0,
-        pin_memory=pin_memory,
+        pin_memory=device.type == "cuda",
         worker_init_fn=dist.end_with_parent,  # killed with their rank, even mid-batch
     )
+    for batch in batches:
+        yield dist.to_device(batch, device)
 
 
 def step_rng(seed: int, step: int, stream: str) -> np.random.Generator:

@@ -21,7 +21,7 @@ instead (see `HubNet`; each library is optional and checked at start-up by
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -499,23 +499,40 @@ class ModelConfig(Protocol):
 
 
 def build_model(
-    cfg: ModelConfig, num_classes: int, in_channels: int, image_sides: Iterable[int]
+    cfg: ModelConfig,
+    classes: Sequence[str],
+    in_channels: int,
+    image_sides: Iterable[int],
+    device: torch.device,
 ) -> ResNet | HubNet:
     """A preset ResNet, or a torchvision, timm or HF model fitted to the loop (see
-    HubNet) that takes every one of `image_sides`. ValueError, OSError or RuntimeError
-    (one line) for a hub model it refuses: BatchNorm it cannot make ghost, bad weights,
-    other image sizes."""
+    HubNet) that takes every one of `image_sides`, on `device`. ValueError, OSError or
+    RuntimeError (one line) for a hub model it refuses: BatchNorm it cannot make ghost,
+    bad weights, other image sizes."""
     if cfg.model not in PRESETS:
-        return HubNet(
-            cfg.model, num_classes, cfg.bn_group_size, cfg.weights, image_sides
+        hub = HubNet(
+            cfg.model, len(classes), cfg.bn_group_size, cfg.weights, image_sides
         )
+        return hub.to(device)
     config = ResNetConfig(
-        num_classes=num_classes,
+        num_classes=len(classes),
         in_channels=in_channels,
         bn_group_size=cfg.bn_group_size,
         **PRESETS[cfg.model],
     )
-    return ResNet(config)
+    model = ResNet(config)
+
+    return model.to(device)
+
+
+def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """The optimizer's parameter groups: conv and linear weights (first) decayed by
+    `weight_decay`, BatchNorm parameters and biases undecayed."""
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 class HubNet(nn.Module):

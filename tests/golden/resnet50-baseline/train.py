@@ -31,6 +31,7 @@ from model import (
     check_weights,
     clear_step_stats,
     update_running_stats,
+    weight_decay_groups,
 )
 from runtime import checkpoint, config, dist, early_stop, microbatch, parallel, preempt
 from runtime import profile, runlock, trackers
@@ -182,12 +183,7 @@ def build_optimizer(
     """SGD or AdamW over the model's parameters. Returns it and the weights it decays
     (sgd: by hand, before each step in the loop)."""
     # Decay conv and linear weights; BatchNorm parameters and biases stay undecayed.
-    params = list(model.parameters())
-    decayed = [p for p in params if p.dim() >= 2]
-    groups = [
-        {"params": decayed, "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    groups = weight_decay_groups(model, cfg.weight_decay)
     if cfg.optimizer == "sgd":
         for group in groups:  # decoupled: applied by hand before each step (main)
             group["weight_decay"] = 0.0
@@ -203,7 +199,7 @@ def build_optimizer(
             # the CPU too (the offloaded step: per tensor).
             fused=not cfg.cpu_offload,
         )
-    return optimizer, decayed
+    return optimizer, groups[0]["params"]
 
 
 @torch.no_grad()
@@ -298,16 +294,13 @@ def main() -> None:
     run_dir = Path("runs") / cfg.run_name
     # A missing path, a bad file, too few images: one line, exit status 2.
     with config.failing(OSError, ValueError):
-        images = data.load_images(cfg.data)
-        train_batches, val = data.splits(images, cfg, env.rank, env.world_size)
-    # A preset ResNet, or a torchvision, timm or HF model fitted to this loop (see
-    # HubNet), which must take every image side fed. Refused in one line: BatchNorm it
-    # cannot make ghost, bad weights, other image sizes.
+        images, train_batches, val = data.load_splits(cfg, env)
+    # A preset ResNet, or a hub model fitted to this loop (HubNet) that takes every side
+    # fed; refused in one line: BatchNorm it cannot make ghost, bad weights, sizes.
     sides = [train_batches.image_side, val.image_side]
 
     with config.failing(ValueError, OSError, RuntimeError):
-        model = build_model(cfg, len(images.classes), images.channels, sides)
-    model = model.to(env.device)
+        model = build_model(cfg, images.classes, images.channels, sides, env.device)
     num_params = model.num_params()
 
     # One live start per run (an OS lock that kill -9 frees), once all input is read.
@@ -385,16 +378,14 @@ def main() -> None:
     # The one flag that ends training (a resumed run may already have finished).
     finished = progress.reached() or stopper.stopped
     while not finished:
-        epoch = progress.epoch
         # This rank's shares of the epoch's global batches, in the epoch's seeded order,
         # from where training stands (a resumed run starts mid-epoch). Each is on its
-        # way to the device before its step (dist.to_device: the copy does not make the
+        # way to the device before its step (data.loader: the copy does not make the
         # host wait).
-        train_batches = train_batches.at_epoch(epoch)
+        train_batches = train_batches.at_epoch(progress.epoch)
         start = progress.batch_in_epoch
-        pin_memory = env.device.type == "cuda"
-        loader = iter(data.loader(train_batches, start, cfg.num_workers, pin_memory))
-        upcoming = dist.to_device(next(loader), env.device)
+        loader = data.loader(train_batches, start, cfg.num_workers, env.device)
+        upcoming = next(loader)
         for index in range(start, len(train_batches)):
             pixels, labels, _ = upcoming
             inputs = data.normalize(pixels, images)
@@ -432,7 +423,7 @@ def main() -> None:
             # The next batch, fetched while the device still works through this step:
             # before anything below waits for the device (a logged loss, an evaluation).
             if index + 1 < len(train_batches):
-                upcoming = dist.to_device(next(loader), env.device)
+                upcoming = next(loader)
             # BatchNorm running statistics: once per step, from the whole global batch.
             update_running_stats(model, dist.reduce_sum)
             progress.advance(samples=cfg.global_batch_size, tokens=0)

@@ -32,16 +32,12 @@ from model import (
     check_weights,
     clear_step_stats,
     update_running_stats,
+    weight_decay_groups,
 )
 from runtime import checkpoint, config, dist, early_stop, microbatch, parallel, preempt
 from runtime import profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum, training_flops
 from runtime.time import Progress, Time, as_fraction, check_fraction
-
-# algorithm: randaugment
-import functools
-
-# end algorithm: randaugment
 
 # algorithm: ema
 import copy
@@ -245,13 +241,8 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, parallel.ParallelConfig]:
         progressive_resizing_finetune_fraction="[0, 1]",
         progressive_resizing_size_increment="[1, inf)",
     )
-    delay = cfg.progressive_resizing_delay_fraction
-    finetune = cfg.progressive_resizing_finetune_fraction
-    if delay + finetune > 1:
-        config.fail(
-            f"progressive_resizing_delay_fraction={delay} and _finetune_fraction="
-            f"{finetune} add up to more than 1 (of training)"
-        )
+    if problem := data.check_progressive_resizing(cfg):
+        config.fail(problem)
     # end algorithm: progressive_resizing
 
     # algorithm: randaugment
@@ -315,14 +306,7 @@ def augmentations(cfg: Config) -> list[data.Augment]:
     # algorithm: randaugment
     # RandAugment (Cubuk et al. 2020): randaugment_depth operations chosen at
     # random, each at a random strength up to randaugment_severity (data.randaugment).
-    augment.append(
-        functools.partial(
-            data.randaugment,
-            depth=cfg.randaugment_depth,
-            severity=cfg.randaugment_severity,
-            operations=data.AUGMENTATION_SETS[cfg.randaugment_augmentation_set],
-        )
-    )
+    augment.append(data.randaugment_of(cfg))
     # end algorithm: randaugment
 
     return augment
@@ -334,12 +318,7 @@ def build_optimizer(
     """SGD or AdamW over the model's parameters. Returns it and the weights it decays
     (sgd: by hand, before each step in the loop)."""
     # Decay conv and linear weights; BatchNorm parameters and biases stay undecayed.
-    params = list(model.parameters())
-    decayed = [p for p in params if p.dim() >= 2]
-    groups = [
-        {"params": decayed, "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    groups = weight_decay_groups(model, cfg.weight_decay)
     if cfg.optimizer == "sgd":
         for group in groups:  # decoupled: applied by hand before each step (main)
             group["weight_decay"] = 0.0
@@ -355,7 +334,7 @@ def build_optimizer(
             # the CPU too (the offloaded step: per tensor).
             fused=not cfg.cpu_offload,
         )
-    return optimizer, decayed
+    return optimizer, groups[0]["params"]
 
 
 # algorithm: sam
@@ -389,105 +368,15 @@ def sam_descend(model: torch.nn.Module, saved: tuple[list, list, dict]) -> None:
 # end algorithm: sam
 
 
-# algorithm: colout
-def drop_rows_and_columns(
-    inputs: torch.Tensor, cfg: Config, step: int, device: torch.device
-) -> torch.Tensor:
-    """ColOut of this step's batch: every image without the rows and columns drawn for
-    the step (data.colout_kept, the same on every rank), for a cheaper step."""
-    kept = data.colout_kept(
-        *inputs.shape[-2:], cfg.colout_p_row, cfg.colout_p_col, cfg.seed, step
-    )
-    # On their way to the device (dist.to_device: the host does not wait).
-    rows, cols = dist.to_device(kept, device)
-    return inputs[..., rows, :][..., cols]
-
-
-# end algorithm: colout
-
-
-# algorithm: mixup
-def mixup_batch(
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
-    num_classes: int,
-    lam: float,
-    partner: torch.Tensor,
-    rank: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """MixUp (Zhang et al. 2018) of this rank's share of the global batch: sample g
-    becomes lam * x[g] + (1 - lam) * x[partner[g]], its target (class probabilities)
-    likewise. Partners may sit on other ranks: inputs and targets are all-gathered."""
-    if targets.dim() == 1:  # class indices -> probabilities
-        targets = F.one_hot(targets, num_classes).float()
-    share = inputs.shape[0]
-    mine = dist.to_device(partner[rank * share : (rank + 1) * share], inputs.device)
-    other_inputs = dist.gather_rows(inputs)[mine]
-    other_targets = dist.gather_rows(targets)[mine]
-    inputs = lam * inputs + (1 - lam) * other_inputs
-    return inputs, lam * targets + (1 - lam) * other_targets
-
-
-def mixup_step(
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
-    num_classes: int,
-    cfg: Config,
-    step: int,
-    env: dist.DistEnv,
-) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """This step's MixUp: on the steps the "batch mixer" draw gives it, lam drawn from
-    Beta(mixup_alpha, mixup_alpha) and this rank's share mixed with partners from a
-    permutation of the global batch (both from (seed, step)); otherwise the batch as it
-    is and lam 1.0. Returns the inputs, the targets and lam."""
-    mixup_lambda = 1.0
-    if data.step_rng(cfg.seed, step, "batch mixer").random() < cfg.mixup_prob:
-        rng = data.step_rng(cfg.seed, step, "mixup")
-        mixup_lambda = float(rng.beta(cfg.mixup_alpha, cfg.mixup_alpha))
-        # Partners among this step's global rows (every rank holds as many).
-        partner = torch.from_numpy(rng.permutation(len(inputs) * env.world_size))
-        inputs, targets = mixup_batch(
-            inputs, targets, num_classes, mixup_lambda, partner, env.rank
-        )
-    return inputs, targets, mixup_lambda
-
-
-# end algorithm: mixup
-
-
 # algorithm: progressive_resizing
-def progressive_resizing_size(
-    fraction: float, height: int, width: int, cfg: Config
-) -> tuple[int, int]:
-    """Image size after `fraction` of training (Composer's ProgressiveResizing): the
-    scale is initial_scale for delay_fraction of training, then grows linearly to 1
-    where the last finetune_fraction begins. The width is rounded to a multiple of
-    size_increment (at least one), the height scaled alike."""
-    delay = cfg.progressive_resizing_delay_fraction
-    ramp = 1 - delay - cfg.progressive_resizing_finetune_fraction
-    if fraction < delay:
-        grown = 0.0
-    elif fraction >= delay + ramp:
-        grown = 1.0
-    else:
-        grown = (fraction - delay) / ramp
-    scale = cfg.progressive_resizing_initial_scale
-    scale += (1 - scale) * grown
-    step = cfg.progressive_resizing_size_increment
-    rounded = min(width, max(step, round(width * scale / step) * step))
-    if scale >= 1 or rounded >= width:  # full size (also when width % step != 0)
-        return height, width
-    return int(height * rounded / width), rounded
-
-
 def progressive_resizing_static_compile(
-    side: int, num_blocks: int, cfg: Config
+    side: int, model: torch.nn.Module, cfg: Config
 ) -> None:
     """One static graph per image size under torch.compile: a size-generic graph
     (dynamo's automatic dynamic shapes) fails in Inductor for these ResNets (CPU, torch
     2.13); the limits hold a few graphs per block for each of the few sizes."""
     sizes = side // cfg.progressive_resizing_size_increment + 1
-    limit = 4 * sizes * num_blocks
+    limit = 4 * sizes * len(parallel.unwrap(model).blocks)
     dynamo = torch._dynamo.config
     dynamo.automatic_dynamic_shapes = False
     dynamo.recompile_limit = max(dynamo.recompile_limit, limit)
@@ -504,11 +393,11 @@ def stochastic_depth_step(
     progress: Progress,
     env: dist.DistEnv,
     samples: int,
-) -> None:
+) -> list[float]:
     """Draw this step's drops for the blocks of `model` (model.py: StochasticDepth;
     this rank holds `samples` of the global batch): a pure function of (seed, step,
     block, global sample), so a resumed run, on any number of ranks or microbatch
-    size, drops the same ones."""
+    size, drops the same ones. Returns this step's drop rates, a block each."""
     # The share of the drop rates in force: below 1 during drop_warmup.
     ramp = 1.0
     if cfg.stochastic_depth_drop_warmup != "none":
@@ -519,16 +408,11 @@ def stochastic_depth_step(
         )
         ramp = min(progress.fraction() / warmup, 1.0)
     # This rank's first sample in the global batch.
-    first_sample = env.rank * (cfg.global_batch_size // env.world_size)
-    parallel.unwrap(model).stochastic_depth.start_step(
-        cfg.seed,
-        progress.batch,
-        ramp,
-        cfg.global_batch_size,
-        first_sample,
-        samples,
-        env.device,
-    )
+    batch, step = cfg.global_batch_size, progress.batch
+    first_sample = env.rank * (batch // env.world_size)
+    depth = parallel.unwrap(model).stochastic_depth
+    depth.start_step(cfg.seed, step, ramp, batch, first_sample, samples, env.device)
+    return depth.rates
 
 
 # end algorithm: stochastic_depth
@@ -668,23 +552,18 @@ def main() -> None:
     run_dir = Path("runs") / cfg.run_name
     # A missing path, a bad file, too few images: one line, exit status 2.
     with config.failing(OSError, ValueError):
-        images = data.load_images(cfg.data)
-        train_batches, val = data.splits(
-            images, cfg, env.rank, env.world_size, augmentations(cfg)
-        )
-    # A preset ResNet, or a torchvision, timm or HF model fitted to this loop (see
-    # HubNet), which must take every image side fed. Refused in one line: BatchNorm it
-    # cannot make ghost, bad weights, other image sizes.
+        images, train_batches, val = data.load_splits(cfg, env, augmentations(cfg))
+    # A preset ResNet, or a hub model fitted to this loop (HubNet) that takes every side
+    # fed; refused in one line: BatchNorm it cannot make ghost, bad weights, sizes.
     sides = [train_batches.image_side, val.image_side]
 
     # algorithm: progressive_resizing
     # A hub model must take the smallest side fed (a ViT takes only its own side).
-    sides.append(progressive_resizing_size(0.0, sides[0], sides[0], cfg)[1])
+    sides.append(data.progressive_resizing_size(0.0, sides[0], sides[0], cfg)[1])
     # end algorithm: progressive_resizing
 
     with config.failing(ValueError, OSError, RuntimeError):
-        model = build_model(cfg, len(images.classes), images.channels, sides)
-    model = model.to(env.device)
+        model = build_model(cfg, images.classes, images.channels, sides, env.device)
     num_params = model.num_params()
 
     # One live start per run (an OS lock that kill -9 frees), once all input is read.
@@ -692,19 +571,6 @@ def main() -> None:
         run_lock = runlock.acquire(run_dir)
 
     # event: MODEL
-
-    # algorithm: stochastic_depth
-    # Stochastic depth (Huang et al. 2016): in training, residual branches are
-    # skipped with a probability growing with depth (model.py: StochasticDepth, which
-    # each block's forward applies); evaluation runs every block. No parameters or
-    # checkpoint keys change.
-    depth = model.stochastic_depth
-    depth.schedule(
-        cfg.stochastic_depth_drop_rate,
-        cfg.stochastic_depth_drop_distribution,
-        cfg.stochastic_depth_mode,
-    )
-    # end algorithm: stochastic_depth
 
     # algorithm: channels_last
     # Channels last (NHWC): convolution weights stored channel-innermost, the layout
@@ -798,23 +664,20 @@ def main() -> None:
     # algorithm: progressive_resizing
     # Under torch.compile, a static graph per progressive size (`size`: training side).
     if plan.compile:
-        num_blocks = len(parallel.unwrap(model).blocks)
-        progressive_resizing_static_compile(size, num_blocks, cfg)
+        progressive_resizing_static_compile(size, model, cfg)
     # end algorithm: progressive_resizing
 
     # The one flag that ends training (a resumed run may already have finished).
     finished = progress.reached() or stopper.stopped
     while not finished:
-        epoch = progress.epoch
         # This rank's shares of the epoch's global batches, in the epoch's seeded order,
         # from where training stands (a resumed run starts mid-epoch). Each is on its
-        # way to the device before its step (dist.to_device: the copy does not make the
+        # way to the device before its step (data.loader: the copy does not make the
         # host wait).
-        train_batches = train_batches.at_epoch(epoch)
+        train_batches = train_batches.at_epoch(progress.epoch)
         start = progress.batch_in_epoch
-        pin_memory = env.device.type == "cuda"
-        loader = iter(data.loader(train_batches, start, cfg.num_workers, pin_memory))
-        upcoming = dist.to_device(next(loader), env.device)
+        loader = data.loader(train_batches, start, cfg.num_workers, env.device)
+        upcoming = next(loader)
         for index in range(start, len(train_batches)):
             pixels, labels, _ = upcoming
             inputs = data.normalize(pixels, images)
@@ -830,23 +693,20 @@ def main() -> None:
             # ColOut (Composer): drop a random share of the rows and of the columns of
             # every image of the step: smaller images, cheaper steps. Drawn from (seed,
             # step): every rank drops the same ones.
-            inputs = drop_rows_and_columns(inputs, cfg, progress.batch, env.device)
+            inputs = data.drop_rows_and_columns(inputs, cfg, progress.batch, env.device)
             # end algorithm: colout
 
             # algorithm: label_smoothing
             # Soft targets (Szegedy et al. 2016): (1 - s) * one-hot + s / K, so the
             # classifier is never pushed to infinite confidence. Before any mixing.
-            num_classes, smoothing = len(images.classes), cfg.label_smoothing_smoothing
-            if targets.dim() == 1:  # class indices -> probabilities
-                targets = F.one_hot(targets, num_classes).float()
-            targets = (1 - smoothing) * targets + smoothing / num_classes
+            targets = data.smooth_labels(targets, len(images.classes), cfg)
             # end algorithm: label_smoothing
 
             # algorithm: mixup
             # MixUp (Zhang et al. 2018): mix each sample and its target with a partner
             # from the global batch, before the microbatch split. lam and the partners
             # come from (seed, step): the same pairs on any world size, after a resume.
-            inputs, targets, mixup_lambda = mixup_step(
+            inputs, targets, mixup_lambda = data.mixup_step(
                 inputs, targets, len(images.classes), cfg, progress.batch, env
             )
             # end algorithm: mixup
@@ -855,18 +715,16 @@ def main() -> None:
             # Progressive resizing (Composer's): small images early, full size for the
             # last finetune fraction. The size is a function of progress (a resumed run
             # continues the schedule); crop mode's offset comes from (seed, step).
-            progressive_size = progressive_resizing_size(
-                progress.fraction(), *inputs.shape[-2:], cfg
+            inputs = data.progressive_resizing_inputs(
+                inputs, progress.fraction(), progress.batch, cfg
             )
-            mode, crop_seed = cfg.progressive_resizing_mode, [cfg.seed, progress.batch]
-            inputs = data.progressive_resize(inputs, progressive_size, mode, crop_seed)
             # end algorithm: progressive_resizing
 
             # algorithm: stochastic_depth
             # This step's drops: a pure function of (seed, step, block, global
             # sample), so a resumed run, on any number of ranks or microbatch size,
             # drops the same ones.
-            stochastic_depth_step(model, cfg, progress, env, inputs.shape[0])
+            drop_rates = stochastic_depth_step(model, cfg, progress, env, len(inputs))
             # end algorithm: stochastic_depth
 
             # algorithm: channels_last
@@ -913,7 +771,7 @@ def main() -> None:
             # The next batch, fetched while the device still works through this step:
             # before anything below waits for the device (a logged loss, an evaluation).
             if index + 1 < len(train_batches):
-                upcoming = dist.to_device(next(loader), env.device)
+                upcoming = next(loader)
             # BatchNorm running statistics: once per step, from the whole global batch.
             update_running_stats(model, dist.reduce_sum)
             progress.advance(samples=cfg.global_batch_size, tokens=0)
@@ -966,7 +824,7 @@ def main() -> None:
                 # end algorithm: progressive_resizing
 
                 # algorithm: stochastic_depth
-                metrics["drop_rate"] = depth.rates[-1]  # the deepest block's, this step
+                metrics["drop_rate"] = drop_rates[-1]  # the deepest block's, this step
                 # end algorithm: stochastic_depth
 
                 monitor.log(progress, **metrics)

@@ -32,6 +32,7 @@ from model import (
     check_weights,
     clear_step_stats,
     update_running_stats,
+    weight_decay_groups,
 )
 from runtime import checkpoint, config, dist, early_stop, microbatch, parallel, preempt
 from runtime import profile, runlock, trackers
@@ -196,13 +197,8 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, parallel.ParallelConfig]:
         progressive_resizing_finetune_fraction="[0, 1]",
         progressive_resizing_size_increment="[1, inf)",
     )
-    delay = cfg.progressive_resizing_delay_fraction
-    finetune = cfg.progressive_resizing_finetune_fraction
-    if delay + finetune > 1:
-        config.fail(
-            f"progressive_resizing_delay_fraction={delay} and _finetune_fraction="
-            f"{finetune} add up to more than 1 (of training)"
-        )
+    if problem := data.check_progressive_resizing(cfg):
+        config.fail(problem)
     # end algorithm: progressive_resizing
 
     # algorithm: ema
@@ -237,12 +233,7 @@ def build_optimizer(
     """SGD or AdamW over the model's parameters. Returns it and the weights it decays
     (sgd: by hand, before each step in the loop)."""
     # Decay conv and linear weights; BatchNorm parameters and biases stay undecayed.
-    params = list(model.parameters())
-    decayed = [p for p in params if p.dim() >= 2]
-    groups = [
-        {"params": decayed, "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    groups = weight_decay_groups(model, cfg.weight_decay)
     if cfg.optimizer == "sgd":
         for group in groups:  # decoupled: applied by hand before each step (main)
             group["weight_decay"] = 0.0
@@ -258,42 +249,18 @@ def build_optimizer(
             # the CPU too (the offloaded step: per tensor).
             fused=not cfg.cpu_offload,
         )
-    return optimizer, decayed
+    return optimizer, groups[0]["params"]
 
 
 # algorithm: progressive_resizing
-def progressive_resizing_size(
-    fraction: float, height: int, width: int, cfg: Config
-) -> tuple[int, int]:
-    """Image size after `fraction` of training (Composer's ProgressiveResizing): the
-    scale is initial_scale for delay_fraction of training, then grows linearly to 1
-    where the last finetune_fraction begins. The width is rounded to a multiple of
-    size_increment (at least one), the height scaled alike."""
-    delay = cfg.progressive_resizing_delay_fraction
-    ramp = 1 - delay - cfg.progressive_resizing_finetune_fraction
-    if fraction < delay:
-        grown = 0.0
-    elif fraction >= delay + ramp:
-        grown = 1.0
-    else:
-        grown = (fraction - delay) / ramp
-    scale = cfg.progressive_resizing_initial_scale
-    scale += (1 - scale) * grown
-    step = cfg.progressive_resizing_size_increment
-    rounded = min(width, max(step, round(width * scale / step) * step))
-    if scale >= 1 or rounded >= width:  # full size (also when width % step != 0)
-        return height, width
-    return int(height * rounded / width), rounded
-
-
 def progressive_resizing_static_compile(
-    side: int, num_blocks: int, cfg: Config
+    side: int, model: torch.nn.Module, cfg: Config
 ) -> None:
     """One static graph per image size under torch.compile: a size-generic graph
     (dynamo's automatic dynamic shapes) fails in Inductor for these ResNets (CPU, torch
     2.13); the limits hold a few graphs per block for each of the few sizes."""
     sizes = side // cfg.progressive_resizing_size_increment + 1
-    limit = 4 * sizes * num_blocks
+    limit = 4 * sizes * len(parallel.unwrap(model).blocks)
     dynamo = torch._dynamo.config
     dynamo.automatic_dynamic_shapes = False
     dynamo.recompile_limit = max(dynamo.recompile_limit, limit)
@@ -431,21 +398,18 @@ def main() -> None:
     run_dir = Path("runs") / cfg.run_name
     # A missing path, a bad file, too few images: one line, exit status 2.
     with config.failing(OSError, ValueError):
-        images = data.load_images(cfg.data)
-        train_batches, val = data.splits(images, cfg, env.rank, env.world_size)
-    # A preset ResNet, or a torchvision, timm or HF model fitted to this loop (see
-    # HubNet), which must take every image side fed. Refused in one line: BatchNorm it
-    # cannot make ghost, bad weights, other image sizes.
+        images, train_batches, val = data.load_splits(cfg, env)
+    # A preset ResNet, or a hub model fitted to this loop (HubNet) that takes every side
+    # fed; refused in one line: BatchNorm it cannot make ghost, bad weights, sizes.
     sides = [train_batches.image_side, val.image_side]
 
     # algorithm: progressive_resizing
     # A hub model must take the smallest side fed (a ViT takes only its own side).
-    sides.append(progressive_resizing_size(0.0, sides[0], sides[0], cfg)[1])
+    sides.append(data.progressive_resizing_size(0.0, sides[0], sides[0], cfg)[1])
     # end algorithm: progressive_resizing
 
     with config.failing(ValueError, OSError, RuntimeError):
-        model = build_model(cfg, len(images.classes), images.channels, sides)
-    model = model.to(env.device)
+        model = build_model(cfg, images.classes, images.channels, sides, env.device)
     num_params = model.num_params()
 
     # One live start per run (an OS lock that kill -9 frees), once all input is read.
@@ -546,23 +510,20 @@ def main() -> None:
     # algorithm: progressive_resizing
     # Under torch.compile, a static graph per progressive size (`size`: training side).
     if plan.compile:
-        num_blocks = len(parallel.unwrap(model).blocks)
-        progressive_resizing_static_compile(size, num_blocks, cfg)
+        progressive_resizing_static_compile(size, model, cfg)
     # end algorithm: progressive_resizing
 
     # The one flag that ends training (a resumed run may already have finished).
     finished = progress.reached() or stopper.stopped
     while not finished:
-        epoch = progress.epoch
         # This rank's shares of the epoch's global batches, in the epoch's seeded order,
         # from where training stands (a resumed run starts mid-epoch). Each is on its
-        # way to the device before its step (dist.to_device: the copy does not make the
+        # way to the device before its step (data.loader: the copy does not make the
         # host wait).
-        train_batches = train_batches.at_epoch(epoch)
+        train_batches = train_batches.at_epoch(progress.epoch)
         start = progress.batch_in_epoch
-        pin_memory = env.device.type == "cuda"
-        loader = iter(data.loader(train_batches, start, cfg.num_workers, pin_memory))
-        upcoming = dist.to_device(next(loader), env.device)
+        loader = data.loader(train_batches, start, cfg.num_workers, env.device)
+        upcoming = next(loader)
         for index in range(start, len(train_batches)):
             pixels, labels, _ = upcoming
             inputs = data.normalize(pixels, images)
@@ -577,21 +538,16 @@ def main() -> None:
             # algorithm: label_smoothing
             # Soft targets (Szegedy et al. 2016): (1 - s) * one-hot + s / K, so the
             # classifier is never pushed to infinite confidence. Before any mixing.
-            num_classes, smoothing = len(images.classes), cfg.label_smoothing_smoothing
-            if targets.dim() == 1:  # class indices -> probabilities
-                targets = F.one_hot(targets, num_classes).float()
-            targets = (1 - smoothing) * targets + smoothing / num_classes
+            targets = data.smooth_labels(targets, len(images.classes), cfg)
             # end algorithm: label_smoothing
 
             # algorithm: progressive_resizing
             # Progressive resizing (Composer's): small images early, full size for the
             # last finetune fraction. The size is a function of progress (a resumed run
             # continues the schedule); crop mode's offset comes from (seed, step).
-            progressive_size = progressive_resizing_size(
-                progress.fraction(), *inputs.shape[-2:], cfg
+            inputs = data.progressive_resizing_inputs(
+                inputs, progress.fraction(), progress.batch, cfg
             )
-            mode, crop_seed = cfg.progressive_resizing_mode, [cfg.seed, progress.batch]
-            inputs = data.progressive_resize(inputs, progressive_size, mode, crop_seed)
             # end algorithm: progressive_resizing
 
             # algorithm: channels_last
@@ -626,7 +582,7 @@ def main() -> None:
             # The next batch, fetched while the device still works through this step:
             # before anything below waits for the device (a logged loss, an evaluation).
             if index + 1 < len(train_batches):
-                upcoming = dist.to_device(next(loader), env.device)
+                upcoming = next(loader)
             # BatchNorm running statistics: once per step, from the whole global batch.
             update_running_stats(model, dist.reduce_sum)
             progress.advance(samples=cfg.global_batch_size, tokens=0)
