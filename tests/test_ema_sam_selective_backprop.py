@@ -242,7 +242,7 @@ def test_ema_resumes_2_to_1_ranks_bitwise_is_evaluated_and_exported(
     search = train.microbatch.Search(
         net, net.blocks, env, 2, per_rank_batch=12, log=lambda _: None
     )
-    scores = train.evaluate(net, val, images, cfg, env, search)
+    scores = train.evaluate(net, val, cfg, env, search)
     assert scores["val_loss"] == pytest.approx(rows[4]["ema_val_loss"], abs=1e-6)
 
 

@@ -317,7 +317,7 @@ def test_mixers_treat_the_views_of_an_image_alike(am) -> None:
     x = torch.randn(4, 3, 1, 6, 6, generator=torch.Generator().manual_seed(0))
     y = torch.tensor([0, 1, 2, 3])
     perm = torch.tensor([2, 0, 3, 1])
-    mixed, targets = train.mixup_batch(x, y, 10, 0.3, perm, rank=0)
+    mixed, targets = am["data"].mixup_batch(x, y, 10, 0.3, perm, rank=0)
     torch.testing.assert_close(mixed, 0.3 * x + 0.7 * x[perm])
     assert targets.shape == (4, 10)
     box = (1, 4, 2, 5)
@@ -395,17 +395,17 @@ def test_size_schedule_matches_composers_formula(ra) -> None:
         (0.99, 1.0),
     ):
         width = round(224 * scale / 4) * 4
-        assert train.progressive_resizing_size(fraction, 224, 224, cfg) == (
+        assert ra["data"].progressive_resizing_size(fraction, 224, 224, cfg) == (
             width,
             width,
         ), fraction
     # the height follows the width's factor (Composer rounds the width only)
-    assert train.progressive_resizing_size(0.5, 150, 224, cfg) == (
+    assert ra["data"].progressive_resizing_size(0.5, 150, 224, cfg) == (
         int(150 * 140 / 224),
         140,
     )
     # a full side that is no multiple of the increment is kept whole at full scale
-    assert train.progressive_resizing_size(0.9, 30, 30, cfg) == (30, 30)
+    assert ra["data"].progressive_resizing_size(0.9, 30, 30, cfg) == (30, 30)
 
 
 def test_distinct_sizes_are_bounded_by_the_increment(ra) -> None:
@@ -423,7 +423,7 @@ def test_distinct_sizes_are_bounded_by_the_increment(ra) -> None:
             progressive_resizing_finetune_fraction=0.2,
         )
         sizes = {
-            train.progressive_resizing_size(step_i / 5000, side, side, cfg)
+            ra["data"].progressive_resizing_size(step_i / 5000, side, side, cfg)
             for step_i in range(5000)
         }
         assert len(sizes) <= (1 - initial) * side / step + 2

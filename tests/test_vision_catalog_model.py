@@ -18,6 +18,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -432,7 +433,7 @@ def test_stochastic_depth_probabilities_follow_the_distribution(models) -> None:
         0.0,
         0.0,
         0.0,
-    ]  # until train.py sets them: the plain blocks
+    ]  # until build_model sets them: the plain blocks
     linear.schedule(0.3, "linear", "block")
     assert linear.max_rates == pytest.approx([0.1, 0.2, 0.3])
     uniform = tiny_model(model).stochastic_depth
@@ -451,6 +452,23 @@ def test_stochastic_depth_probabilities_follow_the_distribution(models) -> None:
     for index, keep in enumerate(linear.keep):
         expected = 1 / (1 - linear.rates[index]) if keep else 0.0
         assert float(linear.scales[index, 0]) == pytest.approx(expected)
+
+
+def test_build_model_schedules_stochastic_depth_from_the_config(models) -> None:
+    """train.py builds the model with model.build_model, which sets the drop rates from
+    the Config's stochastic_depth_* fields (no step in train.py's main() does)."""
+    model = models("stochastic_depth")
+    cfg = SimpleNamespace(
+        model="tiny",
+        weights="",
+        bn_group_size=2,
+        stochastic_depth_drop_rate=0.3,
+        stochastic_depth_drop_distribution="uniform",
+        stochastic_depth_mode="sample",
+    )
+    net = model.build_model(cfg, ["a", "b"], 1, [8], torch.device("cpu"))
+    assert net.stochastic_depth.max_rates == pytest.approx([0.3, 0.3, 0.3])
+    assert net.stochastic_depth.mode == "sample"
 
 
 def test_stochastic_depth_draws_are_a_function_of_seed_step_block_and_global_sample(
@@ -750,13 +768,14 @@ def test_all_four_together_train(
     rows = (tmp_path / "runs" / "fsdp" / "metrics.jsonl").read_text().splitlines()
     sharded = [json.loads(row)["loss"] for row in rows if "loss" in json.loads(row)]
     assert max(abs(a - b) for a, b in zip(sharded, losses, strict=True)) <= 1e-5
-    # The architecture is model.py's: train.py sets stochastic depth's rates, then converts the
-    # finished model to channels last; blurpool and squeeze_excite are not in it at all.
+    # The architecture is model.py's: build_model sets stochastic depth's rates, then
+    # train.py converts the finished model to channels last at MODEL; blurpool and
+    # squeeze_excite are not in train.py at all, stochastic depth only for its steps.
     train_py = (projects["all"] / "train.py").read_text()
     at_model = train_py[train_py.index("# event: MODEL") :]
-    assert at_model.index("# algorithm: stochastic_depth\n") < at_model.index(
-        "# algorithm: channels_last\n"
-    )
+    at_model = at_model[: at_model.index("# event: OPTIMIZER")]
+    assert "# algorithm: channels_last\n" in at_model
+    assert "# algorithm: stochastic_depth\n" not in at_model
     assert (
         "# algorithm: blurpool" not in train_py
         and "# algorithm: squeeze_excite" not in train_py
@@ -766,9 +785,11 @@ def test_all_four_together_train(
     assert fences == {
         "blurpool": 4,
         "squeeze_excite": 3,
-        "stochastic_depth": 3,
+        "stochastic_depth": 5,
         "channels_last": 0,
     }
+    built = model_py[model_py.index("def build_model(") :]
+    assert "model.stochastic_depth.schedule(" in built[: built.index("return model")]
 
 
 def test_add_and_remove_stochastic_depth_on_a_hand_edited_project(
@@ -804,12 +825,12 @@ def test_add_and_remove_stochastic_depth_on_a_hand_edited_project(
         "inputs = inputs.contiguous()  # hand edit" in with_depth
         and "beta2: float = 0.99 " in with_depth
     )
-    # config, checks, functions, MODEL, BATCH_START, MICROBATCH_START, metrics; the
-    # rest in model.py
-    assert with_depth.count("# algorithm: stochastic_depth\n") == 7
+    # config, checks, functions, BATCH_START, MICROBATCH_START, metrics; the rest
+    # (the drop schedule included, in build_model) in model.py
+    assert with_depth.count("# algorithm: stochastic_depth\n") == 6
     assert (project / "model.py").read_text().count(
         "# algorithm: stochastic_depth\n"
-    ) == 3
+    ) == 5
     assert 'stochastic_depth_mode: Literal["block", "sample"] = "sample"' in with_depth
     losses = train(
         project,

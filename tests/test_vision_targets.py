@@ -186,11 +186,11 @@ def step_one_loss(rows: list[dict]) -> float:
 
 
 def test_mixup_batch_equals_a_hand_computation(modules) -> None:
-    train = modules["train"]
+    data = modules["data"]
     x = torch.randn(6, 1, 4, 4, generator=torch.Generator().manual_seed(0))
     y = torch.tensor([0, 1, 2, 3, 4, 5])
     perm = torch.tensor([3, 0, 5, 1, 2, 4])
-    mixed, targets = train.mixup_batch(x, y, CLASSES, 0.3, perm, rank=0)
+    mixed, targets = data.mixup_batch(x, y, CLASSES, 0.3, perm, rank=0)
     for i in range(6):
         torch.testing.assert_close(mixed[i], 0.3 * x[i] + 0.7 * x[perm[i]])
     logits = torch.randn(6, CLASSES, generator=torch.Generator().manual_seed(1))
@@ -201,7 +201,7 @@ def test_mixup_batch_equals_a_hand_computation(modules) -> None:
     torch.testing.assert_close(loss, expected)
     # Soft (smoothed) targets are mixed as they are.
     soft = torch.full((6, CLASSES), 0.01) + 0.9 * F.one_hot(y, CLASSES)
-    _, mixed_soft = train.mixup_batch(x, soft, CLASSES, 0.3, perm, rank=0)
+    _, mixed_soft = data.mixup_batch(x, soft, CLASSES, 0.3, perm, rank=0)
     torch.testing.assert_close(mixed_soft, 0.3 * soft + 0.7 * soft[perm])
 
 

@@ -25,14 +25,13 @@ import torch.nn.functional as F
 
 import data
 from model import (
-    PRESETS,
-    HubNet,
     Preset,
-    ResNet,
-    ResNetConfig,
+    build_model,
     check_model,
+    check_weights,
     clear_step_stats,
     update_running_stats,
+    weight_decay_groups,
 )
 from runtime import checkpoint, config, dist, early_stop, microbatch, parallel, preempt
 from runtime import profile, runlock, trackers
@@ -138,49 +137,25 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, parallel.ParallelConfig]:
     cfg.compile = plan.compile
     if cfg.model == "auto":
         cfg.model = "cifar-resnet56" if cfg.data else "tiny"
+    cfg.eval_image_size = cfg.eval_image_size or cfg.image_size  # 0: settled here
+    cfg.eval_resize = cfg.eval_resize or round(cfg.eval_image_size / 0.875)
     problem = parallel.check(plan, env)
     problem = problem or microbatch.check(cfg.device_microbatch_size)
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
     problem = problem or checkpoint.check_access(cfg.save_folder, cfg.load_path)
     problem = problem or check_model(cfg.model)  # a preset, or a hub model importable
-    if cfg.weights and cfg.model.partition(":")[0] not in ("torchvision", "timm"):
-        problem = problem or (
-            f"weights={cfg.weights}: pretrained weights are read for torchvision:NAME "
-            "and timm:NAME models (hf:FOLDER: the folder's); remove it or pick one"
-        )
+    problem = problem or check_weights(cfg.model, cfg.weights)
+    problem = problem or data.check(cfg, env.world_size)  # sizes, BatchNorm groups
     problem = problem or early_stop.check(
         cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_min_delta
     )
     if problem:
         config.fail(problem)
-    for name in ("global_batch_size", "bn_group_size", "image_size"):
-        if getattr(cfg, name) < 1:
-            config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
-    cfg.eval_image_size = cfg.eval_image_size or cfg.image_size  # 0: settled here
-    cfg.eval_resize = cfg.eval_resize or round(cfg.eval_image_size / 0.875)
-    if cfg.eval_image_size < 1 or cfg.eval_resize < cfg.eval_image_size:
-        config.fail(
-            f"eval_image_size={cfg.eval_image_size}, eval_resize={cfg.eval_resize}: "
-            "the crop must be at least 1 pixel and at most the resized short side"
-        )
-    if cfg.eval_batches < 0 or cfg.num_workers < 0:
-        config.fail("eval_batches and num_workers must be at least 0")
     if cfg.global_batch_size % env.world_size:
         config.fail(
             f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
             f"size {env.world_size}; pick a multiple of {env.world_size}"
         )
-    # Ghost BatchNorm groups must not straddle ranks or microbatches.
-    per_rank = cfg.global_batch_size // env.world_size
-    for name, size in (
-        ("the per-rank batch (global_batch_size / world size)", per_rank),
-        ("device_microbatch_size", cfg.device_microbatch_size),
-    ):
-        if isinstance(size, int) and size % cfg.bn_group_size:
-            config.fail(
-                f"{name}={size} is not a multiple of bn_group_size="
-                f"{cfg.bn_group_size}; BatchNorm groups must not be split: change one"
-            )
     with config.failing(ValueError, prefix="lr_warmup: "):
         check_fraction(cfg.lr_warmup, cfg.max_duration)
 
@@ -204,11 +179,35 @@ def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * decayed))
 
 
+def build_optimizer(
+    model: torch.nn.Module, cfg: Config
+) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
+    """SGD or AdamW over the model's parameters. Returns it and the weights it decays
+    (sgd: by hand, before each step in the loop)."""
+    # Decay conv and linear weights; BatchNorm parameters and biases stay undecayed.
+    groups = weight_decay_groups(model, cfg.weight_decay)
+    if cfg.optimizer == "sgd":
+        for group in groups:  # decoupled: applied by hand before each step (main)
+            group["weight_decay"] = 0.0
+        optimizer = torch.optim.SGD(
+            groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov
+        )
+    else:
+        optimizer = torch.optim.AdamW(
+            groups,
+            lr=cfg.lr,
+            betas=(cfg.momentum, cfg.beta2),
+            # One fused kernel for the whole update instead of several per tensor, on
+            # the CPU too (the offloaded step: per tensor).
+            fused=not cfg.cpu_offload,
+        )
+    return optimizer, groups[0]["params"]
+
+
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
     val: data.Batches,
-    images: data.ImageData,
     cfg: Config,
     env: dist.DistEnv,
 ) -> dict[str, float]:
@@ -217,7 +216,7 @@ def evaluate(
     the same number of forwards (under FSDP each one all-gathers the weights): the
     last batch is padded, with weight 0; the sums are added over ranks."""
     model.eval()
-    k = min(5, len(images.classes))
+    k = min(5, len(val.data.classes))
     num_batches = min(cfg.eval_batches or len(val), len(val))
     sums = torch.zeros(4, device=env.device)  # loss, top-1, top-5 hits, samples
     for batch in range(num_batches):
@@ -228,7 +227,7 @@ def evaluate(
             weight.split(cfg.device_microbatch_size),
         ):
             with torch.autocast(env.device.type, torch.bfloat16, enabled=is_amp(cfg)):
-                logits = model(data.normalize(x, images)).float()
+                logits = model(data.normalize(x, val.data)).float()
             top = logits.topk(k, dim=1).indices == y[:, None]
             sums += torch.stack(
                 [
@@ -297,38 +296,13 @@ def main() -> None:
     run_dir = Path("runs") / cfg.run_name
     # A missing path, a bad file, too few images: one line, exit status 2.
     with config.failing(OSError, ValueError):
-        images = data.load_images(cfg.data)
-        batches = dict(
-            batch_size=cfg.global_batch_size,
-            seed=cfg.seed,
-            image_size=cfg.image_size,
-            crop=cfg.train_crop,
-            rank=env.rank,
-            world_size=env.world_size,
-        )
-        train_batches = data.Batches(images, "train", **batches)
-        val_sizes = dict(image_size=cfg.eval_image_size, resize=cfg.eval_resize)
-        val = data.Batches(images, "val", **(batches | val_sizes))
-    # Decoding images from disk happens in worker processes while the model trains.
-    num_workers = cfg.num_workers if images.on_disk else 0
-    if cfg.model not in PRESETS:
-        # A torchvision, timm or HF model fitted to this loop (see HubNet). Refused in
-        # one line: BatchNorm it cannot make ghost, bad weights, other image sizes.
-        sides = [train_batches.image_side, val.image_side]
+        images, train_batches, val = data.load_splits(cfg, env)
+    # A preset ResNet, or a hub model fitted to this loop (HubNet) that takes every side
+    # fed; refused in one line: BatchNorm it cannot make ghost, bad weights, sizes.
+    sides = [train_batches.image_side, val.image_side]
 
-        with config.failing(ValueError, OSError, RuntimeError):
-            model = HubNet(
-                cfg.model, len(images.classes), cfg.bn_group_size, cfg.weights, sides
-            )
-    else:
-        model_config = ResNetConfig(
-            num_classes=len(images.classes),
-            in_channels=images.channels,
-            bn_group_size=cfg.bn_group_size,
-            **PRESETS[cfg.model],
-        )
-        model = ResNet(model_config)
-    model = model.to(env.device)
+    with config.failing(ValueError, OSError, RuntimeError):
+        model = build_model(cfg, images.classes, images.channels, sides, env.device)
     num_params = model.num_params()
     blocks = model.blocks  # FSDP's units, each also checkpointed and compiled alone
 
@@ -347,28 +321,7 @@ def main() -> None:
     # Shard or replicate for the launch: FSDP2 per block then the root, DDP, or nothing.
     model = parallel.parallelize(model, blocks, env, plan)
 
-    # Decay conv and linear weights; BatchNorm parameters and biases stay undecayed.
-    params = list(model.parameters())
-    decayed = [p for p in params if p.dim() >= 2]
-    groups = [
-        {"params": decayed, "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    if cfg.optimizer == "sgd":
-        for group in groups:  # decoupled: applied by hand before each step (below)
-            group["weight_decay"] = 0.0
-        optimizer = torch.optim.SGD(
-            groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov
-        )
-    else:
-        optimizer = torch.optim.AdamW(
-            groups,
-            lr=cfg.lr,
-            betas=(cfg.momentum, cfg.beta2),
-            # One fused kernel for the whole update instead of several per tensor, on
-            # the CPU too (the offloaded step: per tensor).
-            fused=not cfg.cpu_offload,
-        )
+    optimizer, decayed = build_optimizer(model, cfg)  # decayed: conv, linear weights
     # The log, metrics.jsonl, progress bar and trackers (rank 0 writes them).
     monitor = Monitor(run_dir, cfg.max_duration, cfg.global_batch_size, env.is_main)
     progress = Progress(train_batches.batches_per_epoch, max_duration=cfg.max_duration)
@@ -408,11 +361,8 @@ def main() -> None:
         env.device, env.world_size, cfg.precision, flops_per_sample=flops_per_sample
     )
     monitor.open_trackers(cfg.trackers, config.to_toml(cfg))  # rank 0 writes them
-    monitor.info(f"data: {images.source}")
-    monitor.info(
-        f"images: {len(images.train):,} train, {len(images.val):,} validation, "
-        f"{len(images.classes)} classes"
-    )
+    for line in images.describe():  # where from, how many
+        monitor.info(line)
     monitor.info(f"model: {cfg.model}, {num_params:,} parameters")
     monitor.info(f"parallelism: {plan.parallelism}, {env.world_size} process(es)")
     for line in resumed.describe() if resumed else []:
@@ -430,16 +380,14 @@ def main() -> None:
     # The one flag that ends training (a resumed run may already have finished).
     finished = progress.reached() or stopper.stopped
     while not finished:
-        epoch = progress.epoch
         # This rank's shares of the epoch's global batches, in the epoch's seeded order,
         # from where training stands (a resumed run starts mid-epoch). Each is on its
-        # way to the device before its step (dist.to_device: the copy does not make the
+        # way to the device before its step (data.loader: the copy does not make the
         # host wait).
-        train_batches = data.Batches(images, "train", epoch=epoch, **batches)
+        train_batches = train_batches.at_epoch(progress.epoch)
         start = progress.batch_in_epoch
-        pin_memory = env.device.type == "cuda"
-        loader = iter(data.loader(train_batches, start, num_workers, pin_memory))
-        upcoming = dist.to_device(next(loader), env.device)
+        loader = data.loader(train_batches, start, cfg.num_workers, env.device)
+        upcoming = next(loader)
         for index in range(start, len(train_batches)):
             pixels, labels, _ = upcoming
             inputs = data.normalize(pixels, images)
@@ -477,7 +425,7 @@ def main() -> None:
             # The next batch, fetched while the device still works through this step:
             # before anything below waits for the device (a logged loss, an evaluation).
             if index + 1 < len(train_batches):
-                upcoming = dist.to_device(next(loader), env.device)
+                upcoming = next(loader)
             # BatchNorm running statistics: once per step, from the whole global batch.
             update_running_stats(model, dist.reduce_sum)
             progress.advance(samples=cfg.global_batch_size, tokens=0)
@@ -494,7 +442,7 @@ def main() -> None:
 
                 # Evaluation time does not count against the logged throughput.
                 with monitor.paused():
-                    metrics |= evaluate(model, val, images, cfg, env)
+                    metrics |= evaluate(model, val, cfg, env)
             if metrics or progress.at_interval(cfg.log_interval):
                 metrics["loss"] = train_loss.pop()  # mean since the last log, all ranks
                 metrics["lr"] = lr

@@ -21,9 +21,9 @@ instead (see `HubNet`; each library is optional and checked at start-up by
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.nn as nn
@@ -477,6 +477,17 @@ def check_model(name: str) -> str | None:
     return None
 
 
+def check_weights(name: str, weights: str) -> str | None:
+    """None if model `name` reads pretrained `weights` ("": random ones), else the
+    problem in one line."""
+    if weights and name.partition(":")[0] not in ("torchvision", "timm"):
+        return (
+            f"weights={weights}: pretrained weights are read for torchvision:NAME "
+            "and timm:NAME models (hf:FOLDER: the folder's); remove it or pick one"
+        )
+    return None
+
+
 def check_hf_model(name: str, folder: str) -> str | None:
     """None if `folder` (or a Hub id already in the local cache) holds the config of an
     AutoModelForImageClassification, else the problem in one line."""
@@ -583,6 +594,51 @@ def check_image_side(name: str, net: nn.Module, side: int) -> None:
         ) from None
     finally:
         net.train(training)
+
+
+class ModelConfig(Protocol):
+    """The fields of train.py's Config that choose the model."""
+
+    model: str  # a preset, torchvision:NAME, timm:NAME or hf:FOLDER
+    weights: str
+    bn_group_size: int
+
+
+def build_model(
+    cfg: ModelConfig,
+    classes: Sequence[str],
+    in_channels: int,
+    image_sides: Iterable[int],
+    device: torch.device,
+) -> ResNet | HubNet:
+    """A preset ResNet, or a torchvision, timm or HF model fitted to the loop (see
+    HubNet) that takes every one of `image_sides`, on `device`. ValueError, OSError or
+    RuntimeError (one line) for a hub model it refuses: BatchNorm it cannot make ghost,
+    bad weights, other image sizes."""
+    if cfg.model not in PRESETS:
+        hub = HubNet(
+            cfg.model, len(classes), cfg.bn_group_size, cfg.weights, image_sides
+        )
+        return hub.to(device)
+    config = ResNetConfig(
+        num_classes=len(classes),
+        in_channels=in_channels,
+        bn_group_size=cfg.bn_group_size,
+        **PRESETS[cfg.model],
+    )
+    model = ResNet(config)
+
+    return model.to(device)
+
+
+def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """The optimizer's parameter groups: conv and linear weights (first) decayed by
+    `weight_decay`, BatchNorm parameters and biases undecayed."""
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 class HubNet(nn.Module):

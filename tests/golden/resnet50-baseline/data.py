@@ -39,9 +39,10 @@ import io
 import json
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -120,6 +121,91 @@ class ImageData:
     def on_disk(self) -> bool:
         """Decoding happens per sample: worth DataLoader worker processes."""
         return self.train.files is not None or self.train.shards is not None
+
+    def describe(self) -> list[str]:
+        """Where the images came from and how many there are, for the log."""
+        return [
+            f"data: {self.source}",
+            f"images: {len(self.train):,} train, {len(self.val):,} validation, "
+            f"{len(self.classes)} classes",
+        ]
+
+
+class DataConfig(Protocol):
+    """The fields of train.py's Config that choose and batch the images."""
+
+    data: str
+    seed: int
+    global_batch_size: int
+    device_microbatch_size: int | str
+    bn_group_size: int
+    image_size: int
+    train_crop: str
+    eval_image_size: int
+    eval_resize: int
+    eval_batches: int
+    num_workers: int
+
+
+def check(cfg: DataConfig, world_size: int) -> str | None:
+    """None if the sizes in `cfg` can batch images on `world_size` ranks, else the
+    problem in one line (checked at start-up, before anything is read). eval_image_size
+    and eval_resize are settled (not 0)."""
+    for name in ("global_batch_size", "bn_group_size", "image_size"):
+        if getattr(cfg, name) < 1:
+            return f"{name}={getattr(cfg, name)} must be at least 1"
+    if cfg.eval_image_size < 1 or cfg.eval_resize < cfg.eval_image_size:
+        return (
+            f"eval_image_size={cfg.eval_image_size}, eval_resize={cfg.eval_resize}: "
+            "the crop must be at least 1 pixel and at most the resized short side"
+        )
+    if cfg.eval_batches < 0 or cfg.num_workers < 0:
+        return "eval_batches and num_workers must be at least 0"
+    # Ghost BatchNorm groups must not straddle ranks or microbatches.
+    per_rank = cfg.global_batch_size // world_size
+    for name, size in (
+        ("the per-rank batch (global_batch_size / world size)", per_rank),
+        ("device_microbatch_size", cfg.device_microbatch_size),
+    ):
+        if isinstance(size, int) and size % cfg.bn_group_size:
+            return (
+                f"{name}={size} is not a multiple of bn_group_size="
+                f"{cfg.bn_group_size}; BatchNorm groups must not be split: change one"
+            )
+    return None
+
+
+def load_splits(
+    cfg: DataConfig, env: dist.DistEnv, augment: Sequence[Augment] = ()
+) -> tuple[ImageData, Batches, Batches]:
+    """The images `cfg.data` names, this rank's training batches of them (epoch 0's
+    order; `Batches.at_epoch` for others, `augment` applied after the crop) and its
+    validation batches, at the sizes `cfg` sets. OSError or ValueError (one line) for
+    a missing path, a bad file, too few images."""
+    images = load_images(cfg.data)
+    train = Batches(
+        images,
+        "train",
+        cfg.global_batch_size,
+        cfg.seed,
+        cfg.image_size,
+        cfg.train_crop,
+        rank=env.rank,
+        world_size=env.world_size,
+        augment=augment,
+    )
+    val = Batches(
+        images,
+        "val",
+        cfg.global_batch_size,
+        cfg.seed,
+        cfg.eval_image_size,
+        cfg.train_crop,
+        rank=env.rank,
+        world_size=env.world_size,
+        resize=cfg.eval_resize,
+    )
+    return images, train, val
 
 
 def load_images(data: str) -> ImageData:
@@ -485,6 +571,23 @@ class Batches(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.batches_per_epoch
 
+    def at_epoch(self, epoch: int) -> Batches:
+        """These batches in `epoch`'s order, augmented with `epoch`'s draws."""
+        split = "train" if self.train else "val"
+        return Batches(
+            self.data,
+            split,
+            self.batch_size,
+            self.seed,
+            self.image_size,
+            self.crop,
+            epoch,
+            self.rank,
+            self.world_size,
+            self.resize,
+            self.augment,
+        )
+
     @property
     def image_side(self) -> int:
         """The side of the square images this yields: image_size for ImageFolder data,
@@ -535,18 +638,22 @@ class Batches(torch.utils.data.Dataset):
 
 
 def loader(
-    batches: Batches, start: int, num_workers: int, pin_memory: bool
-) -> torch.utils.data.DataLoader:
-    """Batches start, start + 1, ... of the epoch; decoded in `num_workers` processes
-    while the model trains (0: in this process), which die with this one."""
-    return torch.utils.data.DataLoader(
+    batches: Batches, start: int, num_workers: int, device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Batches start, start + 1, ... of the epoch, each sent to `device` as it is taken
+    (dist.to_device: the copy does not make the host wait); images on disk decoded in
+    `num_workers` processes while the model trains (0, or images in memory: in this
+    process), which die with this one."""
+    batches = torch.utils.data.DataLoader(
         batches,
         batch_size=None,  # items are whole batches already
         sampler=range(start, len(batches)),
-        num_workers=num_workers,
-        pin_memory=pin_memory,
+        num_workers=num_workers if batches.data.on_disk else 0,
+        pin_memory=device.type == "cuda",
         worker_init_fn=dist.end_with_parent,  # killed with their rank, even mid-batch
     )
+    for batch in batches:
+        yield dist.to_device(batch, device)
 
 
 def step_rng(seed: int, step: int, stream: str) -> np.random.Generator:

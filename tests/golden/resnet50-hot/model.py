@@ -21,9 +21,9 @@ instead (see `HubNet`; each library is optional and checked at start-up by
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.nn as nn
@@ -169,8 +169,8 @@ def use_blurpool(model: nn.Module) -> int:
 # algorithm: stochastic_depth
 class StochasticDepth:
     """Stochastic depth (Huang et al. 2016): this step's drops of a ResNet's residual
-    blocks, which every block's forward applies (`branch`); train.py sets the rates
-    (`schedule`) and draws each step's drops (`start_step`).
+    blocks, which every block's forward applies (`branch`); build_model sets the rates
+    (`schedule`), train.py draws each step's drops (`start_step`).
 
     In training, block i's residual branch is dropped with probability rates[i] (block
     mode: skipped for the whole step; sample mode: zeroed for the samples that drew a
@@ -507,7 +507,7 @@ class ResNet(nn.Module):
 
         # algorithm: stochastic_depth
         # Stochastic depth: the drops the residual blocks apply, one object they share
-        # (not a module: no parameters or checkpoint keys); train.py sets its rates.
+        # (not a module: no parameters or checkpoint keys); build_model sets its rates.
         self.stochastic_depth = StochasticDepth(len(self.blocks))
         for index, block in enumerate(self.blocks):
             block.stochastic_depth = self.stochastic_depth
@@ -575,6 +575,17 @@ def check_model(name: str) -> str | None:
         )
     if hub == "hf":
         return check_hf_model(name, arch)
+    return None
+
+
+def check_weights(name: str, weights: str) -> str | None:
+    """None if model `name` reads pretrained `weights` ("": random ones), else the
+    problem in one line."""
+    if weights and name.partition(":")[0] not in ("torchvision", "timm"):
+        return (
+            f"weights={weights}: pretrained weights are read for torchvision:NAME "
+            "and timm:NAME models (hf:FOLDER: the folder's); remove it or pick one"
+        )
     return None
 
 
@@ -684,6 +695,69 @@ def check_image_side(name: str, net: nn.Module, side: int) -> None:
         ) from None
     finally:
         net.train(training)
+
+
+class ModelConfig(Protocol):
+    """The fields of train.py's Config that choose the model."""
+
+    model: str  # a preset, torchvision:NAME, timm:NAME or hf:FOLDER
+    weights: str
+    bn_group_size: int
+
+    # algorithm: stochastic_depth
+    stochastic_depth_drop_rate: float
+    stochastic_depth_drop_distribution: str
+    stochastic_depth_mode: str
+    # end algorithm: stochastic_depth
+
+
+def build_model(
+    cfg: ModelConfig,
+    classes: Sequence[str],
+    in_channels: int,
+    image_sides: Iterable[int],
+    device: torch.device,
+) -> ResNet | HubNet:
+    """A preset ResNet, or a torchvision, timm or HF model fitted to the loop (see
+    HubNet) that takes every one of `image_sides`, on `device`. ValueError, OSError or
+    RuntimeError (one line) for a hub model it refuses: BatchNorm it cannot make ghost,
+    bad weights, other image sizes."""
+    if cfg.model not in PRESETS:
+        hub = HubNet(
+            cfg.model, len(classes), cfg.bn_group_size, cfg.weights, image_sides
+        )
+        return hub.to(device)
+    config = ResNetConfig(
+        num_classes=len(classes),
+        in_channels=in_channels,
+        bn_group_size=cfg.bn_group_size,
+        **PRESETS[cfg.model],
+    )
+    model = ResNet(config)
+
+    # algorithm: stochastic_depth
+    # Stochastic depth (Huang et al. 2016): in training, residual branches are
+    # skipped with a probability growing with depth (StochasticDepth, which each
+    # block's forward applies); evaluation runs every block. No parameters or
+    # checkpoint keys change.
+    model.stochastic_depth.schedule(
+        cfg.stochastic_depth_drop_rate,
+        cfg.stochastic_depth_drop_distribution,
+        cfg.stochastic_depth_mode,
+    )
+    # end algorithm: stochastic_depth
+
+    return model.to(device)
+
+
+def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """The optimizer's parameter groups: conv and linear weights (first) decayed by
+    `weight_decay`, BatchNorm parameters and biases undecayed."""
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 class HubNet(nn.Module):

@@ -39,9 +39,10 @@ import io
 import json
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -120,6 +121,91 @@ class ImageData:
     def on_disk(self) -> bool:
         """Decoding happens per sample: worth DataLoader worker processes."""
         return self.train.files is not None or self.train.shards is not None
+
+    def describe(self) -> list[str]:
+        """Where the images came from and how many there are, for the log."""
+        return [
+            f"data: {self.source}",
+            f"images: {len(self.train):,} train, {len(self.val):,} validation, "
+            f"{len(self.classes)} classes",
+        ]
+
+
+class DataConfig(Protocol):
+    """The fields of train.py's Config that choose and batch the images."""
+
+    data: str
+    seed: int
+    global_batch_size: int
+    device_microbatch_size: int | str
+    bn_group_size: int
+    image_size: int
+    train_crop: str
+    eval_image_size: int
+    eval_resize: int
+    eval_batches: int
+    num_workers: int
+
+
+def check(cfg: DataConfig, world_size: int) -> str | None:
+    """None if the sizes in `cfg` can batch images on `world_size` ranks, else the
+    problem in one line (checked at start-up, before anything is read). eval_image_size
+    and eval_resize are settled (not 0)."""
+    for name in ("global_batch_size", "bn_group_size", "image_size"):
+        if getattr(cfg, name) < 1:
+            return f"{name}={getattr(cfg, name)} must be at least 1"
+    if cfg.eval_image_size < 1 or cfg.eval_resize < cfg.eval_image_size:
+        return (
+            f"eval_image_size={cfg.eval_image_size}, eval_resize={cfg.eval_resize}: "
+            "the crop must be at least 1 pixel and at most the resized short side"
+        )
+    if cfg.eval_batches < 0 or cfg.num_workers < 0:
+        return "eval_batches and num_workers must be at least 0"
+    # Ghost BatchNorm groups must not straddle ranks or microbatches.
+    per_rank = cfg.global_batch_size // world_size
+    for name, size in (
+        ("the per-rank batch (global_batch_size / world size)", per_rank),
+        ("device_microbatch_size", cfg.device_microbatch_size),
+    ):
+        if isinstance(size, int) and size % cfg.bn_group_size:
+            return (
+                f"{name}={size} is not a multiple of bn_group_size="
+                f"{cfg.bn_group_size}; BatchNorm groups must not be split: change one"
+            )
+    return None
+
+
+def load_splits(
+    cfg: DataConfig, env: dist.DistEnv, augment: Sequence[Augment] = ()
+) -> tuple[ImageData, Batches, Batches]:
+    """The images `cfg.data` names, this rank's training batches of them (epoch 0's
+    order; `Batches.at_epoch` for others, `augment` applied after the crop) and its
+    validation batches, at the sizes `cfg` sets. OSError or ValueError (one line) for
+    a missing path, a bad file, too few images."""
+    images = load_images(cfg.data)
+    train = Batches(
+        images,
+        "train",
+        cfg.global_batch_size,
+        cfg.seed,
+        cfg.image_size,
+        cfg.train_crop,
+        rank=env.rank,
+        world_size=env.world_size,
+        augment=augment,
+    )
+    val = Batches(
+        images,
+        "val",
+        cfg.global_batch_size,
+        cfg.seed,
+        cfg.eval_image_size,
+        cfg.train_crop,
+        rank=env.rank,
+        world_size=env.world_size,
+        resize=cfg.eval_resize,
+    )
+    return images, train, val
 
 
 def load_images(data: str) -> ImageData:
@@ -434,7 +520,143 @@ def center_crop(image: Image.Image, size: int, resize: int) -> np.ndarray:
     )
 
 
+# algorithm: label_smoothing
+class LabelSmoothingConfig(Protocol):
+    """The field of train.py's Config that label smoothing reads."""
+
+    label_smoothing_smoothing: float
+
+
+def smooth_labels(
+    targets: torch.Tensor, num_classes: int, cfg: LabelSmoothingConfig
+) -> torch.Tensor:
+    """Label smoothing: (1 - s) * one-hot + s / num_classes (s: the smoothing), for
+    targets given as class indices or as class probabilities (a row per sample)."""
+    smoothing = cfg.label_smoothing_smoothing
+    if targets.dim() == 1:  # class indices -> probabilities
+        targets = torch.nn.functional.one_hot(targets, num_classes).float()
+    return (1 - smoothing) * targets + smoothing / num_classes
+
+
+# end algorithm: label_smoothing
+
+
+# algorithm: mixup
+class MixupConfig(Protocol):
+    """The fields of train.py's Config that MixUp reads."""
+
+    seed: int
+    mixup_alpha: float
+    mixup_prob: float
+
+
+def mixup_batch(
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    num_classes: int,
+    lam: float,
+    partner: torch.Tensor,
+    rank: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MixUp (Zhang et al. 2018) of this rank's share of the global batch: sample g
+    becomes lam * x[g] + (1 - lam) * x[partner[g]], its target (class probabilities)
+    likewise. Partners may sit on other ranks: inputs and targets are all-gathered."""
+    if targets.dim() == 1:  # class indices -> probabilities
+        targets = torch.nn.functional.one_hot(targets, num_classes).float()
+    share = inputs.shape[0]
+    mine = dist.to_device(partner[rank * share : (rank + 1) * share], inputs.device)
+    other_inputs = dist.gather_rows(inputs)[mine]
+    other_targets = dist.gather_rows(targets)[mine]
+    inputs = lam * inputs + (1 - lam) * other_inputs
+    return inputs, lam * targets + (1 - lam) * other_targets
+
+
+def mixup_step(
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    num_classes: int,
+    cfg: MixupConfig,
+    step: int,
+    env: dist.DistEnv,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """This step's MixUp: on the steps the "batch mixer" draw gives it, lam drawn from
+    Beta(mixup_alpha, mixup_alpha) and this rank's share mixed with partners from a
+    permutation of the global batch (both from (seed, step)); otherwise the batch as it
+    is and lam 1.0. Returns the inputs, the targets and lam."""
+    mixup_lambda = 1.0
+    if step_rng(cfg.seed, step, "batch mixer").random() < cfg.mixup_prob:
+        rng = step_rng(cfg.seed, step, "mixup")
+        mixup_lambda = float(rng.beta(cfg.mixup_alpha, cfg.mixup_alpha))
+        # Partners among this step's global rows (every rank holds as many).
+        partner = torch.from_numpy(rng.permutation(len(inputs) * env.world_size))
+        inputs, targets = mixup_batch(
+            inputs, targets, num_classes, mixup_lambda, partner, env.rank
+        )
+    return inputs, targets, mixup_lambda
+
+
+# end algorithm: mixup
+
+
 # algorithm: progressive_resizing
+class ProgressiveResizingConfig(Protocol):
+    """The fields of train.py's Config that progressive resizing reads."""
+
+    seed: int
+    progressive_resizing_initial_scale: float
+    progressive_resizing_delay_fraction: float
+    progressive_resizing_finetune_fraction: float
+    progressive_resizing_size_increment: int
+    progressive_resizing_mode: str
+
+
+def progressive_resizing_size(
+    fraction: float, height: int, width: int, cfg: ProgressiveResizingConfig
+) -> tuple[int, int]:
+    """Image size after `fraction` of training (Composer's ProgressiveResizing): the
+    scale is initial_scale for delay_fraction of training, then grows linearly to 1
+    where the last finetune_fraction begins. The width is rounded to a multiple of
+    size_increment (at least one), the height scaled alike."""
+    delay = cfg.progressive_resizing_delay_fraction
+    ramp = 1 - delay - cfg.progressive_resizing_finetune_fraction
+    if fraction < delay:
+        grown = 0.0
+    elif fraction >= delay + ramp:
+        grown = 1.0
+    else:
+        grown = (fraction - delay) / ramp
+    scale = cfg.progressive_resizing_initial_scale
+    scale += (1 - scale) * grown
+    step = cfg.progressive_resizing_size_increment
+    rounded = min(width, max(step, round(width * scale / step) * step))
+    if scale >= 1 or rounded >= width:  # full size (also when width % step != 0)
+        return height, width
+    return int(height * rounded / width), rounded
+
+
+def check_progressive_resizing(cfg: ProgressiveResizingConfig) -> str | None:
+    """None if the delay and the finetune fraction leave a share of training to grow
+    the images in, else the problem in one line."""
+    delay = cfg.progressive_resizing_delay_fraction
+    finetune = cfg.progressive_resizing_finetune_fraction
+    if delay + finetune > 1:
+        return (
+            f"progressive_resizing_delay_fraction={delay} and _finetune_fraction="
+            f"{finetune} add up to more than 1 (of training)"
+        )
+    return None
+
+
+def progressive_resizing_inputs(
+    images: torch.Tensor, fraction: float, step: int, cfg: ProgressiveResizingConfig
+) -> torch.Tensor:
+    """The images of step `step` at the size for `fraction` of training: resized, or
+    cropped (mode crop) at an offset drawn from (seed, step)."""
+    size = progressive_resizing_size(fraction, *images.shape[-2:], cfg)
+    mode, crop_seed = cfg.progressive_resizing_mode, [cfg.seed, step]
+    return progressive_resize(images, size, mode, crop_seed)
+
+
 def progressive_resize(
     images: torch.Tensor, size: tuple[int, int], mode: str, seed: list[int]
 ) -> torch.Tensor:
@@ -516,6 +738,23 @@ class Batches(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.batches_per_epoch
 
+    def at_epoch(self, epoch: int) -> Batches:
+        """These batches in `epoch`'s order, augmented with `epoch`'s draws."""
+        split = "train" if self.train else "val"
+        return Batches(
+            self.data,
+            split,
+            self.batch_size,
+            self.seed,
+            self.image_size,
+            self.crop,
+            epoch,
+            self.rank,
+            self.world_size,
+            self.resize,
+            self.augment,
+        )
+
     @property
     def image_side(self) -> int:
         """The side of the square images this yields: image_size for ImageFolder data,
@@ -566,18 +805,22 @@ class Batches(torch.utils.data.Dataset):
 
 
 def loader(
-    batches: Batches, start: int, num_workers: int, pin_memory: bool
-) -> torch.utils.data.DataLoader:
-    """Batches start, start + 1, ... of the epoch; decoded in `num_workers` processes
-    while the model trains (0: in this process), which die with this one."""
-    return torch.utils.data.DataLoader(
+    batches: Batches, start: int, num_workers: int, device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Batches start, start + 1, ... of the epoch, each sent to `device` as it is taken
+    (dist.to_device: the copy does not make the host wait); images on disk decoded in
+    `num_workers` processes while the model trains (0, or images in memory: in this
+    process), which die with this one."""
+    batches = torch.utils.data.DataLoader(
         batches,
         batch_size=None,  # items are whole batches already
         sampler=range(start, len(batches)),
-        num_workers=num_workers,
-        pin_memory=pin_memory,
+        num_workers=num_workers if batches.data.on_disk else 0,
+        pin_memory=device.type == "cuda",
         worker_init_fn=dist.end_with_parent,  # killed with their rank, even mid-batch
     )
+    for batch in batches:
+        yield dist.to_device(batch, device)
 
 
 def step_rng(seed: int, step: int, stream: str) -> np.random.Generator:

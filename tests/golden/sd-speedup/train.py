@@ -654,8 +654,7 @@ def main() -> None:
     # end algorithm: precomputed_latents
 
     # algorithm: ema
-    # The weight average: a copy of the model, never trained (no gradients).
-    # Copied together, so ema_blocks are ema_model's own (FSDP's units, as `blocks`).
+    # The weight average: a copy of the model and its blocks, never trained.
     ema_model, ema_blocks = copy.deepcopy((model, blocks))
     ema_model.requires_grad_(False)
     # end algorithm: ema
