@@ -12,7 +12,7 @@ same saved verdict, with its reason.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from runtime.time import Progress, Time
 
@@ -26,6 +26,15 @@ def check(metric: str, patience: Time, min_delta: float) -> str | None:
     if min_delta < 0:
         return f"early_stop_min_delta={min_delta} must be >= 0"
     return None
+
+
+class EarlyStopSettings(Protocol):
+    """The fields of a training script's Config that `EarlyStopper.from_config` reads."""
+
+    early_stop_metric: str  # the logged metric watched ("": never stop)
+    early_stop_patience: Time  # how long without improvement
+    early_stop_min_delta: float  # the least change that counts as an improvement
+    early_stop_mode: str  # min: lower is better; max: higher is better
 
 
 class EarlyStopper:
@@ -56,6 +65,19 @@ class EarlyStopper:
             log(
                 f"early stopping: on {metric} ({mode}imize, min_delta {min_delta:g}, patience {patience})"
             )
+
+    @classmethod
+    def from_config(
+        cls, cfg: EarlyStopSettings, log: Callable[[str], None] = print
+    ) -> EarlyStopper:
+        """The stopper the config's early_stop_* fields describe."""
+        return cls(
+            cfg.early_stop_metric,
+            cfg.early_stop_patience,
+            cfg.early_stop_min_delta,
+            cfg.early_stop_mode,
+            log=log,
+        )
 
     def _improved(self, value: float) -> bool:
         if self.best is None:

@@ -97,7 +97,7 @@ from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as torch_dist
@@ -344,8 +344,41 @@ class Attempt:
             search._all_reduce_gradients()
 
 
+class SearchSettings(Protocol):
+    """The fields of a training script's Config that `Search.from_config` reads."""
+
+    device_microbatch_size: int | str  # a size, or "auto": search for it
+    max_device_microbatch_size: int  # where the search starts (0: the rank's batch)
+    global_batch_size: int  # samples per step over all ranks
+    dist_timeout: int  # seconds a vote among the ranks may wait
+
+
 class Search:
     """The microbatch size for the loop: fixed, or found by halving (see the module docstring)."""
+
+    @classmethod
+    def from_config(
+        cls,
+        model: nn.Module,
+        blocks: list[nn.Module] | nn.ModuleList,
+        env: DistEnv,
+        cfg: SearchSettings,
+        log: Callable[[str], None] = print,
+        multiple_of: int = 1,
+    ) -> Search:
+        """The search the config's microbatch fields describe, for this rank's share of
+        the global batch."""
+        return cls(
+            model,
+            blocks,
+            env,
+            cfg.device_microbatch_size,
+            per_rank_batch=cfg.global_batch_size // env.world_size,
+            max_size=cfg.max_device_microbatch_size,
+            log=log,
+            timeout=timedelta(seconds=cfg.dist_timeout),
+            multiple_of=multiple_of,
+        )
 
     def __init__(
         self,

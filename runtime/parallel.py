@@ -56,7 +56,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.nn as nn
@@ -92,6 +92,33 @@ class ParallelConfig:
     hybrid_shard_size: int = 0  # ranks per shard group; 0 = torchrun's LOCAL_WORLD_SIZE
     # torch.compile: True each block in place (regional), "model" the whole model in place
     compile: Compile = False
+
+    @classmethod
+    def from_config(cls, cfg: ParallelSettings, env: DistEnv) -> ParallelConfig:
+        """The config's parallelism settings, `auto` settled for this launch (its world
+        size and device)."""
+        return cls(
+            parallelism=resolve_parallelism(cfg.parallelism, env.world_size),
+            sharding_strategy=cfg.sharding_strategy,
+            precision=resolve_precision(cfg.precision, env.device),
+            activation_checkpointing=cfg.activation_checkpointing,
+            cpu_offload=cfg.cpu_offload,
+            hybrid_shard_size=cfg.hybrid_shard_size,
+            compile=resolve_compile(cfg.compile, env.device),
+        )
+
+
+class ParallelSettings(Protocol):
+    """The fields of a training script's Config that `ParallelConfig.from_config` reads
+    (each described where the Config declares it)."""
+
+    parallelism: str
+    sharding_strategy: str
+    precision: str
+    activation_checkpointing: bool
+    cpu_offload: bool
+    hybrid_shard_size: int
+    compile: bool | str
 
 
 def resolve_parallelism(requested: str, world_size: int) -> str:

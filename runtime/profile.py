@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from runtime.dist import DistEnv
 from runtime.time import Progress, Time, TimeError
 
 
@@ -52,8 +54,26 @@ def _reached(progress: Progress, when: Time, max_duration: Time) -> bool:
     return progress.count(resolved.unit) >= resolved.value
 
 
+class ProfileSettings(Protocol):
+    """The fields of a training script's Config that `Profiler.from_config` reads."""
+
+    profile: str  # START:END, the window of steps to trace ("": none)
+    max_duration: Time  # what `dur` in the window is a fraction of
+
+
 class Profiler:
     """Call `step(progress)` after every optimizer step; it starts and stops the window itself."""
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: ProfileSettings,
+        run_dir: Path,
+        env: DistEnv,
+        log: Callable[[str], None] = print,
+    ) -> Profiler:
+        """The profiler of the config's `profile` window, writing under run_dir."""
+        return cls(cfg.profile, run_dir, env.rank, env.device, cfg.max_duration, log)
 
     def __init__(
         self,

@@ -19,6 +19,7 @@ URLs: staged uploads, downloads, remote rotation), `failures` (a storage failure
 """
 
 from runtime.checkpoint.checkpointer import (
+    CheckpointSettings,
     Checkpointer,
     Resumed,
     check_access,
@@ -46,6 +47,7 @@ __all__ = (
     "MARKER",
     "TRAIN_STATE",
     "CheckpointError",
+    "CheckpointSettings",
     "Checkpointer",
     "Resumed",
     "StorageError",

@@ -22,7 +22,7 @@ import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as torch_dist
@@ -201,6 +201,17 @@ def _origin(load_path: str) -> str:
     )
 
 
+class CheckpointSettings(Protocol):
+    """The fields of a training script's Config that `Checkpointer.from_config` reads."""
+
+    save_num_checkpoints_to_keep: int  # the newest kept (0: all)
+    save_async: bool  # write while training goes on
+    load_path: str  # where the run starts ("": its own checkpoints)
+    load_weights_only: bool  # load_path's model weights only
+    autoresume: bool  # continue from this run's newest complete checkpoint
+    seed: int  # the RNG's seed when a checkpoint's RNG cannot be restored
+
+
 class Checkpointer:
     """One run's checkpoints in `folder` (a local folder or an fsspec URL): `resume()` at the
     start, `save()` at intervals, `close()` at the end; the newest `keep` are kept (0: all). It
@@ -212,6 +223,8 @@ class Checkpointer:
     `trainable_only`: modules are saved and loaded without their frozen (requires_grad
     False) parameters, which the model's construction rebuilds (LoRA adapters on a frozen
     pretrained model: checkpoints hold the adapters).
+    `load_path`, `weights_only`, `autoresume` and `seed` are what `resume()` starts
+    from unless it is told otherwise.
     """
 
     def __init__(
@@ -222,6 +235,10 @@ class Checkpointer:
         async_save: bool = False,
         export: str = "model",
         trainable_only: bool = False,
+        load_path: str = "",
+        weights_only: bool = False,
+        autoresume: bool = True,
+        seed: int = 0,
     ) -> None:
         self.remote = storage.Remote(str(folder)) if storage.is_remote(folder) else None
         self.location = (
@@ -236,6 +253,9 @@ class Checkpointer:
         self.async_save = async_save
         self.export = export
         self.trainable_only = trainable_only  # modules: requires_grad parameters only
+        # Where resume() starts from, unless it is told otherwise.
+        self.load_path, self.weights_only = load_path, weights_only
+        self.autoresume, self.seed = autoresume, seed
         self.origin: str | None = None  # carried into every checkpoint of this run
         self.last_complete: str | None = None  # where a rerun would resume from
         self.damaged: set[str] = set()  # complete checkpoints resume found damaged
@@ -249,19 +269,41 @@ class Checkpointer:
             else None
         )
 
+    @classmethod
+    def from_config(
+        cls,
+        folder: Path | str,
+        cfg: CheckpointSettings,
+        *,
+        trainable_only: bool = False,
+    ) -> Checkpointer:
+        """The checkpoints of a run in `folder`, kept, written and resumed as the
+        config's save_*, load_* and autoresume fields say."""
+        return cls(
+            folder,
+            keep=cfg.save_num_checkpoints_to_keep,
+            async_save=cfg.save_async,
+            trainable_only=trainable_only,
+            load_path=cfg.load_path,
+            weights_only=cfg.load_weights_only,
+            autoresume=cfg.autoresume,
+            seed=cfg.seed,
+        )
+
     # ------------------------------------------------------------ resume
 
     def resume(
         self,
         state: dict[str, Any],
         *legacy: Any,
-        load_path: str = "",
-        weights_only: bool = False,
-        autoresume: bool = True,
-        seed: int = 0,
+        load_path: str | None = None,
+        weights_only: bool | None = None,
+        autoresume: bool | None = None,
+        seed: int | None = None,
     ) -> Resumed | None:
         """Start or continue a run: clean up interrupted saves, then load what the run
         starts from into the objects of `state` (see `load`), the progress included.
+        A keyword left out is the Checkpointer's (its constructor's, or the config's).
 
         - `load_path` (a checkpoint, a checkpoints folder or a run folder; local or a URL) is
           where a run starts: it is loaded in preference to this run's own checkpoints, except
@@ -276,6 +318,10 @@ class Checkpointer:
         """
         if legacy:  # 0.2.0's loop: resume(state, progress, ...)
             raise CheckpointError(GENERATED_BY_0_2_0)
+        load_path = self.load_path if load_path is None else load_path
+        weights_only = self.weights_only if weights_only is None else weights_only
+        autoresume = self.autoresume if autoresume is None else autoresume
+        seed = self.seed if seed is None else seed
         if self.remote is None:
             layout.remove_incomplete(self.folder)
             plan = self._plan(load_path, autoresume, weights_only)
