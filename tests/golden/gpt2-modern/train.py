@@ -123,16 +123,9 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, parallel.ParallelConfig]:
     each problem is one `error:` line and exit status 2, before anything is read."""
     with config.failing(ValueError):
         env = dist.environment(cfg.device)  # rank, world size, device, from torchrun
-    plan = parallel.ParallelConfig(
-        parallelism=parallel.resolve_parallelism(cfg.parallelism, env.world_size),
-        sharding_strategy=cfg.sharding_strategy,
-        precision=parallel.resolve_precision(cfg.precision, env.device),
-        activation_checkpointing=cfg.activation_checkpointing,
-        cpu_offload=cfg.cpu_offload,
-        hybrid_shard_size=cfg.hybrid_shard_size,
-        compile=parallel.resolve_compile(cfg.compile, env.device),
-    )
-    # `auto` settled for this device: the run's config.toml records what ran.
+    # Parallelism, precision and compilation for this launch (`auto` settled), written
+    # back so that the run's config.toml records what ran.
+    plan = parallel.ParallelConfig.from_config(cfg, env)
     cfg.precision, cfg.compile = plan.precision, plan.compile
     problem = parallel.check(plan, env)
     problem = problem or microbatch.check(cfg.device_microbatch_size)
@@ -331,7 +324,7 @@ def evaluate(
     for share, real in shares:
         for start in range(0, len(share), cfg.device_microbatch_size):
             micro = share[start : start + cfg.device_microbatch_size].to(env.device)
-            with torch.autocast(env.device.type, torch.bfloat16, enabled=is_amp(cfg)):
+            with autocast(cfg, env.device):
                 logits = model(micro[:, :-1])
             # Padding rows come last: count the first real - start rows only.
             keep = max(real - start, 0)
@@ -341,22 +334,23 @@ def evaluate(
     return {"val_loss": dist.reduce_sum(loss_sum).item() / num_tokens}
 
 
-def is_amp(cfg: Config) -> bool:
-    """Autocast: bf16 compute on fp32 weights (precision=amp_bf16)."""
-    return cfg.precision == "amp_bf16"
+def autocast(cfg: Config, device: torch.device) -> torch.autocast:
+    """bf16 compute on fp32 weights where precision=amp_bf16; else off (enabled=False)."""
+    return torch.autocast(device.type, torch.bfloat16, cfg.precision == "amp_bf16")
 
 
 def forward_backward(
     model: torch.nn.Module,
     inputs: torch.Tensor,
     targets: torch.Tensor,
-    microbatch_size: int,
     loss_scale: float,
     cfg: Config,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """Forward and backward over this rank's batch in microbatches of `microbatch_size`
-    rows, gradients adding up in .grad (reduced over ranks in the last backward)."""
+    """Forward and backward over this rank's batch in microbatches of
+    cfg.device_microbatch_size rows, gradients adding up in .grad (reduced over ranks in
+    the last backward)."""
+    microbatch_size = cfg.device_microbatch_size
     loss_sum = torch.zeros((), device=targets.device)
     microbatches = list(
         zip(inputs.split(microbatch_size), targets.split(microbatch_size))
@@ -366,7 +360,7 @@ def forward_backward(
 
         # Reduce gradients over ranks once, in the last backward.
         parallel.sync_gradients(model, i == len(microbatches) - 1)
-        with torch.autocast(targets.device.type, torch.bfloat16, enabled=is_amp(cfg)):
+        with autocast(cfg, targets.device):
             logits = model(micro_inputs)
 
         loss = loss_fn(logits, micro_targets)
@@ -431,23 +425,15 @@ def main() -> None:
     # end algorithm: muon
 
     # The log, metrics.jsonl, progress bar and trackers (rank 0 writes them).
-    monitor = Monitor(run_dir, cfg.max_duration, cfg.global_batch_size, env.is_main)
+    monitor = Monitor.from_config(run_dir, cfg, env, flops_per_token=flops_per_token)
     progress = Progress(train_batches.batches_per_epoch, max_duration=cfg.max_duration)
-    stopper = early_stop.EarlyStopper(
-        cfg.early_stop_metric,
-        cfg.early_stop_patience,
-        cfg.early_stop_min_delta,
-        cfg.early_stop_mode,
-        log=monitor.info,
-    )
+    stopper = early_stop.EarlyStopper.from_config(cfg, log=monitor.info)
     # What a checkpoint holds: entries with state_dict() and load_state_dict(). An
     # algorithm with state of its own adds one at OPTIMIZER, and may name the entry
     # `scaffold export` writes out for inference (by default "model").
     state = dict(model=model, optimizer=optimizer, progress=progress, stopper=stopper)
-    checkpointer = checkpoint.Checkpointer(
-        cfg.save_folder or run_dir / "checkpoints",
-        keep=cfg.save_num_checkpoints_to_keep,
-        async_save=cfg.save_async,
+    checkpointer = checkpoint.Checkpointer.from_config(
+        cfg.save_folder or run_dir / "checkpoints", cfg
     )
 
     # event: OPTIMIZER
@@ -456,19 +442,9 @@ def main() -> None:
     # `state` and the RNG, saved on any number of ranks. The batch order is a function
     # of progress (the global sample cursor): nothing is replayed.
     with config.failing(checkpoint.CheckpointError):  # names the file or the keys
-        resumed = checkpointer.resume(
-            state,
-            load_path=cfg.load_path,
-            weights_only=cfg.load_weights_only,
-            autoresume=cfg.autoresume,
-            seed=cfg.seed,
-        )
-    monitor.start(progress, cfg.console_interval)  # metrics and the bar from here on
-    monitor.record_run(config.to_toml(cfg), Path(__file__), env.device, env.world_size)
-    monitor.measure(
-        env.device, env.world_size, cfg.precision, flops_per_token=flops_per_token
-    )
-    monitor.open_trackers(cfg.trackers, config.to_toml(cfg))  # rank 0 writes them
+        resumed = checkpointer.resume(state)  # load_path, autoresume: as cfg says
+    # From where the run stands: config.toml, this script's copy, metrics and the bar.
+    monitor.begin(progress, Path(__file__))
     monitor.info(f"data: {tokens.source}; {tokens.sizes()}")
     monitor.info(f"model: {cfg.model}, {num_params:,} parameters")
     monitor.info(f"parallelism: {plan.parallelism}, {env.world_size} process(es)")
@@ -476,9 +452,7 @@ def main() -> None:
         monitor.info(line)
 
     train_loss = RunningSum(env.device)  # summed on the device, read at logged steps
-    profiler = profile.Profiler(
-        cfg.profile, run_dir, env.rank, env.device, cfg.max_duration, monitor.info
-    )
+    profiler = profile.Profiler.from_config(cfg, run_dir, env, monitor.info)
     # SIGUSR1 (SLURM's notice), SIGTERM or torchrun gone: finish the step, save, stop.
     preemption = preempt.Preemption()
 
@@ -512,13 +486,7 @@ def main() -> None:
             num_tokens = env.world_size * targets.numel()  # ranks' shares are equal
             loss_scale = env.world_size / num_tokens
             loss_sum = forward_backward(
-                model,
-                inputs,
-                targets,
-                cfg.device_microbatch_size,
-                loss_scale,
-                cfg,
-                loss_fn,
+                model, inputs, targets, loss_scale, cfg, loss_fn
             )
 
             # event: AFTER_BACKWARD

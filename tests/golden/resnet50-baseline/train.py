@@ -122,17 +122,11 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, parallel.ParallelConfig]:
     each problem is one `error:` line and exit status 2, before anything is read."""
     with config.failing(ValueError):
         env = dist.environment(cfg.device)  # rank, world size, device, from torchrun
-    plan = parallel.ParallelConfig(
-        parallelism=parallel.resolve_parallelism(cfg.parallelism, env.world_size),
-        sharding_strategy=cfg.sharding_strategy,
-        precision=cfg.precision,
-        activation_checkpointing=cfg.activation_checkpointing,
-        cpu_offload=cfg.cpu_offload,
-        hybrid_shard_size=cfg.hybrid_shard_size,
-        compile=parallel.resolve_compile(cfg.compile, env.device),
-    )
-    # `auto` settled for this device and data: the run's config.toml records what ran.
-    cfg.compile = plan.compile
+    # Parallelism, precision and compilation for this launch (`auto` settled), written
+    # back so that the run's config.toml records what ran.
+    plan = parallel.ParallelConfig.from_config(cfg, env)
+    cfg.precision, cfg.compile = plan.precision, plan.compile
+    # `auto` and 0 settled for the data: config.toml records these too.
     if cfg.model == "auto":
         cfg.model = "resnet50" if cfg.data else "tiny"
     cfg.eval_image_size = cfg.eval_image_size or cfg.image_size  # 0: settled here
@@ -224,7 +218,7 @@ def evaluate(
             labels.split(cfg.device_microbatch_size),
             weight.split(cfg.device_microbatch_size),
         ):
-            with torch.autocast(env.device.type, torch.bfloat16, enabled=is_amp(cfg)):
+            with autocast(cfg, env.device):
                 logits = model(data.normalize(x, val.data)).float()
             top = logits.topk(k, dim=1).indices == y[:, None]
             sums += torch.stack(
@@ -244,21 +238,22 @@ def evaluate(
     }
 
 
-def is_amp(cfg: Config) -> bool:
-    """Autocast: bf16 compute on fp32 weights (precision=amp_bf16)."""
-    return cfg.precision == "amp_bf16"
+def autocast(cfg: Config, device: torch.device) -> torch.autocast:
+    """bf16 compute on fp32 weights where precision=amp_bf16; else off (enabled=False)."""
+    return torch.autocast(device.type, torch.bfloat16, cfg.precision == "amp_bf16")
 
 
 def forward_backward(
     model: torch.nn.Module,
     inputs: torch.Tensor,
     targets: torch.Tensor,
-    microbatch_size: int,
     loss_scale: float,
     cfg: Config,
 ) -> torch.Tensor:
-    """Forward and backward over this rank's batch in microbatches of `microbatch_size`
-    rows, gradients adding up in .grad (reduced over ranks in the last backward)."""
+    """Forward and backward over this rank's batch in microbatches of
+    cfg.device_microbatch_size rows, gradients adding up in .grad (reduced over ranks in
+    the last backward)."""
+    microbatch_size = cfg.device_microbatch_size
     clear_step_stats(model)  # ghost BatchNorm: this step's stats start empty
     loss_sum = torch.zeros((), device=targets.device)
     microbatches = list(
@@ -269,7 +264,7 @@ def forward_backward(
 
         # Reduce gradients over ranks once, in the last backward.
         parallel.sync_gradients(model, i == len(microbatches) - 1)
-        with torch.autocast(targets.device.type, torch.bfloat16, enabled=is_amp(cfg)):
+        with autocast(cfg, targets.device):
             logits = model(micro_inputs)
 
         # event: AFTER_FORWARD
@@ -321,23 +316,15 @@ def main() -> None:
 
     optimizer, decayed = build_optimizer(model, cfg)  # decayed: conv, linear weights
     # The log, metrics.jsonl, progress bar and trackers (rank 0 writes them).
-    monitor = Monitor(run_dir, cfg.max_duration, cfg.global_batch_size, env.is_main)
+    monitor = Monitor.from_config(run_dir, cfg, env, flops_per_sample=flops_per_sample)
     progress = Progress(train_batches.batches_per_epoch, max_duration=cfg.max_duration)
-    stopper = early_stop.EarlyStopper(
-        cfg.early_stop_metric,
-        cfg.early_stop_patience,
-        cfg.early_stop_min_delta,
-        cfg.early_stop_mode,
-        log=monitor.info,
-    )
+    stopper = early_stop.EarlyStopper.from_config(cfg, log=monitor.info)
     # What a checkpoint holds: entries with state_dict() and load_state_dict(). An
     # algorithm with state of its own adds one at OPTIMIZER, and may name the entry
     # `scaffold export` writes out for inference (by default "model").
     state = dict(model=model, optimizer=optimizer, progress=progress, stopper=stopper)
-    checkpointer = checkpoint.Checkpointer(
-        cfg.save_folder or run_dir / "checkpoints",
-        keep=cfg.save_num_checkpoints_to_keep,
-        async_save=cfg.save_async,
+    checkpointer = checkpoint.Checkpointer.from_config(
+        cfg.save_folder or run_dir / "checkpoints", cfg
     )
 
     # event: OPTIMIZER
@@ -346,19 +333,9 @@ def main() -> None:
     # `state` and the RNG, saved on any number of ranks. The batch order is a function
     # of progress (the global sample cursor): nothing is replayed.
     with config.failing(checkpoint.CheckpointError):  # names the file or the keys
-        resumed = checkpointer.resume(
-            state,
-            load_path=cfg.load_path,
-            weights_only=cfg.load_weights_only,
-            autoresume=cfg.autoresume,
-            seed=cfg.seed,
-        )
-    monitor.start(progress, cfg.console_interval)  # metrics and the bar from here on
-    monitor.record_run(config.to_toml(cfg), Path(__file__), env.device, env.world_size)
-    monitor.measure(
-        env.device, env.world_size, cfg.precision, flops_per_sample=flops_per_sample
-    )
-    monitor.open_trackers(cfg.trackers, config.to_toml(cfg))  # rank 0 writes them
+        resumed = checkpointer.resume(state)  # load_path, autoresume: as cfg says
+    # From where the run stands: config.toml, this script's copy, metrics and the bar.
+    monitor.begin(progress, Path(__file__))
     for line in images.describe():  # where from, how many
         monitor.info(line)
     monitor.info(f"model: {cfg.model}, {num_params:,} parameters")
@@ -367,9 +344,7 @@ def main() -> None:
         monitor.info(line)
 
     train_loss = RunningSum(env.device)  # summed on the device, read at logged steps
-    profiler = profile.Profiler(
-        cfg.profile, run_dir, env.rank, env.device, cfg.max_duration, monitor.info
-    )
+    profiler = profile.Profiler.from_config(cfg, run_dir, env, monitor.info)
     # SIGUSR1 (SLURM's notice), SIGTERM or torchrun gone: finish the step, save, stop.
     preemption = preempt.Preemption()
 
@@ -407,9 +382,7 @@ def main() -> None:
             # the microbatch size and world size. DDP and FSDP average gradients over
             # ranks: hence the factor world_size.
             loss_scale = env.world_size / samples
-            loss_sum = forward_backward(
-                model, inputs, targets, cfg.device_microbatch_size, loss_scale, cfg
-            )
+            loss_sum = forward_backward(model, inputs, targets, loss_scale, cfg)
 
             # event: AFTER_BACKWARD
 
