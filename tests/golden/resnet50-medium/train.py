@@ -392,7 +392,7 @@ def evaluate(
 
 
 def autocast(cfg: Config, device: torch.device) -> torch.autocast:
-    """bf16 compute on fp32 weights where precision=amp_bf16; else off (enabled=False)."""
+    """Autocast: bf16 compute on fp32 weights when precision=amp_bf16, else a no-op."""
     return torch.autocast(device.type, torch.bfloat16, cfg.precision == "amp_bf16")
 
 
