@@ -76,6 +76,15 @@ class DataConfig(Protocol):
     init_from: str
 
 
+def check(cfg: DataConfig) -> str | None:
+    """None if the sizes in `cfg` can batch tokens, else the problem in one line
+    (checked at start-up, before anything is read)."""
+    for name in ("seq_len", "global_batch_size", "eval_batches"):
+        if getattr(cfg, name) < 1:
+            return f"{name}={getattr(cfg, name)} must be at least 1"
+    return None
+
+
 def load_splits(
     cfg: DataConfig, env: dist.DistEnv
 ) -> tuple[TokenData, Batches, list[torch.Tensor]]:

@@ -138,14 +138,12 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, parallel.ParallelConfig]:
     problem = problem or microbatch.check(cfg.device_microbatch_size)
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
     problem = problem or checkpoint.check_access(cfg.save_folder, cfg.load_path)
+    problem = problem or data.check(cfg)  # sequence and batch sizes
     problem = problem or early_stop.check(
         cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_min_delta
     )
     if problem:
         config.fail(problem)
-    for name in ("seq_len", "global_batch_size", "eval_batches"):
-        if getattr(cfg, name) < 1:
-            config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
     config.check_ranges(cfg, vocab_size="[0, inf)", depth="[0, inf)")  # 0: data, preset
     with config.failing(ValueError):  # --depth=N: model dN, batch and lr rescaled
         cfg.model, cfg.global_batch_size, cfg.lr = depth_dial(cfg)  # (model.py)
