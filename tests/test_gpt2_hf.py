@@ -400,12 +400,13 @@ def test_the_mapping_and_init_from_exist_only_where_gpt2s_layout_fits(
     model, train = (baseline / "model.py").read_text(), (
         baseline / "train.py"
     ).read_text()
+    data = (baseline / "data.py").read_text()
     assert all(name in model for name in mapping)
-    assert (
-        "init_from: str" in train
-        and "from_hf_gpt2(" in train
-        and "hf.read_gpt2" in train
-    )
+    # train.py has the setting; model.py's build_model reads the weights, data.py the
+    # checkpoint's vocabulary size.
+    assert "init_from: str" in train and "init=not resumes" in train
+    assert "from_hf_gpt2(*hf.read_gpt2(cfg.init_from)" in model
+    assert "hf.gpt2_vocab_size(cfg.init_from" in data
     assert "HF_LAYOUT_CHANGES" not in model + train
     for recipe, changed_by in (
         ("gpt2-speedup", "alibi"),
@@ -413,12 +414,13 @@ def test_the_mapping_and_init_from_exist_only_where_gpt2s_layout_fits(
     ):
         model = (generated[recipe] / "model.py").read_text()
         train = (generated[recipe] / "train.py").read_text()
+        data = (generated[recipe] / "data.py").read_text()
         assert not any(name in model for name in mapping), recipe
-        assert (
-            "init_from" not in train
-            and "from_hf_gpt2" not in train
-            and "hf.read_gpt2" not in train
-        )
+        assert not any("init_from" in text for text in (model, train, data)), recipe
+        assert not any(
+            "from runtime import" in line and "hf" in line
+            for line in (model + data).splitlines()
+        ), recipe
         runtime_names = {
             name.strip()
             for line in train.splitlines()

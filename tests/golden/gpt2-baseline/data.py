@@ -32,11 +32,12 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from runtime import shards
+from runtime import dist, hf, shards
 
 BYTE_VOCAB_SIZE = 256
 # GPT-2's 50257 BPE tokens, padded to a multiple of 64 so the output layer runs faster.
@@ -61,6 +62,49 @@ class TokenData:
         if isinstance(self.train, shards.Shards):
             return f"windows: {len(self.train):,} train, {len(self.val):,} validation"
         return f"tokens: {len(self.train):,} train, {len(self.val):,} validation"
+
+
+class DataConfig(Protocol):
+    """The fields of train.py's Config that choose and batch the tokens."""
+
+    data: str
+    vocab_size: int
+    seq_len: int
+    seed: int
+    global_batch_size: int
+    eval_batches: int
+    init_from: str
+
+
+def check(cfg: DataConfig) -> str | None:
+    """None if the sizes in `cfg` can batch tokens, else the problem in one line
+    (checked at start-up, before anything is read)."""
+    for name in ("seq_len", "global_batch_size", "eval_batches"):
+        if getattr(cfg, name) < 1:
+            return f"{name}={getattr(cfg, name)} must be at least 1"
+    return None
+
+
+def load_splits(
+    cfg: DataConfig, env: dist.DistEnv
+) -> tuple[TokenData, Batches, list[torch.Tensor]]:
+    """The tokens `cfg.data` names, their training batches (`Batches.get` gives a
+    rank its share) and the validation batches, at the sizes `cfg` sets. OSError or
+    ValueError (one line) for a missing path, too little data. With init_from and
+    vocab_size 0, `cfg.vocab_size` becomes the checkpoint's (config.toml records it)."""
+    if cfg.init_from and not cfg.vocab_size:  # as nanoGPT: the checkpoint's vocabulary
+        cfg.vocab_size = hf.gpt2_vocab_size(cfg.init_from, missing_ok=True)
+    tokens = load_tokens(cfg.data, cfg.vocab_size, cfg.seq_len)
+    # CUDA: batches in page-locked memory, so their copy to the GPU is asynchronous.
+    train = Batches(
+        tokens.train,
+        cfg.seq_len,
+        cfg.global_batch_size,
+        cfg.seed,
+        pin_memory=env.device.type == "cuda",
+    )
+    val = val_batches(tokens.val, cfg.seq_len, cfg.global_batch_size, cfg.eval_batches)
+    return tokens, train, val
 
 
 def load_tokens(data: str, vocab_size: int = 0, seq_len: int = 0) -> TokenData:

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from runtime import hf
 
 
 @dataclass
@@ -310,6 +312,39 @@ class GPT(nn.Module):
         )
         n = self.num_params() - lookups
         return 6 * n + 12 * self.config.n_layer * seq_len * self.config.n_embd
+
+
+class ModelConfig(Protocol):
+    """The fields of train.py's Config that choose and size the model."""
+
+    model: str  # a preset (PRESETS) or dN
+    seq_len: int
+    dropout: float
+    init_from: str
+
+
+def build_model(
+    cfg: ModelConfig, vocab_size: int, device: torch.device, init: bool = True
+) -> GPT:
+    """GPT `cfg.model` on `device`, for `vocab_size` tokens and sequences of up to
+    `cfg.seq_len`; with `init` (a run that resumes takes its weights from its
+    checkpoint instead), init_from's GPT-2 weights, read and checked (sizes,
+    vocabulary, positions) before anything is written: ValueError (one line, naming
+    init_from) where they do not fit."""
+    config = GPTConfig(
+        vocab_size=vocab_size,
+        max_seq_len=cfg.seq_len,
+        dropout=cfg.dropout,
+        **model_sizes(cfg.model),
+    )
+    model = GPT(config)
+    if cfg.init_from and init:
+        try:
+            weights = from_hf_gpt2(*hf.read_gpt2(cfg.init_from), config)
+        except ValueError as error:
+            raise ValueError(f"init_from={cfg.init_from}: {error}") from None
+        model.load_state_dict(weights)  # every weight; lm_head re-tied to wte
+    return model.to(device)
 
 
 # Hugging Face GPT-2 (`GPT2LMHeadModel`) weights in (train.py --init_from) and out

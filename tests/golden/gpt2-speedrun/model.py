@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn as nn
@@ -412,3 +412,24 @@ class GPT(nn.Module):
         )
         n = self.num_params() - lookups
         return 6 * n + 12 * self.config.n_layer * seq_len * self.config.n_embd
+
+
+class ModelConfig(Protocol):
+    """The fields of train.py's Config that choose and size the model."""
+
+    model: str  # a preset (PRESETS) or dN
+    seq_len: int
+    dropout: float
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, device: torch.device) -> GPT:
+    """GPT `cfg.model` on `device`, for `vocab_size` tokens and sequences of up to
+    `cfg.seq_len`."""
+    config = GPTConfig(
+        vocab_size=vocab_size,
+        max_seq_len=cfg.seq_len,
+        dropout=cfg.dropout,
+        **model_sizes(cfg.model),
+    )
+    model = GPT(config)
+    return model.to(device)

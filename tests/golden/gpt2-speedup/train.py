@@ -24,9 +24,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+import data
 import sample
-from data import Batches, load_tokens, val_batches
-from model import GPT, GPTConfig, depth_dial, model_sizes
+from model import build_model, depth_dial
 from runtime import checkpoint, config, dist, early_stop, microbatch, parallel, preempt
 from runtime import profile, runlock, trackers
 from runtime.monitor import Monitor, RunningSum
@@ -120,14 +120,12 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, parallel.ParallelConfig]:
     problem = problem or microbatch.check(cfg.device_microbatch_size)
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
     problem = problem or checkpoint.check_access(cfg.save_folder, cfg.load_path)
+    problem = problem or data.check(cfg)  # sequence and batch sizes
     problem = problem or early_stop.check(
         cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_min_delta
     )
     if problem:
         config.fail(problem)
-    for name in ("seq_len", "global_batch_size", "eval_batches"):
-        if getattr(cfg, name) < 1:
-            config.fail(f"{name}={getattr(cfg, name)} must be at least 1")
     config.check_ranges(cfg, vocab_size="[0, inf)", depth="[0, inf)")  # 0: data, preset
     with config.failing(ValueError):  # --depth=N: model dN, batch and lr rescaled
         cfg.model, cfg.global_batch_size, cfg.lr = depth_dial(cfg)  # (model.py)
@@ -320,27 +318,10 @@ def main() -> None:
     env, plan = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
-    with config.failing(OSError, ValueError):  # a missing path, too little data
-        tokens = load_tokens(cfg.data, cfg.vocab_size, cfg.seq_len)
-        # CUDA: batches in page-locked memory, so their copy to the GPU is asynchronous.
-        train_batches = Batches(
-            tokens.train,
-            cfg.seq_len,
-            cfg.global_batch_size,
-            cfg.seed,
-            pin_memory=env.device.type == "cuda",
-        )
-        val = val_batches(
-            tokens.val, cfg.seq_len, cfg.global_batch_size, cfg.eval_batches
-        )
-    model_config = GPTConfig(
-        vocab_size=tokens.vocab_size,
-        max_seq_len=cfg.seq_len,
-        dropout=cfg.dropout,
-        **model_sizes(cfg.model),
-    )
-    model = GPT(model_config)
-    model = model.to(env.device)
+    # A missing path, too little data: one line, exit status 2.
+    with config.failing(OSError, ValueError):
+        tokens, train_batches, val = data.load_splits(cfg, env)
+    model = build_model(cfg, tokens.vocab_size, env.device)
     num_params = model.num_params()
     blocks = model.blocks  # FSDP's units, each also checkpointed and compiled alone
 
