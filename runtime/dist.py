@@ -41,6 +41,25 @@ class DistEnv:
         return self.rank == 0
 
 
+def check_batch(global_batch_size: int, world_size: int) -> str | None:
+    """Whether a global batch splits evenly over the ranks: a one-line problem, or None."""
+    if global_batch_size % world_size:
+        return (
+            f"global_batch_size={global_batch_size} is not divisible by the world "
+            f"size {world_size}; pick a multiple of {world_size}"
+        )
+    return None
+
+
+def use_tf32(device: torch.device) -> None:
+    """On CUDA, fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa
+    products, fp32 sums): the speed of tensor cores for fp32 weights, as PyTorch
+    recommends for training. Elsewhere nothing changes."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+
+
 def select_device(requested: str, local_rank: int) -> torch.device:
     """`auto` picks this rank's GPU when CUDA is available, else the CPU."""
     if requested == "auto":

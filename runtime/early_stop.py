@@ -28,6 +28,13 @@ def check(metric: str, patience: Time, min_delta: float) -> str | None:
     return None
 
 
+def check_settings(cfg: EarlyStopSettings) -> str | None:
+    """`check` of a training script's early_stop_* fields."""
+    return check(
+        cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_min_delta
+    )
+
+
 class EarlyStopSettings(Protocol):
     """The fields of a training script's Config that `EarlyStopper.from_config` reads."""
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from conftest import RECIPES
-from runtime import checkpoint, config, early_stop, microbatch, monitor, parallel
+from runtime import checkpoint, config, dist, early_stop, microbatch, monitor, parallel
 from runtime import profile
 from runtime.dist import DistEnv
 from runtime.time import Progress, Time
@@ -178,3 +178,26 @@ def test_profiler_from_config_reads_the_window(tmp_path: Path) -> None:
     assert (
         profiler.folder == tmp_path / "profile" and profiler.max_duration.value == 100
     )
+
+
+def test_setups_one_line_checks_name_the_field_and_the_fix() -> None:
+    assert early_stop.check_settings(Config()) is None
+    bad = Config(early_stop_min_delta=-1.0)
+    assert early_stop.check_settings(bad) == "early_stop_min_delta=-1.0 must be >= 0"
+    assert dist.check_batch(12, 4) is None
+    assert dist.check_batch(10, 4) == (
+        "global_batch_size=10 is not divisible by the world size 4; pick a multiple of 4"
+    )
+
+
+def test_tf32_is_turned_on_for_cuda_only() -> None:
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    before = matmul.fp32_precision, conv.fp32_precision
+    try:
+        matmul.fp32_precision = conv.fp32_precision = "ieee"
+        dist.use_tf32(torch.device("cpu"))
+        assert (matmul.fp32_precision, conv.fp32_precision) == ("ieee", "ieee")
+        dist.use_tf32(torch.device("cuda", 0))  # a device object: no GPU is needed
+        assert (matmul.fp32_precision, conv.fp32_precision) == ("tf32", "tf32")
+    finally:
+        matmul.fp32_precision, conv.fp32_precision = before
