@@ -132,19 +132,14 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, parallel.ParallelConfig]:
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
     problem = problem or checkpoint.check_access(cfg.save_folder, cfg.load_path)
     problem = problem or data.check(cfg)  # sequence and batch sizes
-    problem = problem or early_stop.check(
-        cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_min_delta
-    )
+    problem = problem or early_stop.check_settings(cfg)
     if problem:
         config.fail(problem)
     config.check_ranges(cfg, vocab_size="[0, inf)", depth="[0, inf)")  # 0: data, preset
     with config.failing(ValueError):  # --depth=N: model dN, batch and lr rescaled
         cfg.model, cfg.global_batch_size, cfg.lr = depth_dial(cfg)  # (model.py)
-    if cfg.global_batch_size % env.world_size:
-        config.fail(
-            f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
-            f"size {env.world_size}; pick a multiple of {env.world_size}"
-        )
+    if problem := dist.check_batch(cfg.global_batch_size, env.world_size):
+        config.fail(problem)
     with config.failing(ValueError, prefix="lr_warmup: "):
         check_fraction(cfg.lr_warmup, cfg.max_duration)
 
@@ -168,9 +163,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, parallel.ParallelConfig]:
     # FSDP and DDP need a process group, on one process too (a group of one rank).
     timeout = timedelta(seconds=cfg.dist_timeout)
     dist.init_process_group(env, timeout, required=plan.parallelism != "none")
-    if env.device.type == "cuda":
-        # TF32 tensor cores for fp32 matmuls (10-bit mantissa products, fp32 sums).
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
+    dist.use_tf32(env.device)  # CUDA: TF32 tensor cores for fp32 matmuls, convolutions
     return env, plan
 
 
@@ -375,8 +368,7 @@ def main() -> None:
     env, plan = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
-    # A missing path, too little data: one line, exit status 2.
-    with config.failing(OSError, ValueError):
+    with config.failing(OSError, ValueError):  # a missing path, too little data
         tokens, train_batches, val = data.load_splits(cfg, env)
     model = build_model(cfg, tokens.vocab_size, env.device)
     num_params = model.num_params()

@@ -134,9 +134,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, parallel.ParallelConfig]:
     problem = problem or microbatch.check(cfg.device_microbatch_size)
     problem = problem or trackers.check(cfg.trackers) or profile.check(cfg.profile)
     problem = problem or checkpoint.check_access(cfg.save_folder, cfg.load_path)
-    problem = problem or early_stop.check(
-        cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_min_delta
-    )
+    problem = problem or early_stop.check_settings(cfg)
     if problem:
         config.fail(problem)
     for name in ("seq_len", "global_batch_size", "eval_batches", "sample_tokens"):
@@ -153,20 +151,15 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, parallel.ParallelConfig]:
     config.check_ranges(
         cfg, lora_rank="[1, inf)", lora_alpha="(0, inf)", lora_dropout="[0, 1)"
     )
-    if cfg.global_batch_size % env.world_size:
-        config.fail(
-            f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
-            f"size {env.world_size}; pick a multiple of {env.world_size}"
-        )
+    if problem := dist.check_batch(cfg.global_batch_size, env.world_size):
+        config.fail(problem)
     with config.failing(ValueError, prefix="lr_warmup: "):
         check_fraction(cfg.lr_warmup, cfg.max_duration)
 
     # FSDP and DDP need a process group, on one process too (a group of one rank).
     timeout = timedelta(seconds=cfg.dist_timeout)
     dist.init_process_group(env, timeout, required=plan.parallelism != "none")
-    if env.device.type == "cuda":
-        # TF32 tensor cores for fp32 matmuls (10-bit mantissa products, fp32 sums).
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
+    dist.use_tf32(env.device)  # CUDA: TF32 tensor cores for fp32 matmuls, convolutions
     return env, plan
 
 

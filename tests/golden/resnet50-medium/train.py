@@ -176,16 +176,11 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, parallel.ParallelConfig]:
     problem = problem or check_model(cfg.model)  # a preset, or a hub model importable
     problem = problem or check_weights(cfg.model, cfg.weights)
     problem = problem or data.check(cfg, env.world_size)  # sizes, BatchNorm groups
-    problem = problem or early_stop.check(
-        cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_min_delta
-    )
+    problem = problem or early_stop.check_settings(cfg)
     if problem:
         config.fail(problem)
-    if cfg.global_batch_size % env.world_size:
-        config.fail(
-            f"global_batch_size={cfg.global_batch_size} is not divisible by the world "
-            f"size {env.world_size}; pick a multiple of {env.world_size}"
-        )
+    if problem := dist.check_batch(cfg.global_batch_size, env.world_size):
+        config.fail(problem)
     with config.failing(ValueError, prefix="lr_warmup: "):
         check_fraction(cfg.lr_warmup, cfg.max_duration)
 
@@ -222,10 +217,7 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, parallel.ParallelConfig]:
     # FSDP and DDP need a process group, on one process too (a group of one rank).
     timeout = timedelta(seconds=cfg.dist_timeout)
     dist.init_process_group(env, timeout, required=plan.parallelism != "none")
-    if env.device.type == "cuda":
-        # TF32 tensor cores for fp32 matmuls and convolutions (fp32 sums).
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
-        torch.backends.cudnn.conv.fp32_precision = "tf32"
+    dist.use_tf32(env.device)  # CUDA: TF32 tensor cores for fp32 matmuls, convolutions
     return env, plan
 
 
