@@ -114,6 +114,20 @@ def run_train_many(
     return results
 
 
+def run_train_apart(
+    project: Path, root: Path, runs: dict[str, list[str]]
+) -> dict[str, tuple[Path, subprocess.CompletedProcess[str]]]:
+    """`python train.py ARGS` of `project` for each name: ARGS in `runs`, each in its own
+    new working folder root/NAME, all in one interpreter (run_train_many): for checks of
+    runs that stop in setup. Each name: (its working folder, what the run returned)."""
+    for name in runs:
+        (root / name).mkdir(parents=True)
+    results = run_train_many(
+        {name: (project, root / name, args) for name, args in runs.items()}
+    )
+    return {name: (root / name, results[name]) for name in runs}
+
+
 STOP_AFTER = Path(__file__).resolve().parent / "stop_after.py"
 
 

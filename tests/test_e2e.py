@@ -10,7 +10,7 @@ import black
 import pytest
 
 from conftest import RECIPES
-from projects import checkout_env, read_metrics, run_train, run_train_many
+from projects import checkout_env, read_metrics, run_train, run_train_apart
 from scaffold.catalog import EVENTS, load_algorithms, task_events
 from scaffold.paths import template_dir
 from scaffold.project import read_answers
@@ -176,20 +176,13 @@ def setup_runs(
     generated: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, tuple[Path, subprocess.CompletedProcess[str]]]:
     """gpt2-speedup's train.py with each bad config, and with --help: runs that stop in
-    setup, all in one interpreter (torch imported once). Each name: (workdir, result).
-    """
-    root = tmp_path_factory.mktemp("setup-runs")
-    runs = {name: [*args] for name, (args, _) in BAD_CONFIGS.items()}
-    runs["help"] = ["--help"]
-    for name in runs:
-        (root / name).mkdir()
-    results = run_train_many(
-        {
-            name: (generated["gpt2-speedup"], root / name, args)
-            for name, args in runs.items()
-        }
+    setup, in one interpreter (torch imported once). Each name: (workdir, result)."""
+    runs = {name: args for name, (args, _) in BAD_CONFIGS.items()}
+    return run_train_apart(
+        generated["gpt2-speedup"],
+        tmp_path_factory.mktemp("setup-runs"),
+        {**runs, "help": ["--help"]},
     )
-    return {name: (root / name, results[name]) for name in runs}
 
 
 @pytest.mark.parametrize("case", BAD_CONFIGS)
