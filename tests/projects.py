@@ -175,6 +175,19 @@ def one_error_line(result: subprocess.CompletedProcess[str], workdir: Path) -> s
     return lines[0]
 
 
+def error_lines(
+    project: Path, root: Path, runs: dict[str, list[str]]
+) -> dict[str, str]:
+    """train.py with each name's ARGS (in `runs`), each in its own folder under `root`,
+    in one interpreter (run_train_apart): each refused with one error line, exit 2,
+    nothing written. Each name: its error line."""
+    results = run_train_apart(project, root, runs)
+    return {
+        name: one_error_line(result, workdir)
+        for name, (workdir, result) in results.items()
+    }
+
+
 def assert_same_series(ours: list, theirs: list, rel: float, what: str = "") -> None:
     """`ours` equals `theirs` within `rel`, with None (not logged at that step) in the same
     places: pytest.approx refuses None as an expected value (pytest >= 9.2)."""

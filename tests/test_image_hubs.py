@@ -18,13 +18,13 @@ import torch.nn.functional as F
 
 from projects import (
     STOP_AFTER,
+    error_lines,
     one_error_line,
     run_killed,
     project_modules,
     read_metrics,
     real_library,
     run_train,
-    run_train_apart,
 )
 from scaffold.render import new_project
 from test_image import assert_close, ok, small, torchrun, trajectory
@@ -72,19 +72,6 @@ def library_model(name: str, weights: str = "") -> torch.nn.Module:
     return net
 
 
-def error_lines(
-    project: Path, root: Path, runs: dict[str, list[str]]
-) -> dict[str, str]:
-    """train.py with SMALL and each name's ARGS (in `runs`), in one interpreter (runs
-    that stop in setup import torch and the hubs once): each one error line, exit 2."""
-    results = run_train_apart(
-        project, root, {name: small(*args) for name, args in runs.items()}
-    )
-    return {
-        name: one_error_line(result, cwd) for name, (cwd, result) in results.items()
-    }
-
-
 def test_bad_hub_models_and_weights_are_one_line_exit_2(
     project: Path, tmp_path: Path
 ) -> None:
@@ -96,7 +83,9 @@ def test_bad_hub_models_and_weights_are_one_line_exit_2(
         "tiny": ["--model=tiny", "--weights=w.pt"],
         "missing": ["--model=torchvision:resnet18", f"--weights={tmp_path / 'no.pt'}"],
     }
-    line = error_lines(project, tmp_path / "work", runs)
+    line = error_lines(
+        project, tmp_path / "work", {name: small(*a) for name, a in runs.items()}
+    )
     assert "torchvision has no classification model 'resnet5O'" in line["torchvision"]
     assert "timm has no model 'resnet5O'" in line["timm"]
     assert "not a preset" in line["preset"]
@@ -333,7 +322,9 @@ def test_bad_hf_models_are_one_line_exit_2(project: Path, tmp_path: Path) -> Non
         "weights": [f"--model=hf:{vit}", f"--weights={vit}/model.safetensors"],
         "size": [f"--model=hf:{vit16}"],
     }
-    line = error_lines(project, tmp_path / "work", runs)
+    line = error_lines(
+        project, tmp_path / "work", {name: small(*a) for name, a in runs.items()}
+    )
     assert "no readable config.json" in line["none"]
     assert "BertConfig is not an image classifier" in line["text"]
     assert "(hf:FOLDER: the folder's)" in line["weights"]
