@@ -76,16 +76,19 @@ TRAIN_MANY = Path(__file__).resolve().parent / "train_many.py"
 
 
 def run_train_many(
-    runs: dict[str, tuple[Path, Path, list[str]]], timeout: int = 300
+    runs: dict[str, tuple[Path, Path, list[str]]],
+    timeout: int = 300,
+    script: str = "train.py",
 ) -> dict[str, subprocess.CompletedProcess[str]]:
-    """`python train.py ARGS` in `workdir` (on the CPU) for each name: (project, workdir,
-    args), in that order, all in one interpreter (tests/train_many.py): for runs that stop
-    in setup, whose cost is mostly importing torch. What each would have returned alone.
+    """`python train.py ARGS` (or another of the project's scripts) in `workdir` (on the
+    CPU) for each name: (project, workdir, args), in that order, all in one interpreter
+    (tests/train_many.py): for runs that stop in setup, whose cost is mostly importing
+    torch. What each would have returned alone.
     """
     jobs_dir = Path(tempfile.mkdtemp(prefix="train-many."))
     jobs = [
         [
-            str(project / "train.py"),
+            str(project / script),
             str(workdir),
             ["--device=cpu", *args],
             str(jobs_dir / name),
@@ -112,6 +115,22 @@ def run_train_many(
     }
     shutil.rmtree(jobs_dir)
     return results
+
+
+def run_train_apart(
+    project: Path, root: Path, runs: dict[str, list[str]], script: str = "train.py"
+) -> dict[str, tuple[Path, subprocess.CompletedProcess[str]]]:
+    """`python train.py ARGS` (or `script`) of `project` for each name: ARGS in `runs`,
+    each in its own new working folder root/NAME, all in one interpreter
+    (run_train_many): for checks of runs that stop in setup. Each name: (its working
+    folder, what the run returned)."""
+    for name in runs:
+        (root / name).mkdir(parents=True)
+    results = run_train_many(
+        {name: (project, root / name, args) for name, args in runs.items()},
+        script=script,
+    )
+    return {name: (root / name, results[name]) for name in runs}
 
 
 STOP_AFTER = Path(__file__).resolve().parent / "stop_after.py"
@@ -159,6 +178,19 @@ def one_error_line(result: subprocess.CompletedProcess[str], workdir: Path) -> s
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert not (workdir / "runs").exists()
     return lines[0]
+
+
+def error_lines(
+    project: Path, root: Path, runs: dict[str, list[str]]
+) -> dict[str, str]:
+    """train.py with each name's ARGS (in `runs`), each in its own folder under `root`,
+    in one interpreter (run_train_apart): each refused with one error line, exit 2,
+    nothing written. Each name: its error line."""
+    results = run_train_apart(project, root, runs)
+    return {
+        name: one_error_line(result, workdir)
+        for name, (workdir, result) in results.items()
+    }
 
 
 def assert_same_series(ours: list, theirs: list, rel: float, what: str = "") -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from projects import project_modules, run_train
+from projects import project_modules, run_train, run_train_apart
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +75,12 @@ def test_depth_flag_trains_a_dN_model_and_records_it(
 def test_bad_depth_and_model_are_one_error_line(
     generated: dict[str, Path], tmp_path: Path
 ) -> None:
-    for flag, says in (
-        ("--depth=-1", "depth=-1 is outside"),
-        ("--model=d0", "unknown model"),
-    ):
-        done = run_train(generated["gpt2-baseline"], tmp_path, flag)
+    cases = {"--depth=-1": "depth=-1 is outside", "--model=d0": "unknown model"}
+    # Runs that stop in setup: one interpreter for both (imports once).
+    results = run_train_apart(
+        generated["gpt2-baseline"], tmp_path, {flag: [flag] for flag in cases}
+    )
+    for flag, says in cases.items():
+        _, done = results[flag]
         assert done.returncode == 2
         assert done.stderr.strip().startswith(f"error: {says}"), done.stderr

@@ -10,7 +10,7 @@ import black
 import pytest
 
 from conftest import RECIPES
-from projects import checkout_env, read_metrics, run_train
+from projects import checkout_env, read_metrics, run_train, run_train_apart
 from scaffold.catalog import EVENTS, load_algorithms, task_events
 from scaffold.paths import template_dir
 from scaffold.project import read_answers
@@ -154,35 +154,55 @@ def test_algorithm_blocks_are_fenced_and_placed(generated: dict[str, Path]) -> N
     )
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--max_duration=10bb"], "unknown unit 'bb'"),
-        (["--lrr=1e-3"], "unknown config key 'lrr' (did you mean 'lr'?)"),
-        (["--seq_len=abc"], "seq_len"),
-        (["--model=gpt5"], "gpt2-medium"),
-        (["--global_batch_size=0"], "global_batch_size=0 must be at least 1"),
-        (["--max_duration=0.5dur"], "max_duration"),
-        (["--lr_warmup=64sp"], "lr_warmup"),  # samples against batches
-        (["--data=/no/such/corpus"], "no such file or folder"),
-        (["--seq_length_warmup_min_len=999"], "seq_length_warmup_min_len=999"),
-        (["--config", "/no/such.toml"], "/no/such.toml"),
-    ],
-)
+BAD_CONFIGS = {
+    "unit": (["--max_duration=10bb"], "unknown unit 'bb'"),
+    "key": (["--lrr=1e-3"], "unknown config key 'lrr' (did you mean 'lr'?)"),
+    "int": (["--seq_len=abc"], "seq_len"),
+    "model": (["--model=gpt5"], "gpt2-medium"),
+    "batch": (["--global_batch_size=0"], "global_batch_size=0 must be at least 1"),
+    "dur": (["--max_duration=0.5dur"], "max_duration"),
+    "warmup": (["--lr_warmup=64sp"], "lr_warmup"),  # samples against batches
+    "data": (["--data=/no/such/corpus"], "no such file or folder"),
+    "min_len": (
+        ["--seq_length_warmup_min_len=999"],
+        "seq_length_warmup_min_len=999",
+    ),
+    "config": (["--config", "/no/such.toml"], "/no/such.toml"),
+}
+
+
+@pytest.fixture(scope="module")
+def setup_runs(
+    generated: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, subprocess.CompletedProcess[str]]]:
+    """gpt2-speedup's train.py with each bad config, and with --help: runs that stop in
+    setup, in one interpreter (torch imported once). Each name: (workdir, result)."""
+    runs = {name: args for name, (args, _) in BAD_CONFIGS.items()}
+    return run_train_apart(
+        generated["gpt2-speedup"],
+        tmp_path_factory.mktemp("setup-runs"),
+        {**runs, "help": ["--help"]},
+    )
+
+
+@pytest.mark.parametrize("case", BAD_CONFIGS)
 def test_train_rejects_bad_config_with_one_line_and_exit_2(
-    args: list[str], message: str, generated: dict[str, Path], tmp_path: Path
+    case: str, setup_runs: dict[str, tuple[Path, subprocess.CompletedProcess[str]]]
 ) -> None:
-    result = run_train(generated["gpt2-speedup"], tmp_path, *args)
+    workdir, result = setup_runs[case]
+    message = BAD_CONFIGS[case][1]
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert (
         len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
     ), result.stderr
-    assert not (tmp_path / "runs").exists()  # nothing written
+    assert not (workdir / "runs").exists()  # nothing written
 
 
-def test_train_help_lists_every_key(generated: dict[str, Path], tmp_path: Path) -> None:
-    result = run_train(generated["gpt2-speedup"], tmp_path, "--help")
+def test_train_help_lists_every_key(
+    setup_runs: dict[str, tuple[Path, subprocess.CompletedProcess[str]]],
+) -> None:
+    _, result = setup_runs["help"]
     assert result.returncode == 0
     for key in (
         "run_name",

@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from projects import checkout_env, project_modules, read_metrics, run_train
+from projects import (
+    checkout_env,
+    project_modules,
+    read_metrics,
+    run_train,
+    run_train_apart,
+)
 from scaffold.render import new_project
 
 TESTS = Path(__file__).resolve().parent
@@ -150,12 +156,25 @@ def test_ema_of_a_constant_model_follows_the_closed_form(modules) -> None:
         assert not torch.equal(value, model.state_dict()[key])  # not simply copied
 
 
-def test_ema_units_must_match_is_one_line_exit_2(project: Path, tmp_path: Path) -> None:
-    result = run_train(project, tmp_path, *small("--ema_half_life=2ep"))
+@pytest.fixture(scope="module")
+def refused(
+    project: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, subprocess.CompletedProcess[str]]]:
+    """The runs of the two refusal tests, in one interpreter (torch imported once).
+    Each name: (workdir, result)."""
+    runs = {
+        "ema": small("--ema_half_life=2ep"),
+        "selective_backprop": small("--selective_backprop_keep=0.25"),  # 3 samples
+    }
+    return run_train_apart(project, tmp_path_factory.mktemp("refused"), runs)
+
+
+def test_ema_units_must_match_is_one_line_exit_2(refused: dict) -> None:
+    workdir, result = refused["ema"]
     assert result.returncode == 2 and result.stderr.strip().startswith(
         "error: ema:"
     ), result.stderr
-    assert not (tmp_path / "runs").exists()
+    assert not (workdir / "runs").exists()
 
 
 def test_ema_resumes_2_to_1_ranks_bitwise_is_evaluated_and_exported(
@@ -446,14 +465,12 @@ def test_selective_backprop_samples_by_loss_percentile_as_composer(modules) -> N
 
 
 def test_selective_backprop_kept_count_must_fill_batchnorm_groups(
-    project: Path, tmp_path: Path
+    refused: dict,
 ) -> None:
-    result = run_train(
-        project, tmp_path, *small("--selective_backprop_keep=0.25")
-    )  # 3 samples, groups of 2
+    workdir, result = refused["selective_backprop"]  # 3 samples, groups of 2
     assert result.returncode == 2 and "= 3 samples" in result.stderr, result.stderr
     assert "bn_group_size = 2" in result.stderr
-    assert not (tmp_path / "runs").exists()
+    assert not (workdir / "runs").exists()
 
 
 # ---------------------------------------------------------------- 1 process == 2 ranks

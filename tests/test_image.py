@@ -31,6 +31,7 @@ from projects import (
     project_modules,
     read_metrics,
     run_train,
+    run_train_apart,
 )
 
 RECIPE = "cifar-resnet56-baseline"
@@ -422,16 +423,48 @@ def test_the_log_states_training_flops_per_image_for_mfu(
     assert abs(logged - expected) <= 1e-3 * expected, (logged, expected)
 
 
-@pytest.mark.parametrize(
-    "kind", ["not-imagefolder", "classes-differ", "undecodable", "cifar-truncated"]
-)
+BAD_DATA = ("not-imagefolder", "classes-differ", "undecodable", "cifar-truncated")
+BAD_CONFIGS = {
+    "bn_group": (
+        ["--bn_group_size=5"],
+        "the per-rank batch (global_batch_size / world size)=12 is not a multiple of bn_group_size=5",
+    ),
+    "microbatch": (
+        ["--device_microbatch_size=3", "--bn_group_size=4"],
+        "device_microbatch_size=3 is not a multiple",
+    ),
+    "model": (["--model=resnet5"], "resnet50"),
+    "optimizer": (["--optimizer=lamb"], "optimizer"),
+    "data": (["--data=/no/such/images"], "no such folder"),
+    "eval_size": (
+        ["--eval_image_size=64", "--eval_resize=32"],
+        "at most the resized short side",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def refusals(
+    project: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, subprocess.CompletedProcess[str], str]]:
+    """train.py on each bad data folder and with each bad config, in one interpreter
+    (runs that stop in setup). Each name: (workdir, result, the message expected)."""
+    data = tmp_path_factory.mktemp("bad-data")
+    runs, messages = {}, {}
+    for kind in BAD_DATA:
+        root, messages[kind] = bad_folder(kind, data / kind)
+        runs[kind] = [*SMALL, f"--data={root}"]
+    for name, (args, message) in BAD_CONFIGS.items():
+        runs[name], messages[name] = small(*args), message
+    results = run_train_apart(project, tmp_path_factory.mktemp("work"), runs)
+    return {name: (*results[name], messages[name]) for name in runs}
+
+
+@pytest.mark.parametrize("kind", BAD_DATA)
 def test_bad_data_is_one_line_exit_2_nothing_written(
-    kind: str, project: Path, tmp_path: Path
+    kind: str, refusals: dict[str, tuple[Path, subprocess.CompletedProcess[str], str]]
 ) -> None:
-    root, message = bad_folder(kind, tmp_path / "data")
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    result = run_train(project, workdir, *SMALL, f"--data={root}")
+    workdir, result, message = refusals[kind]
     assert result.returncode == 2, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert (
@@ -440,34 +473,15 @@ def test_bad_data_is_one_line_exit_2_nothing_written(
     assert not (workdir / "runs").exists()
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (
-            ["--bn_group_size=5"],
-            "the per-rank batch (global_batch_size / world size)=12 is not a multiple of bn_group_size=5",
-        ),
-        (
-            ["--device_microbatch_size=3", "--bn_group_size=4"],
-            "device_microbatch_size=3 is not a multiple",
-        ),
-        (["--model=resnet5"], "resnet50"),
-        (["--optimizer=lamb"], "optimizer"),
-        (["--data=/no/such/images"], "no such folder"),
-        (
-            ["--eval_image_size=64", "--eval_resize=32"],
-            "at most the resized short side",
-        ),
-    ],
-)
+@pytest.mark.parametrize("case", BAD_CONFIGS)
 def test_bad_config_is_one_line_exit_2(
-    args: list[str], message: str, project: Path, tmp_path: Path
+    case: str, refusals: dict[str, tuple[Path, subprocess.CompletedProcess[str], str]]
 ) -> None:
-    result = run_train(project, tmp_path, *small(*args))
+    workdir, result, message = refusals[case]
     assert result.returncode == 2, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
-    assert not (tmp_path / "runs").exists()
+    assert not (workdir / "runs").exists()
 
 
 # ---------------------------------------------------------------- distributed

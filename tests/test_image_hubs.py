@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from projects import (
     STOP_AFTER,
+    error_lines,
     one_error_line,
     run_killed,
     project_modules,
@@ -74,21 +75,26 @@ def library_model(name: str, weights: str = "") -> torch.nn.Module:
 def test_bad_hub_models_and_weights_are_one_line_exit_2(
     project: Path, tmp_path: Path
 ) -> None:
-    def line(*args: str) -> str:
-        return one_error_line(run_train(project, tmp_path, *small(*args)), tmp_path)
-
-    assert "torchvision has no classification model 'resnet5O'" in line(
-        "--model=torchvision:resnet5O"
+    runs = {
+        "torchvision": ["--model=torchvision:resnet5O"],
+        "timm": ["--model=timm:resnet5O"],
+        "preset": ["--model=resnet5O"],
+        "efficientnet": ["--model=timm:efficientnet_b0"],
+        "tiny": ["--model=tiny", "--weights=w.pt"],
+        "missing": ["--model=torchvision:resnet18", f"--weights={tmp_path / 'no.pt'}"],
+    }
+    line = error_lines(
+        project, tmp_path / "work", {name: small(*a) for name, a in runs.items()}
     )
-    assert "timm has no model 'resnet5O'" in line("--model=timm:resnet5O")
-    assert "not a preset" in line("--model=resnet5O")
+    assert "torchvision has no classification model 'resnet5O'" in line["torchvision"]
+    assert "timm has no model 'resnet5O'" in line["timm"]
+    assert "not a preset" in line["preset"]
     # timm's EfficientNet normalizes with BatchNormAct2d, which ghost BatchNorm does not
     # replace: its statistics would follow the microbatch size.
-    refused = line("--model=timm:efficientnet_b0")
+    refused = line["efficientnet"]
     assert "BatchNormAct2d" in refused and "microbatch size" in refused
-    assert "pretrained weights are read for" in line("--model=tiny", "--weights=w.pt")
-    missing = line("--model=torchvision:resnet18", f"--weights={tmp_path / 'no.pt'}")
-    assert "no.pt" in missing
+    assert "pretrained weights are read for" in line["tiny"]
+    assert "no.pt" in line["missing"]
 
 
 @pytest.mark.parametrize("name", ["torchvision:resnet18", "timm:resnet18"])
@@ -302,22 +308,27 @@ def tiny_vit(folder: Path, seed: int, image_size: int = 8) -> Path:
 def test_bad_hf_models_are_one_line_exit_2(project: Path, tmp_path: Path) -> None:
     transformers = real_library("transformers")
 
-    def line(*args: str) -> str:
-        return one_error_line(run_train(project, tmp_path, *small(*args)), tmp_path)
-
-    assert "no readable config.json" in line(f"--model=hf:{tmp_path / 'none'}")
     text = tmp_path / "bert"
     transformers.BertConfig(
         hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8
     ).save_pretrained(text)
-    assert "BertConfig is not an image classifier" in line(f"--model=hf:{text}")
     vit = tiny_vit(tmp_path / "vit", seed=7)
-    refused = line(f"--model=hf:{vit}", f"--weights={vit}/model.safetensors")
-    assert "(hf:FOLDER: the folder's)" in refused
     # A ViT for 16-pixel images on the 8-pixel digits: refused before the first step
     # (transformers would raise at the first forward), naming the size and the fix.
     vit16 = tiny_vit(tmp_path / "vit16", seed=7, image_size=16)
-    wrong_size = line(f"--model=hf:{vit16}")
+    runs = {
+        "none": [f"--model=hf:{tmp_path / 'none'}"],
+        "text": [f"--model=hf:{text}"],
+        "weights": [f"--model=hf:{vit}", f"--weights={vit}/model.safetensors"],
+        "size": [f"--model=hf:{vit16}"],
+    }
+    line = error_lines(
+        project, tmp_path / "work", {name: small(*a) for name, a in runs.items()}
+    )
+    assert "no readable config.json" in line["none"]
+    assert "BertConfig is not an image classifier" in line["text"]
+    assert "(hf:FOLDER: the folder's)" in line["weights"]
+    wrong_size = line["size"]
     assert "does not take the 8-pixel images this run feeds it" in wrong_size
     assert "pass the --image_size" in wrong_size
 

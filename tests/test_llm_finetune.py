@@ -30,6 +30,7 @@ from projects import (  # noqa: E402
     project_modules,
     read_metrics,
     run_train,
+    run_train_apart,
 )
 
 SFT = "llm-sft"
@@ -194,15 +195,63 @@ def test_cross_document_attention_would_change_the_loss(
     assert (packed[keep] - causal[keep]).abs().max() > 1e-3
 
 
+def huge_llama(project: Path, folder: Path) -> Path:
+    """A 70B-parameter Llama's config (no weights) and the tiny tokenizer in `folder`."""
+    transformers.LlamaConfig(
+        hidden_size=8192,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        intermediate_size=28672,
+        vocab_size=128256,
+    ).save_pretrained(folder)
+    with project_modules(project) as modules:
+        tokenizer = modules["model"].load_tokenizer("tiny", ["some text"] * 4)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def refused(
+    generated: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, subprocess.CompletedProcess[str], Path]]:
+    """llm-sft's train.py with each bad input of the tests below, in one interpreter
+    (runs that stop in setup import torch and transformers once). Each name: (workdir,
+    result, the input's file or folder)."""
+    project = generated[SFT]
+    inputs = tmp_path_factory.mktemp("bad-input")
+    good = [{"prompt": f"q{i}?", "response": f"answer {i}."} for i in range(40)]
+    bad = [*good[:3], {"messages": [{"role": "user", "content": "hello?"}]}]
+    data = write_jsonl(inputs / "bad.jsonl", bad)
+    plain = inputs / "plain"
+    save_without_template(project, plain)
+    huge = huge_llama(project, inputs / "huge")
+    runs = {
+        "flex": ([*SMALL, "--attention=flex_attention"], inputs),
+        "data": ([*SMALL, f"--data={data}", "--run_name=bad"], data),
+        "plain": (
+            [*SMALL, f"--model={plain}", "--max_duration=1ba", "--run_name=plain"],
+            plain,
+        ),
+        "huge": ([*SMALL, f"--model={huge}", "--run_name=huge"], huge),
+    }
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        results = run_train_apart(
+            project,
+            tmp_path_factory.mktemp("work"),
+            {name: args for name, (args, _) in runs.items()},
+        )
+    return {name: (*results[name], runs[name][1]) for name in runs}
+
+
 def test_attention_kernels_that_cannot_run_here_are_one_line(
-    generated: dict[str, Path], tmp_path: Path
+    generated: dict[str, Path], refused: dict
 ) -> None:
     """FlexAttention and FlashAttention train on CUDA only: a CPU run is refused before
     anything is read; a kernel transformers cannot load is named with the fix."""
-    line = one_error_line(
-        run_train(generated[SFT], tmp_path, *SMALL, "--attention=flex_attention"),
-        tmp_path,
-    )
+    workdir, result, _ = refused["flex"]
+    line = one_error_line(result, workdir)
     assert "attention=flex_attention trains on CUDA only" in line
     assert line.endswith("use --attention=auto")
     if importlib.util.find_spec("flash_attn") is not None:
@@ -272,20 +321,18 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def test_prompt_response_lines_and_bad_lines(
-    generated: dict[str, Path], tmp_path: Path
+    generated: dict[str, Path], refused: dict, tmp_path: Path
 ) -> None:
     project = generated[SFT]
-    good = [{"prompt": f"q{i}?", "response": f"answer {i}."} for i in range(40)]
-    bad = [*good[:3], {"messages": [{"role": "user", "content": "hello?"}]}]
-    path = write_jsonl(tmp_path / "bad.jsonl", bad)
-    result = run_train(project, tmp_path, *SMALL, f"--data={path}", "--run_name=bad")
+    workdir, result, path = refused["data"]
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"error: {path} line 4: the conversation has no assistant turn, so nothing to "
         'learn; add a {"role": "assistant", "content": ...} message or drop the line'
     ]
-    assert not (tmp_path / "runs" / "bad").exists()
-    path = write_jsonl(tmp_path / "notjson.jsonl", good[:2])
+    assert not (workdir / "runs" / "bad").exists()
+    good = [{"prompt": f"q{i}?", "response": f"answer {i}."} for i in range(2)]
+    path = write_jsonl(tmp_path / "notjson.jsonl", good)
     path.write_text(path.read_text() + "{oops\n")
     with project_modules(project) as modules:
         with pytest.raises(
@@ -294,23 +341,17 @@ def test_prompt_response_lines_and_bad_lines(
             modules["data"].read_conversations(path)
 
 
-def test_a_tokenizer_without_a_chat_template(
-    generated: dict[str, Path], tmp_path: Path
-) -> None:
+def test_a_tokenizer_without_a_chat_template(refused: dict) -> None:
     """One line saying how to give it one (the test above trains with it), nothing
     written."""
-    project = generated[SFT]
-    folder = tmp_path / "plain"
-    save_without_template(project, folder)
-    args = (*SMALL, f"--model={folder}", "--max_duration=1ba", "--run_name=plain")
-    result = run_train(project, tmp_path, *args)
+    workdir, result, folder = refused["plain"]
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"error: --model={folder}: its tokenizer has no chat template; pass one with "
         "--chat_template=FILE (a Jinja template, e.g. the chat_template of an instruct "
         "model of its family), or train on plain text with --data_format=text"
     ]
-    assert not (tmp_path / "runs" / "plain").exists()
+    assert not (workdir / "runs" / "plain").exists()
 
 
 @pytest.mark.slow
@@ -442,28 +483,10 @@ def test_lora_checkpoints_adapters_and_exports_merged_or_adapter(
         assert repr(model_py.respond(adapted, tokenizer, messages, 8)) == answer
 
 
-def test_a_model_too_large_for_the_sharding(
-    generated: dict[str, Path], tmp_path: Path
-) -> None:
-    """A 70B-parameter Llama's config (no weights): one line naming the memory per rank,
-    before any weight is read or anything written."""
-    project = generated[SFT]
-    folder = tmp_path / "huge"
-    config = transformers.LlamaConfig(
-        hidden_size=8192,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        intermediate_size=28672,
-        vocab_size=128256,
-    )
-    config.save_pretrained(folder)
-    with project_modules(project) as modules:
-        tokenizer = modules["model"].load_tokenizer("tiny", ["some text"] * 4)
-    tokenizer.save_pretrained(folder)
-    result = run_train(
-        project, tmp_path, *SMALL, f"--model={folder}", "--run_name=huge"
-    )
+def test_a_model_too_large_for_the_sharding(refused: dict) -> None:
+    """A 70B-parameter Llama's config (no weights, huge_llama): one line naming the
+    memory per rank, before any weight is read or anything written."""
+    workdir, result, folder = refused["huge"]
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
@@ -471,7 +494,7 @@ def test_a_model_too_large_for_the_sharding(
         "gradients and AdamW state over 1 rank(s), but a cpu here has "
     ), lines
     assert lines[0].endswith("or train LoRA adapters (scaffold set lora=true)")
-    assert not (tmp_path / "runs" / "huge").exists()
+    assert not (workdir / "runs" / "huge").exists()
 
 
 def test_trainable_only_checkpoints_leave_frozen_weights_out(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from projects import (
     STOP_AFTER,
     checkout_env,
     convert_data,
+    error_lines,
     one_error_line,
     run_killed,
     project_modules,
@@ -248,28 +249,33 @@ def test_mds_image_shards_train_from_s3(
 def test_bad_mds_folders_are_one_line_exit_2(
     project: Path, digit_shards: Path, shard_cache: Path, tmp_path: Path
 ) -> None:
-    def line(data: Path) -> str:
-        result = run_train(project, tmp_path, *small(), f"--data={data}", *FOUR)
-        return one_error_line(result, tmp_path)
-
     missing = tmp_path / "missing"
     shutil.copytree(digit_shards, missing)
     (missing / "val" / "shard.00001.mds.zstd").unlink()
-    assert line(missing) == (
-        f"error: --data={missing}: val/index.json names 1 shard file(s) that are not "
-        "there (shard.00001.mds.zstd, ...); copy the whole folder again"
-    )
     text = text_shards(tmp_path / "text")
-    assert line(text) == (
-        f"error: --data={text}: train/ has columns text; image MDS shards need x (the "
-        "image) and y (its class index)"
-    )
     broken = tmp_path / "broken"
     shutil.copytree(digit_shards, broken)
     index = json.loads((broken / "train" / "index.json").read_text())
     del index["shards"][0]["samples"]
     (broken / "train" / "index.json").write_text(json.dumps(index))
-    assert line(broken).startswith(
+    # Runs that stop in setup: one interpreter for the three (imports once).
+    line = error_lines(
+        project,
+        tmp_path / "work",
+        {
+            name: [*small(), f"--data={data}", *FOUR]
+            for name, data in (("missing", missing), ("text", text), ("broken", broken))
+        },
+    )
+    assert line["missing"] == (
+        f"error: --data={missing}: val/index.json names 1 shard file(s) that are not "
+        "there (shard.00001.mds.zstd, ...); copy the whole folder again"
+    )
+    assert line["text"] == (
+        f"error: --data={text}: train/ has columns text; image MDS shards need x (the "
+        "image) and y (its class index)"
+    )
+    assert line["broken"].startswith(
         f"error: --data={broken}: train/index.json is not an MDS index (KeyError: "
     )
 
@@ -341,26 +347,30 @@ def test_bad_mds_token_shards_are_one_line_exit_2(
 ) -> None:
     root, _, vocab_size = token_shards
 
-    def line(*args: str, lm: list[str] = LM) -> str:
-        return one_error_line(run_train(lm_project, tmp_path, *lm, *args), tmp_path)
-
-    assert "pass --vocab_size" in line(f"--data={root}")
     windows_of_65 = [arg.replace("--seq_len=15", "--seq_len=64") for arg in LM]
-    assert line(f"--data={root}", f"--vocab_size={vocab_size}", lm=windows_of_65) == (
-        f"error: --data={root}: rows of 64 tokens are shorter than a window of "
-        "seq_len + 1 = 65; use --seq_len=63 or less"
-    )
     labels = tmp_path / "labels"
     for split in ("train", "val"):
         with streaming.MDSWriter(out=str(labels / split), columns={"y": "int"}) as out:
             out.write({"y": 1})
-    assert "with pre-tokenized rows in `tokens` (llm-foundry's" in line(
-        f"--data={labels}", "--vocab_size=256"
-    )
     text = text_shards(tmp_path / "text")
-    assert "holds text, read as bytes; use 256 or more" in line(
-        f"--data={text}", "--vocab_size=100"
+    # Runs that stop in setup: one interpreter for the four (imports once).
+    line = error_lines(
+        lm_project,
+        tmp_path / "work",
+        {
+            "no_vocab": [*LM, f"--data={root}"],
+            "short": [*windows_of_65, f"--data={root}", f"--vocab_size={vocab_size}"],
+            "labels": [*LM, f"--data={labels}", "--vocab_size=256"],
+            "text": [*LM, f"--data={text}", "--vocab_size=100"],
+        },
     )
+    assert "pass --vocab_size" in line["no_vocab"]
+    assert line["short"] == (
+        f"error: --data={root}: rows of 64 tokens are shorter than a window of "
+        "seq_len + 1 = 65; use --seq_len=63 or less"
+    )
+    assert "with pre-tokenized rows in `tokens` (llm-foundry's" in line["labels"]
+    assert "holds text, read as bytes; use 256 or more" in line["text"]
 
 
 def test_convert_lm_to_mds_trains_at_any_seq_len_and_resumes_bitwise(

@@ -57,7 +57,13 @@ import torch
 
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from projects import checkout_env, project_modules, read_metrics, run_train
+from projects import (
+    checkout_env,
+    project_modules,
+    read_metrics,
+    run_train,
+    run_train_apart,
+)
 from test_vision_catalog_augment import SMALL as SMALL_IMAGES
 from scaffold.render import new_project
 
@@ -108,6 +114,27 @@ def reference(nan_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     result = run_train(nan_project, workdir, *RUN, "--run_name=ref")
     assert result.returncode == 0, result.stderr[-3000:]
     return workdir
+
+
+@pytest.fixture(scope="module")
+def refused(
+    nan_project: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, subprocess.CompletedProcess[str]]]:
+    """The runs of the tests below that stop in setup, in one interpreter (torch
+    imported once). Each name: (workdir, result)."""
+    unscaled = [a for a in RUN if not a.startswith("--max_duration")]
+    runs = {
+        "log_interval": [*RUN, "--log_interval=3ba"],
+        "prompt": [*RUN, "--generate_prompts=def |"],
+        "short": [
+            *unscaled,
+            "--run_name=short",
+            "--max_duration=16ba",
+            "--scale_schedule_ratio=0.0625",
+            "--lr_warmup=2ba",
+        ],
+    }
+    return run_train_apart(nan_project, tmp_path_factory.mktemp("refused"), runs)
 
 
 def test_first_non_finite_names_the_loss_or_the_first_bad_gradient(
@@ -279,7 +306,7 @@ def test_optimizer_norms_are_the_gradient_weight_and_update_norms(
 
 
 def test_activation_statistics_show_a_scaled_layer_for_the_first_forward_only(
-    nan_project: Path, reference: Path, tmp_path: Path
+    nan_project: Path, reference: Path, refused: dict
 ) -> None:
     with project_modules(nan_project) as modules:
         train = modules["train"]
@@ -334,9 +361,9 @@ def test_activation_statistics_show_a_scaled_layer_for_the_first_forward_only(
     assert watched == [2, 4]
 
     # An interval that is not a multiple of the logging interval: one line, exit 2.
-    refused = run_train(nan_project, tmp_path, *RUN, "--log_interval=3ba")
-    assert refused.returncode == 2
-    assert refused.stderr.strip().splitlines() == [
+    _, result = refused["log_interval"]
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
         "error: activation_monitor_interval=2 is not a multiple of log_interval=3ba; "
         "pick a multiple of a batch log_interval (e.g. --log_interval=1ba), so each "
         "record is logged at its step"
@@ -388,7 +415,7 @@ def test_value_clipping_clamps_every_gradient_entry(
 
 
 def test_generate_logs_what_sample_py_writes_from_that_steps_checkpoint(
-    nan_project: Path, reference: Path, tmp_path: Path
+    nan_project: Path, reference: Path, refused: dict
 ) -> None:
     rows = {row["step"]: row for row in read_metrics(reference, "ref")}
     assert all({"generate/0", "generate/1"} <= set(row) for row in rows.values())
@@ -415,17 +442,17 @@ def test_generate_logs_what_sample_py_writes_from_that_steps_checkpoint(
         text = rows[step]["generate/0"]
         assert f"\n{text}\n---------------\n".encode() in sampled.stdout
     # A prompt that gives no tokens: one line, exit 2, no run folder.
-    refused = run_train(nan_project, tmp_path, *RUN, "--generate_prompts=def |")
-    assert refused.returncode == 2
-    assert refused.stderr.strip().splitlines() == [
+    workdir, result = refused["prompt"]
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
         "error: generate: the prompt '' gives no tokens with this data's tokenizer; "
         "change --generate_prompts (prompts separated by |)"
     ]
-    assert not (tmp_path / "runs").exists()
+    assert not (workdir / "runs").exists()
 
 
 def test_scale_schedule_runs_a_quarter_of_the_budget_with_the_warmup_unscaled(
-    nan_project: Path, tmp_path: Path
+    nan_project: Path, refused: dict, tmp_path: Path
 ) -> None:
     args = [a for a in RUN if not a.startswith("--max_duration")]
     run = run_train(
@@ -450,22 +477,14 @@ def test_scale_schedule_runs_a_quarter_of_the_budget_with_the_warmup_unscaled(
     lr = float(recorded.split("\nlr = ")[1].split("\n")[0])
     expected = [0.0, lr / 2, lr, (lr + 0.1 * lr) / 2]
     assert [row["lr"] for row in rows] == pytest.approx(expected, rel=1e-12)
-    # A scaled run shorter than its warmup: one line, nothing written.
-    short = run_train(
-        nan_project,
-        tmp_path,
-        *args,
-        "--run_name=short",
-        "--max_duration=16ba",
-        "--scale_schedule_ratio=0.0625",
-        "--lr_warmup=2ba",
-    )
+    # A scaled run shorter than its warmup (16ba x 0.0625): one line, nothing written.
+    workdir, short = refused["short"]
     assert short.returncode == 2
     assert short.stderr.strip().splitlines() == [
         "error: lr_warmup=2ba is longer than the scaled max_duration=1ba; pick a "
         "larger --scale_schedule_ratio or a shorter --lr_warmup"
     ]
-    assert not (tmp_path / "runs/short").exists()
+    assert not (workdir / "runs/short").exists()
 
 
 @pytest.mark.parametrize("name", ["memory_snapshot", "oom_observer"])

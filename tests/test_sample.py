@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from projects import checkout_env, project_modules, run_train
+from projects import checkout_env, project_modules, run_train, run_train_apart
 
 RUN = [
     "--seq_len=32",
@@ -269,16 +269,20 @@ def test_init_from_with_vocab_size_0_takes_the_checkpoints_vocabulary(
 def test_sample_refuses_bad_input_in_one_line(
     generated: dict[str, Path], tmp_path: Path
 ) -> None:
-    project = generated["gpt2-speedup"]
-    one_line_error(run_sample(project, tmp_path), "nothing to sample from; pass --run")
-    one_line_error(
-        run_sample(project, tmp_path, "--run=runs/none"), "no config.toml in runs/none"
+    cases = {
+        "nothing": ([], "nothing to sample from; pass --run"),
+        "no_config": (["--run=runs/none"], "no config.toml in runs/none"),
+        "no_run": (["--checkpoint=x.safetensors"], "also pass --run="),
+        "empty": (["--run=r", "--prompt="], "prompt is empty"),
+        # Only where GPT-2's layout holds the model is there an init_from (ALiBi: none).
+        "init_from": (["--init_from=x"], "init_from"),
+    }
+    # Runs that stop before sampling: one interpreter for all (torch imported once).
+    results = run_train_apart(
+        generated["gpt2-speedup"],
+        tmp_path,
+        {name: args for name, (args, _) in cases.items()},
+        script="sample.py",
     )
-    one_line_error(
-        run_sample(project, tmp_path, "--checkpoint=x.safetensors"), "also pass --run="
-    )
-    one_line_error(
-        run_sample(project, tmp_path, "--run=r", "--prompt="), "prompt is empty"
-    )
-    # Only where GPT-2's layout holds the model is there an init_from (ALiBi: none).
-    one_line_error(run_sample(project, tmp_path, "--init_from=x"), "init_from")
+    for name, (_, expected) in cases.items():
+        one_line_error(results[name][1], expected)

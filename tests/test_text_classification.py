@@ -28,6 +28,7 @@ from projects import (  # noqa: E402
     project_modules,
     read_metrics,
     run_train,
+    run_train_apart,
 )
 
 RECIPE = "bert-sst2"
@@ -205,12 +206,17 @@ def test_bad_input_is_one_line_and_writes_nothing(
             "the tokenizer and the model do not belong together",
         ),
     }
+    # Runs that stop in setup: one interpreter for all (imports once), each in its folder.
+    results = run_train_apart(
+        generated[RECIPE],
+        tmp_path,
+        {
+            name: [*SMALL, f"--run_name={name}", *args]
+            for name, (args, _) in cases.items()
+        },
+    )
     for name, (args, expected) in cases.items():
-        workdir = tmp_path / name
-        workdir.mkdir()
-        result = run_train(
-            generated[RECIPE], workdir, *SMALL, f"--run_name={name}", *args
-        )
+        workdir, result = results[name]
         assert result.returncode == 2, (name, result.stderr)
         lines = result.stderr.strip().splitlines()
         assert (
@@ -488,14 +494,21 @@ def test_trackers_profiler_and_storage_errors(
     project = generated[RECIPE]
     data = write_csv(tmp_path / "toy.csv", toy_rows())
     base = (*SMALL, f"--data={data}", "--eval_interval=2ba")
-    for bad, message in (
-        ("--trackers=tensorboard,comet", "unknown tracker 'comet'"),
-        ("--profile=5ba", "START:END"),
-        ("--early_stop_min_delta=-1", "early_stop_min_delta=-1.0 must be >= 0"),
-    ):
-        result = run_train(project, tmp_path, *base, "--early_stop_metric=f1", bad)
+    refusals = {
+        "--trackers=tensorboard,comet": "unknown tracker 'comet'",
+        "--profile=5ba": "START:END",
+        "--early_stop_min_delta=-1": "early_stop_min_delta=-1.0 must be >= 0",
+    }
+    # Runs that stop in setup: one interpreter for the three (imports once).
+    results = run_train_apart(
+        project,
+        tmp_path / "refused",
+        {bad: [*base, "--early_stop_metric=f1", bad] for bad in refusals},
+    )
+    for bad, message in refusals.items():
+        workdir, result = results[bad]
         assert result.returncode == 2 and message in result.stderr, (bad, result.stderr)
-    assert not (tmp_path / "runs").exists()
+        assert not (workdir / "runs").exists()
 
     trackers = ["--trackers=tensorboard"] if _installed("tensorboard") else []
     result = run_train(

@@ -21,7 +21,13 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from projects import checkout_env, project_modules, read_metrics, run_train
+from projects import (
+    checkout_env,
+    project_modules,
+    read_metrics,
+    run_train,
+    run_train_many,
+)
 from scaffold.render import new_project
 
 TESTS = Path(__file__).resolve().parent
@@ -523,39 +529,55 @@ def test_kill_9_resume_continues_the_schedule_bitwise(
     assert len({row["image_width"] for row in expected}) >= 3
 
 
-@pytest.mark.parametrize(
-    ("which", "arg", "message"),
-    [
-        (
-            "randaugment",
-            "--randaugment_severity=11",
-            "error: randaugment_severity=11 is outside its range [0, 10]",
-        ),
-        (
-            "augmix",
-            "--augmix_alpha=0",
-            "error: augmix_alpha=0.0 is outside its range (0, inf)",
-        ),
-        (
-            "augmix",
-            "--augmix_depth=0",
-            "error: augmix_depth=0: use -1 (1 to 3 operations, drawn per chain) or at "
-            "least 1",
-        ),
-        (
-            "randaugment",
-            "--progressive_resizing_finetune_fraction=0.9",
-            "error: progressive_resizing_delay_fraction=0.2 and _finetune_fraction=0.9 add up to more than 1 (of "
-            "training)",
-        ),
-    ],
-)
+OUT_OF_RANGE = {
+    "--randaugment_severity=11": (
+        "randaugment",
+        "error: randaugment_severity=11 is outside its range [0, 10]",
+    ),
+    "--augmix_alpha=0": (
+        "augmix",
+        "error: augmix_alpha=0.0 is outside its range (0, inf)",
+    ),
+    "--augmix_depth=0": (
+        "augmix",
+        "error: augmix_depth=0: use -1 (1 to 3 operations, drawn per chain) or at "
+        "least 1",
+    ),
+    "--progressive_resizing_finetune_fraction=0.9": (
+        "randaugment",
+        "error: progressive_resizing_delay_fraction=0.2 and _finetune_fraction=0.9 add up to more than 1 (of "
+        "training)",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def out_of_range(
+    projects: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, subprocess.CompletedProcess[str]]]:
+    """Each OUT_OF_RANGE run, in its own folder, all in one interpreter (runs that stop
+    in setup import torch once). Each argument: (workdir, result)."""
+    root = tmp_path_factory.mktemp("out-of-range")
+    workdirs = {arg: root / str(i) for i, arg in enumerate(OUT_OF_RANGE)}
+    for workdir in workdirs.values():
+        workdir.mkdir()
+    results = run_train_many(
+        {
+            arg: (projects[which], workdirs[arg], [*SMALL, arg, "--run_name=bad"])
+            for arg, (which, _) in OUT_OF_RANGE.items()
+        }
+    )
+    return {arg: (workdirs[arg], results[arg]) for arg in OUT_OF_RANGE}
+
+
+@pytest.mark.parametrize("arg", OUT_OF_RANGE)
 def test_a_hyperparameter_out_of_range_is_one_line_exit_2(
-    which: str, arg: str, message: str, projects: dict[str, Path], tmp_path: Path
+    arg: str, out_of_range: dict[str, tuple[Path, subprocess.CompletedProcess[str]]]
 ) -> None:
-    result = run_train(projects[which], tmp_path, *SMALL, arg, "--run_name=bad")
+    workdir, result = out_of_range[arg]
+    message = OUT_OF_RANGE[arg][1]
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [message]
-    assert not (tmp_path / "runs").exists()
+    assert not (workdir / "runs").exists()
 
 
 @pytest.mark.slow
