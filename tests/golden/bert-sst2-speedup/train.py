@@ -331,6 +331,7 @@ def main() -> None:
     env, plan = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
+    checkpoints = cfg.save_folder or run_dir / "checkpoints"  # a folder or a URL
     # A missing path, a bad column, no such model (model.ModelError is a ValueError).
     with config.failing(OSError, ValueError):
         texts = load_texts(
@@ -407,9 +408,7 @@ def main() -> None:
     # algorithm with state of its own adds one at OPTIMIZER, and may name the entry
     # `scaffold export` writes out for inference (by default "model").
     state = dict(model=model, optimizer=optimizer, progress=progress, stopper=stopper)
-    checkpointer = checkpoint.Checkpointer.from_config(
-        cfg.save_folder or run_dir / "checkpoints", cfg
-    )
+    checkpointer = checkpoint.Checkpointer.from_config(checkpoints, cfg)
 
     # Resume: load_path, else this run's newest complete checkpoint, restores all of
     # `state` and the RNG, saved on any number of ranks. The batch order is a function

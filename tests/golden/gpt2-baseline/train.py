@@ -228,11 +228,11 @@ def main() -> None:
     env, plan = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
+    checkpoints = cfg.save_folder or run_dir / "checkpoints"  # a folder or a URL
     with config.failing(OSError, ValueError):  # a missing path, too little data
         tokens, train_batches, val = data.load_splits(cfg, env)
     # init_from: GPT-2's weights, read and checked (sizes, vocabulary, positions) before
     # anything is written; a run that resumes takes its weights from its checkpoint.
-    checkpoints = cfg.save_folder or run_dir / "checkpoints"
     resumes = checkpoint.will_resume(checkpoints, cfg.load_path, cfg.autoresume)
     with config.failing(ValueError):  # init_from's weights do not fit: one line
         model = build_model(cfg, tokens.vocab_size, env.device, init=not resumes)

@@ -368,6 +368,7 @@ def main() -> None:
     env, plan = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
+    checkpoints = cfg.save_folder or run_dir / "checkpoints"  # a folder or a URL
     with config.failing(OSError, ValueError):  # a missing path, too little data
         tokens, train_batches, val = data.load_splits(cfg, env)
     model = build_model(cfg, tokens.vocab_size, env.device)
@@ -405,9 +406,7 @@ def main() -> None:
     # algorithm with state of its own adds one at OPTIMIZER, and may name the entry
     # `scaffold export` writes out for inference (by default "model").
     state = dict(model=model, optimizer=optimizer, progress=progress, stopper=stopper)
-    checkpointer = checkpoint.Checkpointer.from_config(
-        cfg.save_folder or run_dir / "checkpoints", cfg
-    )
+    checkpointer = checkpoint.Checkpointer.from_config(checkpoints, cfg)
 
     # event: OPTIMIZER
 

@@ -279,6 +279,7 @@ def main() -> None:
     env, plan = setup(cfg)  # one process, or one of torchrun's N
     torch.manual_seed(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path("runs") / cfg.run_name
+    checkpoints = cfg.save_folder or run_dir / "checkpoints"  # a folder or a URL
     # A missing path, a bad file, too few images: one line, exit status 2.
     with config.failing(OSError, ValueError):
         images, train_batches, val = data.load_splits(cfg, env)
@@ -315,9 +316,7 @@ def main() -> None:
     # algorithm with state of its own adds one at OPTIMIZER, and may name the entry
     # `scaffold export` writes out for inference (by default "model").
     state = dict(model=model, optimizer=optimizer, progress=progress, stopper=stopper)
-    checkpointer = checkpoint.Checkpointer.from_config(
-        cfg.save_folder or run_dir / "checkpoints", cfg
-    )
+    checkpointer = checkpoint.Checkpointer.from_config(checkpoints, cfg)
 
     # event: OPTIMIZER
 
