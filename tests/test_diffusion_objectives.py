@@ -177,7 +177,8 @@ def test_min_snr_weights_are_diffusers_and_weight_the_loss(
                 reduction="none",
             ).mean((1, 2, 3))
         for size in (4, 2):
-            loss_sum = train.forward_backward(unet, inputs, targets, size, 1.0, cfg)
+            cfg.device_microbatch_size = size  # what forward_backward splits by
+            loss_sum = train.forward_backward(unet, inputs, targets, 1.0, cfg)
             expected = (errors * inputs["snr_weight"]).sum()
             assert torch.allclose(loss_sum, expected, rtol=1e-5), size
             assert not torch.allclose(loss_sum, errors.sum(), rtol=1e-2)

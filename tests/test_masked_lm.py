@@ -126,12 +126,12 @@ def test_gradient_is_the_global_masked_token_mean_for_any_microbatch(modules) ->
     expected = torch.autograd.grad(reference, list(model.parameters()))
     for microbatch in (8, 2):
         model.zero_grad()
+        cfg.device_microbatch_size = microbatch  # what forward_backward splits by
         inputs = {"input_ids": batch.inputs, "predicted": picked, "real": batch.real}
         loss_sum = train_py.forward_backward(
             model,
             inputs,
             batch.targets,
-            microbatch,
             1 / batch.num_masked,
             cfg,
             train_py.masked_token_loss,
