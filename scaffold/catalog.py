@@ -126,6 +126,8 @@ class ModelFamily:
     summary: str
     presets: tuple[str, ...]
     extension_points: dict[str, ExtensionPoint]
+    # model.py has a tensor-parallel plan (the `tensor_parallel` answer is allowed)
+    tensor_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -227,7 +229,11 @@ def load_models(template: Path) -> dict[str, ModelFamily]:
             for point, spec in meta.get("extension_points", {}).items()
         }
         families[name] = ModelFamily(
-            name, meta["summary"], tuple(meta["presets"]), points
+            name,
+            meta["summary"],
+            tuple(meta["presets"]),
+            points,
+            bool(meta.get("tensor_parallel", False)),
         )
     return families
 
