@@ -23,6 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import scaffold_new_many
 from projects import (
     checkout_env,
@@ -172,7 +173,7 @@ def test_refusals(projects: dict, tmp_path: Path) -> None:
 
         def problem(tp: int, vocab: int = 256, **sizes: object) -> str | None:
             cfg = SimpleNamespace(
-                **(dict(model="tiny", seq_len=32, dropout=0.0) | sizes)
+                **(dict(model="tiny", seq_len=32, dropout=0.0, init_from="") | sizes)
             )
             model = model_py.build_model(cfg, vocab, "cpu")
             return model_py.tensor_parallel_problem(model, tp)
@@ -186,7 +187,10 @@ def test_refusals(projects: dict, tmp_path: Path) -> None:
         cfg = SimpleNamespace(model="tiny", seq_len=32, dropout=0.0)
         model = modules["model"].build_model(cfg, 256, "cpu")
         why = modules["model"].tensor_parallel_problem(model, 2)
-        assert "no plan for logit_softcap, muon, qk_norm, rotary, zero_init;" in why
+        assert (
+            "no plan for logit_softcap, muon, qk_norm, relu_squared, rotary, zero_init;"
+            in why
+        )
 
     # The answer needs a model pack with a plan, and no out-of-memory search.
     for recipe, extra in (
@@ -210,3 +214,27 @@ def test_refusals(projects: dict, tmp_path: Path) -> None:
             and "tensor_parallel" in line
         )
         assert not dest.exists()
+
+
+def test_gpt2_weights_map_both_ways(projects: dict) -> None:
+    """The plan's q, k, v layers are thirds of GPT2LMHeadModel's c_attn: init_from and
+    `scaffold export --format hf` keep working, and the exported model computes the same
+    logits in transformers."""
+    transformers = pytest.importorskip("transformers")
+    with project_modules(projects["tp"]) as modules:
+        m = modules["model"]
+        torch.manual_seed(0)
+        cfg = SimpleNamespace(model="tiny", seq_len=32, dropout=0.0, init_from="")
+        model = m.build_model(cfg, 256, "cpu")
+        for param in model.parameters():  # biases too, so that every third is checked
+            param.data.normal_(0.0, 0.02)
+        hf_config, hf_weights = m.to_hf_gpt2(model.state_dict(), model.config)
+        theirs = transformers.GPT2LMHeadModel(transformers.GPT2Config(**hf_config))
+        theirs.load_state_dict(hf_weights, strict=False)
+        idx = torch.randint(0, 256, (2, 32))
+        with torch.no_grad():
+            expected = theirs.eval()(idx).logits
+            assert torch.allclose(model(idx), expected, atol=1e-5)
+        back = m.from_hf_gpt2(hf_config, hf_weights, model.config)
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(back[name], tensor), name
