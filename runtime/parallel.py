@@ -305,6 +305,15 @@ def apply_tensor_parallel(
         owner = model.get_submodule(owner_name)
         source_name, _, source_attribute = target.rpartition(".")
         source = model.get_submodule(source_name)
+        first_split, later_split = (
+            getattr(getattr(module, attr), "placements", None)
+            for module, attr in ((source, source_attribute), (owner, attribute))
+        )
+        if first_split != later_split:
+            raise ValueError(
+                f"the tensor-parallel plan splits the tied {target} and {name} "
+                f"differently ({first_split}, {later_split}); give both one placement"
+            )
         setattr(source, source_attribute, getattr(owner, attribute))
 
 
