@@ -198,7 +198,19 @@ def _field_hints(cls: type) -> dict[str, Any]:
     return result
 
 
+# Keys a project has only where it was generated with an answer: {key: what adds them}.
+ANSWER_KEYS = {
+    "tensor_parallel": (
+        "this project was generated without tensor parallelism; add it with `scaffold "
+        "set tensor_parallel=true` (your edits are kept; GPT and Hugging Face causal-LM "
+        "projects)"
+    ),
+}
+
+
 def _unknown_key_message(key: str, known: Sequence[str], where: str) -> str:
+    if key in ANSWER_KEYS:
+        return f"unknown config key {key!r}{where}: {ANSWER_KEYS[key]}"
     close = difflib.get_close_matches(key, known, n=1)
     suggestion = f" (did you mean {close[0]!r}?)" if close else ""
     return f"unknown config key {key!r}{where}{suggestion}; {_HELP_HINT}"

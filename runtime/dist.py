@@ -19,10 +19,13 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as torch_dist
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 Batch = TypeVar("Batch", torch.Tensor, dict, list, tuple)
 
@@ -34,11 +37,27 @@ class DistEnv:
     world_size: int
     local_world_size: int  # processes on this node (torchrun --nproc_per_node)
     device: torch.device
+    # Tensor parallelism's (data, tensor) mesh, dims ("dp", "tp"), in the data-parallel
+    # view (runtime.parallel.data_parallel): rank and world_size then count data-parallel
+    # ranks (the ranks of one tensor-parallel group read the same batch) and `group`
+    # sums over them. None: every process is a data-parallel rank of its own.
+    mesh: DeviceMesh | None = None
 
     @property
     def is_main(self) -> bool:
         """Rank 0: the one process that logs, shows progress and writes run files."""
-        return self.rank == 0
+        return self.rank == 0 and (self.mesh is None or self.mesh.get_rank() == 0)
+
+    @property
+    def devices(self) -> int:
+        """The job's processes: data-parallel ranks x tensor-parallel degree."""
+        return self.world_size if self.mesh is None else self.mesh.size()
+
+    @property
+    def group(self) -> torch_dist.ProcessGroup | None:
+        """The process group that sums data-parallel quantities (losses, counts) once
+        per data-parallel rank; None: the whole job."""
+        return None if self.mesh is None else self.mesh.get_group("dp")
 
 
 def check_batch(global_batch_size: int, world_size: int) -> str | None:
@@ -193,11 +212,14 @@ def world_size() -> int:
     return torch_dist.get_world_size() if is_distributed() else 1
 
 
-def reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """The sum of `tensor` over all ranks (a copy; the input is left alone)."""
+def reduce_sum(
+    tensor: torch.Tensor, group: torch_dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """The sum of `tensor` over all ranks, or over `group`'s (DistEnv.group: once per
+    data-parallel rank); a copy, the input is left alone."""
     total = tensor.detach().clone()
     if is_distributed():
-        torch_dist.all_reduce(total, op=torch_dist.ReduceOp.SUM)
+        torch_dist.all_reduce(total, op=torch_dist.ReduceOp.SUM, group=group)
     return total
 
 

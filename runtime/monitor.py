@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as torch_dist
 from tqdm import tqdm
 
 from runtime import config, dist
@@ -131,9 +132,12 @@ class RunningSum:
     (one all-reduce, one device sync) and starts over.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(
+        self, device: torch.device, group: torch_dist.ProcessGroup | None = None
+    ) -> None:
         self.total = torch.zeros((), device=device)
         self.count = 0
+        self.group = group  # the ranks summed (DistEnv.group); None: all
 
     def add(self, value: torch.Tensor, count: int) -> None:
         self.total += value.detach()
@@ -142,7 +146,7 @@ class RunningSum:
     def pop(self) -> float:
         """The sum over ranks divided by the count since the last pop (0 counted: nan)."""
         mean = (
-            dist.reduce_sum(self.total).item() / self.count
+            dist.reduce_sum(self.total, self.group).item() / self.count
             if self.count
             else float("nan")
         )
@@ -255,10 +259,10 @@ class Monitor:
         cfg, env, flops_per_token, flops_per_sample = self._settings
         self.start(progress, cfg.console_interval)
         config_toml = config.to_toml(cfg)
-        self.record_run(config_toml, script, env.device, env.world_size)
+        self.record_run(config_toml, script, env.device, env.devices)
         self.measure(
             env.device,
-            env.world_size,
+            env.devices,
             cfg.precision,
             flops_per_token=flops_per_token,
             flops_per_sample=flops_per_sample,

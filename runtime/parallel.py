@@ -12,6 +12,18 @@
   memory, fewer all-gathers), HYBRID_SHARD (2-D mesh: shard within groups of
   `hybrid_shard_size` ranks, usually a node, replicate across groups).
 
+Tensor parallelism (`tensor_parallel` = N > 1) splits each layer's matrices over groups of
+N ranks, as torchtitan's `parallelize_llama` does: `data_parallel()` builds the 2-D mesh
+(data x tensor, dims ("dp", "tp"), shape (world / N, N); a tensor-parallel group is N
+consecutive ranks) and returns the data-parallel view of the launch the loop reads its
+batches, counts and sums with; `parallelize(..., tensor_plan=...)` applies the model's
+plan (model.py's `tensor_parallel_plan`: module paths to ColwiseParallel, RowwiseParallel,
+SequenceParallel, PrepareModuleInput) on mesh["tp"] first, then activation checkpointing,
+compilation and FSDP2 on mesh["dp"], torchtitan's order; parameters become 2-D DTensors,
+which DCP reshards on resume to any other layout. The loss over logits split by vocabulary
+runs under `loss_parallel()` (forward and backward). Refused under TP: DDP, NO_SHARD and
+HYBRID_SHARD (FSDP2 on the data dimension only), whole-model compilation, CPU offload.
+
 Precision `bf16` is FSDP2's mixed-precision policy: parameters all-gathered and computed in
 bf16, gradients reduced in fp32 into fp32 master weights. (`amp_bf16`, autocast, needs nothing
 here: it is a context manager in the loop.) Activation checkpointing recomputes each block's
@@ -53,6 +65,7 @@ module, which regional compilation never does.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -61,7 +74,7 @@ from typing import Literal, Protocol
 import torch
 import torch.nn as nn
 from torch.distributed._composable import checkpoint as activation_checkpoint
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -69,6 +82,8 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
 from runtime.dist import DistEnv, reduce_sum
@@ -92,6 +107,7 @@ class ParallelConfig:
     hybrid_shard_size: int = 0  # ranks per shard group; 0 = torchrun's LOCAL_WORLD_SIZE
     # torch.compile: True each block in place (regional), "model" the whole model in place
     compile: Compile = False
+    tensor_parallel: int = 1  # ranks that split each layer (1: none)
 
     @classmethod
     def from_config(cls, cfg: ParallelSettings, env: DistEnv) -> ParallelConfig:
@@ -105,6 +121,8 @@ class ParallelConfig:
             cpu_offload=cfg.cpu_offload,
             hybrid_shard_size=cfg.hybrid_shard_size,
             compile=resolve_compile(cfg.compile, env.device),
+            # A Config without the field: a project generated without tensor parallelism.
+            tensor_parallel=getattr(cfg, "tensor_parallel", 1),
         )
 
 
@@ -198,7 +216,105 @@ def check(config: ParallelConfig, env: DistEnv) -> str | None:
                 f"HYBRID_SHARD needs the world size ({env.world_size}) to be a multiple of "
                 f"hybrid_shard_size ({size}); set --hybrid_shard_size to a divisor of it"
             )
+    return check_tensor_parallel(config, env)
+
+
+def check_tensor_parallel(config: ParallelConfig, env: DistEnv) -> str | None:
+    """Why this launch cannot split layers over `tensor_parallel` ranks, or None."""
+    tp = config.tensor_parallel
+    if tp < 1:
+        return f"tensor_parallel={tp}; use 1 (no tensor parallelism) or a rank count"
+    if tp == 1:
+        return None
+    if config.parallelism == "ddp" or config.sharding_strategy in (
+        "NO_SHARD",
+        "HYBRID_SHARD",
+    ):
+        return (
+            f"tensor_parallel={tp} composes with FSDP2 on the data dimension only; use "
+            "--parallelism=fsdp (or auto) with --sharding_strategy=FULL_SHARD or "
+            f"SHARD_GRAD_OP, not {config.parallelism}/{config.sharding_strategy}"
+        )
+    if config.compile == "model":
+        return (
+            f"tensor_parallel={tp} compiles each block (torchtitan's order); use "
+            "--compile=true instead of --compile=model"
+        )
+    if config.cpu_offload:
+        return f"tensor_parallel={tp} does not run with cpu_offload; drop --cpu_offload"
+    if env.world_size % tp:
+        return (
+            f"tensor_parallel={tp} does not divide the world size {env.world_size}; "
+            f"launch a multiple of {tp} processes (torchrun --nproc_per_node) or pick "
+            f"a divisor of {env.world_size}"
+        )
     return None
+
+
+def data_parallel(env: DistEnv, config: ParallelConfig) -> DistEnv:
+    """The launch as the loop counts data: without tensor parallelism `env` itself;
+    with it (the process group joined), the 2-D mesh (world / tp, tp), dims ("dp",
+    "tp"), and this rank's place on "dp": the ranks of a tensor-parallel group read the
+    same batch, and `env.group` sums losses and counts once per data-parallel rank."""
+    tp = config.tensor_parallel
+    if tp == 1:
+        return env
+    mesh = init_device_mesh(
+        env.device.type, (env.world_size // tp, tp), mesh_dim_names=("dp", "tp")
+    )
+    # Both dims as one (torchtitan flattens its meshes alike): a norm over 2-D DTensors
+    # (gradient clipping) is then one all-reduce over all ranks, not one per dim.
+    mesh["dp", "tp"]._flatten("dp_tp")
+    return replace(
+        env,
+        rank=mesh.get_local_rank("dp"),
+        world_size=env.world_size // tp,
+        mesh=mesh,
+    )
+
+
+def loss_parallel(
+    config: ParallelConfig,
+) -> contextlib.AbstractContextManager[None]:
+    """Under tensor parallelism torch's `loss_parallel()`: the cross-entropy of logits
+    split by vocabulary (the output layer's ColwiseParallel) computed on the split, never
+    gathered; the forward and the backward of the loss must run inside it. Else a no-op.
+    """
+    if config.tensor_parallel > 1:
+        return torch_loss_parallel()
+    return contextlib.nullcontext()
+
+
+def apply_tensor_parallel(
+    model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle]
+) -> None:
+    """Split `model`'s layers over `mesh` ("tp") by `plan` (module path patterns to
+    styles), in place. Tied parameters (a token embedding that is also the output
+    layer's weight) are tied again afterwards: the plan distributes each module's
+    parameters apart; the later module's then becomes the shared one."""
+    names = dict(model.named_parameters(remove_duplicate=False))
+    first = dict(model.named_parameters())  # each shared parameter under its first name
+    shared = {
+        name: next(key for key, value in first.items() if value is param)
+        for name, param in names.items()
+        if name not in first
+    }
+    parallelize_module(model, mesh, plan)
+    for name, target in shared.items():
+        owner_name, _, attribute = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        source_name, _, source_attribute = target.rpartition(".")
+        source = model.get_submodule(source_name)
+        first_split, later_split = (
+            getattr(getattr(module, attr), "placements", None)
+            for module, attr in ((source, source_attribute), (owner, attribute))
+        )
+        if first_split != later_split:
+            raise ValueError(
+                f"the tensor-parallel plan splits the tied {target} and {name} "
+                f"differently ({first_split}, {later_split}); give both one placement"
+            )
+        setattr(source, source_attribute, getattr(owner, attribute))
 
 
 def parallelize(
@@ -208,13 +324,17 @@ def parallelize(
     config: ParallelConfig,
     *,
     trained: bool = True,
+    tensor_plan: dict[str, ParallelStyle] | None = None,
 ) -> nn.Module:
-    """Apply activation checkpointing, compilation and FSDP2 or DDP, in that order (as
+    """Apply tensor parallelism (`tensor_plan` on env.mesh["tp"], where `data_parallel`
+    made one), activation checkpointing, compilation and FSDP2 or DDP, in that order (as
     torchtitan does); returns the module to train. `trained=False` (a module that only runs
     forwards, see `parallelize_copy`): every FSDP unit reshards after forward, so between
     forwards its parameters are the sharded DTensors, never left gathered for a backward.
     """
     blocks = list(blocks)
+    if env.mesh is not None:
+        apply_tensor_parallel(model, env.mesh["tp"], tensor_plan or {})
     if config.activation_checkpointing:
         for block in blocks:
             activation_checkpoint(block)
@@ -234,7 +354,9 @@ def parallelize(
             model, device_ids=device_ids, broadcast_buffers=drifting
         )
 
-    if config.sharding_strategy == "HYBRID_SHARD":
+    if env.mesh is not None:
+        mesh = env.mesh["dp"]  # FSDP2 on the data dimension: 2-D DTensor parameters
+    elif config.sharding_strategy == "HYBRID_SHARD":
         shard = config.hybrid_shard_size or env.local_world_size
         mesh = init_device_mesh(
             env.device.type,
@@ -280,7 +402,13 @@ def compile_loss(
     eagerly, their fp32 upcast, the log-softmax and, in backward, its gradient are each a
     vocabulary-sized fp32 tensor (3.3 GB apiece for 16 x 1024 tokens at GPT-2's 50,304).
     Compiled, they fuse into kernels that read the bf16 logits and write a bf16 gradient.
+
+    Under tensor parallelism the loss takes logits split by vocabulary (a DTensor) and
+    runs eagerly under `loss_parallel()`; its value comes back as this rank's plain
+    tensor (the same on every rank of the group), its gradient flowing back through it.
     """
+    if config.tensor_parallel > 1:
+        return lambda *args: loss(*args).to_local()
     return torch.compile(loss) if config.compile else loss
 
 

@@ -16,6 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from runtime.dist import DistEnv
+from runtime.dist import rank as job_rank
 from runtime.time import Progress, Time, TimeError
 
 
@@ -72,8 +73,10 @@ class Profiler:
         env: DistEnv,
         log: Callable[[str], None] = print,
     ) -> Profiler:
-        """The profiler of the config's `profile` window, writing under run_dir."""
-        return cls(cfg.profile, run_dir, env.rank, env.device, cfg.max_duration, log)
+        """The profiler of the config's `profile` window, writing under run_dir (a
+        trace per process: the job's rank, not the data-parallel one under tensor
+        parallelism)."""
+        return cls(cfg.profile, run_dir, job_rank(), env.device, cfg.max_duration, log)
 
     def __init__(
         self,

@@ -196,6 +196,17 @@ def resolve(recipe: Recipe, template: Path, project_name: str) -> dict[str, Any]
             f"{did_you_mean(str(preset), list(models[family].presets))}; presets: "
             f"{', '.join(models[family].presets)}"
         )
+    if answers.get("tensor_parallel") and not models[family].tensor_parallel:
+        with_plan = ", ".join(name for name, m in models.items() if m.tensor_parallel)
+        raise RecipeError(
+            f"answer 'tensor_parallel' = true needs a model pack with a tensor-parallel "
+            f"plan; {family!r} has none (packs with one: {with_plan}); drop the answer"
+        )
+    if answers.get("tensor_parallel") and answers.get("auto_microbatching"):
+        raise RecipeError(
+            "answers 'tensor_parallel' and 'auto_microbatching' cannot be combined (the "
+            "out-of-memory search does not run under tensor parallelism); drop one"
+        )
 
     algorithms: dict[str, dict[str, Any]] = {}
     for name in sorted(

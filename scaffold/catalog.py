@@ -126,6 +126,8 @@ class ModelFamily:
     summary: str
     presets: tuple[str, ...]
     extension_points: dict[str, ExtensionPoint]
+    # model.py has a tensor-parallel plan (the `tensor_parallel` answer is allowed)
+    tensor_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,9 @@ class Algorithm:
     # a classifier fine-tuned from an encoder pretrained with it: the architecture, not the
     # pretraining's row split).
     model_only_tasks: tuple[str, ...] = ()
+    # Runs under tensor parallelism (the `tensor_parallel` answer), tested there; model
+    # packs refuse --tensor_parallel > 1 with any other selected algorithm.
+    tensor_parallel: bool = False
 
     @property
     def events(self) -> tuple[str, ...]:
@@ -227,7 +232,11 @@ def load_models(template: Path) -> dict[str, ModelFamily]:
             for point, spec in meta.get("extension_points", {}).items()
         }
         families[name] = ModelFamily(
-            name, meta["summary"], tuple(meta["presets"]), points
+            name,
+            meta["summary"],
+            tuple(meta["presets"]),
+            points,
+            bool(meta.get("tensor_parallel", False)),
         )
     return families
 
@@ -462,5 +471,6 @@ def load_algorithms(template: Path) -> dict[str, Algorithm]:
             hub_models=hub_models,
             devices=tuple(meta.get("devices", ())),
             model_only_tasks=model_only_tasks,
+            tensor_parallel=bool(meta.get("tensor_parallel", False)),
         )
     return {name: algorithms[name] for name in catalog_order(algorithms)}

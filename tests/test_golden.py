@@ -15,7 +15,7 @@ import pytest
 
 import yaml
 
-from conftest import RECIPES, REPO
+from conftest import RECIPES, REPO, scaffold_new_many
 
 GOLDEN = REPO / "tests" / "golden"
 
@@ -28,36 +28,66 @@ def tree(root: Path) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_generated_tree_matches_golden(
-    recipe: str, generated: dict[str, Path], request: pytest.FixtureRequest
-) -> None:
-    actual = tree(generated[recipe])
-    golden_dir = GOLDEN / recipe
-    if request.config.getoption("--update-golden"):
+# Generation answers pinned beside the recipes: golden/NAME, `scaffold new ARGS NAME`.
+VARIANTS = {
+    "gpt2-baseline-tp": ["--recipe", "gpt2-baseline", "--set", "tensor_parallel=true"],
+}
+
+
+@pytest.fixture(scope="module")
+def generated_variants(
+    tmp_path_factory: pytest.TempPathFactory, isolated_home: Path
+) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("variants")
+    projects = {name: root / name / name for name in VARIANTS}
+    scaffold_new_many({projects[name]: args for name, args in VARIANTS.items()})
+    return projects
+
+
+def assert_matches_golden(name: str, project: Path, update: bool) -> None:
+    """`project`'s files are golden/NAME's (rewritten first with --update-golden)."""
+    actual = tree(project)
+    golden_dir = GOLDEN / name
+    if update:
         shutil.rmtree(golden_dir, ignore_errors=True)
-        for name, text in actual.items():
-            (golden_dir / name).parent.mkdir(parents=True, exist_ok=True)
-            (golden_dir / name).write_text(text)
+        for file, text in actual.items():
+            (golden_dir / file).parent.mkdir(parents=True, exist_ok=True)
+            (golden_dir / file).write_text(text)
     expected = tree(golden_dir)
     problems = []
-    for name in sorted(set(actual) | set(expected)):
-        if name not in expected:
-            problems.append(f"new file {name} (not in golden)")
-        elif name not in actual:
-            problems.append(f"missing file {name} (in golden)")
-        elif actual[name] != expected[name]:
+    for file in sorted(set(actual) | set(expected)):
+        if file not in expected:
+            problems.append(f"new file {file} (not in golden)")
+        elif file not in actual:
+            problems.append(f"missing file {file} (in golden)")
+        elif actual[file] != expected[file]:
             diff = difflib.unified_diff(
-                expected[name].splitlines(keepends=True),
-                actual[name].splitlines(keepends=True),
-                f"golden/{recipe}/{name}",
-                f"generated/{name}",
+                expected[file].splitlines(keepends=True),
+                actual[file].splitlines(keepends=True),
+                f"golden/{name}/{file}",
+                f"generated/{file}",
             )
             problems.append("".join(diff))
     assert not problems, (
         "generated files differ from golden (rerun with --update-golden if intended):\n"
         + "\n".join(problems)
     )
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_generated_tree_matches_golden(
+    recipe: str, generated: dict[str, Path], request: pytest.FixtureRequest
+) -> None:
+    update = request.config.getoption("--update-golden")
+    assert_matches_golden(recipe, generated[recipe], update)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_answer_variant_tree_matches_golden(
+    variant: str, generated_variants: dict[str, Path], request: pytest.FixtureRequest
+) -> None:
+    update = request.config.getoption("--update-golden")
+    assert_matches_golden(variant, generated_variants[variant], update)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

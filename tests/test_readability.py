@@ -186,3 +186,19 @@ def test_the_shared_run_finder_finds_a_run() -> None:
     b = ["other"] + a[3:15] + ["other"]
     assert shared_runs(a, b, 10) == [(4, 2, 12)]
     assert shared_runs(a, b, 12) == []
+
+
+def test_with_tensor_parallelism_gpt2_baseline_stays_as_shallow(
+    tmp_path: Path,
+) -> None:
+    """The tensor_parallel answer (its Config field, data-parallel view, plan and
+    loss_parallel lines) keeps main()'s depth and length and the file's length."""
+    project = tmp_path / "gpt2-baseline"
+    new_project("gpt2-baseline", project, ["tensor_parallel=true"], "gpt2-baseline")
+    source = (project / "train.py").read_text()
+    main = main_function(ast.parse(source))
+    assert depth(main) <= MAX_DEPTH and deepest_line(source, main) <= MAX_DEPTH
+    assert main.end_lineno - main.lineno + 1 <= MAX_MAIN_LINES
+    assert "with (\n" not in source
+    assert "tensor_plan=tensor_plan" in source  # the answer rendered
+    assert len(source.splitlines()) <= MAX_LINES["gpt2-baseline"]
