@@ -74,7 +74,10 @@ def compare(
     # sequence split (sequence parallel), then gathered whole.
     seen = {}
     layer = model.model.layers[0]
-    for name, module in (("norm", layer.input_layernorm), ("attention", layer.self_attn)):
+    for name, module in (
+        ("norm", layer.input_layernorm),
+        ("attention", layer.self_attn),
+    ):
         module.register_forward_pre_hook(
             lambda _, args, kwargs, name=name: seen.update(
                 {name: str((args or [kwargs.get("hidden_states")])[0].placements)}
