@@ -5,7 +5,8 @@ One torchrun launch (2 ranks, gloo, CPU; tests/tp_hf_worker.py) applies the plan
 mesh of both ranks to the project's `tiny` Llama (tied embeddings) and to tiny Qwen2
 (biases on q, k, v), Qwen3 (per-head norms on q, k) and Mistral models built from their
 config classes, and compares one forward, backward and AdamW step with the same model on
-one process. In float64, so a difference is the plan's, not rounding's: measured at most
+one process, and the text model.py's `complete` writes (greedy and drawn, with the
+key/value cache: a sequence of 1 token split over 2 ranks). In float64, so a difference is the plan's, not rounding's: measured at most
 9e-16 on logits, loss and gradients, 6e-13 on the weights after the step (Adam divides
 by the root of the squared gradient, so a gradient element near zero carries rounding
 into its update at up to lr); the tolerances are 1e-12 and 1e-10. Broken by hand, the
@@ -78,7 +79,9 @@ def test_split_over_two_ranks_matches_one_process(project: Path, tmp_path: Path)
         splits = {n.split(".")[-2] for n in model["split_weights"]}
         assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= splits, name
         assert {"gate_proj", "up_proj", "down_proj", "embed_tokens"} <= splits, name
-        # ... and the same numbers as one process.
+        # ... and the same numbers as one process, and the same text written.
+        assert model["tp_written"] == model["one_written"], name
+        assert len(model["tp_written"][1].split()) == 6, name
         assert model["names_equal"], name
         assert model["loss_value"] > 1.0, name
         assert model["logits"] <= 1e-12, name

@@ -28,12 +28,16 @@ BATCH, SEQ = 2, 16
 
 
 class Vocabulary:
-    """What load_model reads of a tokenizer: its size and special tokens."""
+    """What load_model and complete read of a tokenizer: its size, special tokens,
+    and decode."""
 
     pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
 
     def __len__(self) -> int:
         return 256
+
+    def decode(self, ids: torch.Tensor, skip_special_tokens: bool) -> str:
+        return " ".join(map(str, ids.tolist()))
 
 
 def tiny(config_class: type) -> torch.nn.Module:
@@ -66,6 +70,7 @@ def compare(
     (model.py's packed_mask is not passed)."""
     model = model.double()  # float64: a difference is the plan's, not rounding's
     reference = copy.deepcopy(model)
+    found = {}
     problem = project_model.tensor_parallel_problem(model, mesh.size())
     assert problem is None, problem
     plan = project_model.tensor_parallel_plan(model)
@@ -84,6 +89,17 @@ def compare(
             ),
             with_kwargs=True,
         )
+    # Text from the model, greedy and drawn (the same seed on every rank and whole).
+    vocabulary = Vocabulary()
+    for net in (model, reference):
+        written = []
+        for temperature, top_k in ((0.0, 0), (0.8, 20)):
+            torch.manual_seed(2)
+            prompt = [5, 6, 7, 8, 9]  # 5 tokens: 3 and 2 on the ranks, then 1 and 0
+            written.append(
+                project_model.complete(net, vocabulary, prompt, 6, temperature, top_k)
+            )
+        found[f"{'tp' if net is model else 'one'}_written"] = written
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(3, 256, (BATCH, SEQ), generator=generator)
     # Two documents in the first row (positions restart), as packing writes them.
@@ -91,7 +107,6 @@ def compare(
     position_ids[0, 10:] -= 10
     targets = torch.randint(3, 256, (BATCH, SEQ), generator=generator)
     targets[:, :4] = IGNORE  # a question's tokens
-    found = {}
     steps = []
     for name, net in (("tp", model), ("one", reference)):
         mask = None if own_mask else project_model.packed_mask(net, position_ids)
