@@ -2,18 +2,21 @@
 project's `tensor_parallel_plan` applied on a 1-D mesh of every rank, against the same
 model on one process: the logits, the loss under loss_parallel, the gradients and the
 weights after one AdamW step. For the `tiny` Llama (tied embeddings) of the project's
-model.py and a tiny Qwen2 (biases on q, k, v; untied head) built from its config class.
+model.py, tiny Qwen2, Qwen3 and Mistral models built from their config classes, and,
+from a LoRA project's model.py, the tiny Llama with adapters on every linear layer.
 
-Usage: torchrun --nproc_per_node=N tests/tp_hf_worker.py PROJECT OUT.json
+Usage: torchrun --nproc_per_node=N tests/tp_hf_worker.py SFT_PROJECT LORA_PROJECT OUT.json
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import sys
 from datetime import timedelta
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -78,7 +81,7 @@ def compare(
     # What the first decoder layer's norm and query projection are given: the
     # sequence split (sequence parallel), then gathered whole.
     seen = {}
-    layer = model.model.layers[0]
+    layer = project_model.transformers_model(model).model.layers[0]
     for name, module in (
         ("norm", layer.input_layernorm),
         ("attention", layer.self_attn),
@@ -125,7 +128,7 @@ def compare(
             )
             loss.backward()
         optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
-        grads = {n: p.grad for n, p in net.named_parameters()}
+        grads = {n: p.grad for n, p in net.named_parameters() if p.requires_grad}
         optimizer.step()
         steps.append((full(logits), full(loss), grads, dict(net.named_parameters())))
         found[f"{name}_logits"] = str(getattr(logits, "placements", "whole"))
@@ -137,7 +140,7 @@ def compare(
         "loss_value": loss1.item(),
         "grads": most_apart(grads, grads1),
         "weights": most_apart(weights, weights1),
-        "names_equal": sorted(grads) == sorted(grads1),
+        "names_equal": sorted(grads) == sorted(grads1),  # the same trained
         "split_weights": sorted(
             n for n, p in model.named_parameters() if p.to_local().shape != p.shape
         ),
@@ -145,12 +148,32 @@ def compare(
     return found
 
 
+def load_project_model(project: Path, name: str) -> ModuleType:
+    """`project`'s model.py, imported as `name`."""
+    spec = importlib.util.spec_from_file_location(name, project / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def with_lora(lora_model: ModuleType) -> torch.nn.Module:
+    """The tiny Llama with LoRA adapters on every linear layer (all-linear), B drawn
+    at random (peft starts it at zero: A's gradient would be zero)."""
+    torch.manual_seed(0)
+    tiny = lora_model.load_model("tiny", Vocabulary(), SEQ, "auto")
+    model = lora_model.add_lora(tiny, 4, 8.0, 0.0, "all-linear")
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.02)
+    return model
+
+
 def main() -> None:
-    project, out = Path(sys.argv[1]), Path(sys.argv[2])
+    sft, lora, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
-    sys.path.insert(0, str(project))
-    import model as project_model
+    project_model = load_project_model(sft, "sft_model")
+    lora_model = load_project_model(lora, "lora_model")
 
     results = {}
     torch.manual_seed(0)
@@ -167,6 +190,7 @@ def main() -> None:
         name = config_class.model_type
         own_mask = name == "mistral"
         results[name] = compare(tiny(config_class), mesh, project_model, own_mask)
+    results["llama_lora"] = compare(with_lora(lora_model), mesh, lora_model)
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
