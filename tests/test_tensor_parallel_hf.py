@@ -123,6 +123,28 @@ def test_refusals_name_the_problem(model_py):
     assert "key/value heads (2)" in problem(tiny, 4)
     odd = model_py.load_model("tiny", Vocabulary(257), 16, "auto")
     assert "vocabulary (257)" in problem(odd, 2)
+    # A style model.py does not map, and a weight no entry places (Qwen3's q_norm
+    # without the authors' entry for it).
+    tiny.config.base_model_tp_plan = {"layers.*.mlp.up_proj": "local_colwise"}
+    assert problem(tiny, 2) == (
+        "LlamaForCausalLM's tensor-parallel plan splits layers as local_colwise, which "
+        "model.py's TP_STYLES does not map to torch; train it without tensor "
+        "parallelism"
+    )
+    qwen3 = transformers.AutoModelForCausalLM.from_config(
+        transformers.Qwen3Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1
+        )
+    )
+    qwen3.config.base_model_tp_plan = {
+        pattern: kind
+        for pattern, kind in qwen3.config.base_model_tp_plan.items()
+        if not pattern.endswith("q_norm")
+    }
+    assert problem(qwen3, 2) == (
+        "Qwen3ForCausalLM's model.layers.0.self_attn.q_norm.weight is in no module its "
+        "tensor-parallel plan splits or replicates; train it without tensor parallelism"
+    )
     gpt2 = transformers.AutoModelForCausalLM.from_config(
         transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
     )
