@@ -118,7 +118,7 @@ def test_refusals_name_the_problem(model_py):
     assert problem(tiny, 2) is None
     assert problem(tiny, 3) == (
         "LlamaForCausalLM's attention heads (4) cannot be split evenly over 3 "
-        "tensor-parallel ranks; use a tensor-parallel size that divides 4"
+        "tensor-parallel ranks; use a --tensor_parallel that divides 4"
     )
     assert "key/value heads (2)" in problem(tiny, 4)
     odd = model_py.load_model("tiny", Vocabulary(257), 16, "auto")
@@ -128,8 +128,7 @@ def test_refusals_name_the_problem(model_py):
     tiny.config.base_model_tp_plan = {"layers.*.mlp.up_proj": "local_colwise"}
     assert problem(tiny, 2) == (
         "LlamaForCausalLM's tensor-parallel plan splits layers as local_colwise, which "
-        "model.py's TP_STYLES does not map to torch; train it without tensor "
-        "parallelism"
+        "model.py's TP_STYLES does not map to torch; run with --tensor_parallel=1"
     )
     qwen3 = transformers.AutoModelForCausalLM.from_config(
         transformers.Qwen3Config(
@@ -143,14 +142,14 @@ def test_refusals_name_the_problem(model_py):
     }
     assert problem(qwen3, 2) == (
         "Qwen3ForCausalLM's model.layers.0.self_attn.q_norm.weight is in no module its "
-        "tensor-parallel plan splits or replicates; train it without tensor parallelism"
+        "tensor-parallel plan splits or replicates; run with --tensor_parallel=1"
     )
     gpt2 = transformers.AutoModelForCausalLM.from_config(
         transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
     )
     assert problem(gpt2, 2) == (
         "GPT2LMHeadModel's config declares no tensor-parallel plan "
-        "(base_model_tp_plan); train it without tensor parallelism"
+        "(base_model_tp_plan); run with --tensor_parallel=1"
     )
 
 
@@ -165,5 +164,5 @@ def test_a_wrapped_layer_is_refused(model_py):
     assert problem == (
         "base_model.model.model.layers.0.self_attn.q_proj is a "
         "peft.tuners.lora.layer.Linear, not torch's nn.Linear or nn.Embedding, which "
-        "the plan splits; train it without tensor parallelism"
+        "the plan splits; run with --tensor_parallel=1"
     )
