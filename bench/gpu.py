@@ -7,8 +7,11 @@ gpt2-speedup (every step at full length: `--seq_length_warmup_min_len=1024`), gp
 gpt2-speedrun (GPT-2 124M, seq 1024, batch 32 in microbatches of 16, the stdlib bytes as
 GPT-2 tokens), bert-pretrain-baseline and mosaicbert (bert-base, batch 256 x 128 in one
 microbatch, the default corpus), all compiled (`--compile=true`) in bf16 autocast,
-gpt2-baseline and gpt2-speedup again with the whole model as one graph (`--compile=model`), and
-bench/microbatch_cuda.py (the size `auto` finds against fixed ones).
+gpt2-baseline and gpt2-speedup again with the whole model as one graph (`--compile=model`),
+bench/microbatch_cuda.py (the size `auto` finds against fixed ones), and float8 training
+(torchao, bench/gpt2-float8.toml) against bf16: gpt2-float8 and gpt2-float8-rowwise beside
+gpt2-baseline at GPT-2 124M, gpt2-xl-float8 beside gpt2-xl-bf16 at GPT-2 XL (1.5B, the
+largest preset; microbatches of 8), compiled.
 
 Per arm: ms/step and tokens/s (the median of metrics.jsonl's records after the first, each
 the mean between two logged steps, which wait for the device; nanoGPT reads its loss every
