@@ -29,7 +29,7 @@ def bench_env() -> dict[str, str]:
 
 def generate(recipe: str, root: Path, *overrides: str) -> Path:
     """`scaffold new` through the CLI of this checkout."""
-    dest = root / recipe
+    dest = root / Path(recipe).stem  # a recipe name, or a .toml file of its own
     command = [
         sys.executable,
         "-m",

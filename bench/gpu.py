@@ -7,8 +7,11 @@ gpt2-speedup (every step at full length: `--seq_length_warmup_min_len=1024`), gp
 gpt2-speedrun (GPT-2 124M, seq 1024, batch 32 in microbatches of 16, the stdlib bytes as
 GPT-2 tokens), bert-pretrain-baseline and mosaicbert (bert-base, batch 256 x 128 in one
 microbatch, the default corpus), all compiled (`--compile=true`) in bf16 autocast,
-gpt2-baseline and gpt2-speedup again with the whole model as one graph (`--compile=model`), and
-bench/microbatch_cuda.py (the size `auto` finds against fixed ones).
+gpt2-baseline and gpt2-speedup again with the whole model as one graph (`--compile=model`),
+bench/microbatch_cuda.py (the size `auto` finds against fixed ones), and float8 training
+(torchao, bench/gpt2-float8.toml) against bf16: gpt2-float8 and gpt2-float8-rowwise beside
+gpt2-baseline at GPT-2 124M, gpt2-xl-float8 beside gpt2-xl-bf16 at GPT-2 XL (1.5B, the
+largest preset; microbatches of 8), compiled.
 
 Per arm: ms/step and tokens/s (the median of metrics.jsonl's records after the first, each
 the mean between two logged steps, which wait for the device; nanoGPT reads its loss every
@@ -52,6 +55,7 @@ GPT = [
     "--global_batch_size=32",
     "--device_microbatch_size=16",
 ]
+GPT_XL = [*GPT[1:4], "--model=gpt2-xl", "--device_microbatch_size=8"]
 BERT = ["--model=bert-base", "--global_batch_size=256", "--device_microbatch_size=256"]
 # The same runs at a size the CPU trains in seconds (--smoke).
 GPT_SMOKE = [
@@ -68,6 +72,8 @@ BERT_SMOKE = [
     "--device_microbatch_size=4",
     "--vocab_size=512",
 ]
+# gpt2-baseline with the float8 algorithm (bench/gpt2-float8.toml).
+FLOAT8 = "bench/gpt2-float8.toml"
 # name: (recipe, settings on a GPU, settings in --smoke); recipe None: nanoGPT's loop.
 # An arm's settings replace the defaults of generated_arm (e.g. "--compile=..."), so a
 # variant of a recipe is one more line here.
@@ -96,6 +102,17 @@ ARMS = {
         [*GPT_SMOKE, "--seq_length_warmup_min_len=64"],
     ),
     "microbatch_cuda": ("microbatch_cuda", [], []),
+    # Float8 training (torchao) against bf16 autocast, both compiled: GPT-2 124M (the
+    # gpt2-baseline arm is its bf16 side), then the largest preset, GPT-2 XL (1.5B; 1600
+    # wide: every linear a multiple of 16), in microbatches of 8. In --smoke, emulated.
+    "gpt2-float8": (FLOAT8, GPT, [*GPT_SMOKE, "--float8_emulate=true"]),
+    "gpt2-float8-rowwise": (
+        FLOAT8,
+        [*GPT, "--float8_recipe=rowwise"],
+        [*GPT_SMOKE, "--float8_emulate=true", "--float8_recipe=rowwise"],
+    ),
+    "gpt2-xl-bf16": ("gpt2-baseline", GPT_XL, GPT_SMOKE),
+    "gpt2-xl-float8": (FLOAT8, GPT_XL, [*GPT_SMOKE, "--float8_emulate=true"]),
 }
 ARM_SECONDS = 60  # a compiled arm's usual wall time: below this much budget, skipped
 

@@ -131,6 +131,7 @@ def test_the_integrations_are_the_real_libraries_beside_this_torch() -> None:
         "litdata": "litdata",
         "streaming": "mosaicml-streaming",
         "transformers": "transformers",
+        "torchao.float8": "torchao",
     }
     for name, dist in installed.items():
         module = real_library(name)  # imports beside this torch (CI: or fails)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -133,6 +134,28 @@ def _frozen_names(module: nn.Module) -> set[str]:
     return {name for name, param in named if not param.requires_grad}
 
 
+def plain_tensor(value: Any) -> Any:
+    """A weight that a tensor subclass wraps around one tensor of its shape (torchao's
+    float8 all-gather weight under FSDP2) as that tensor, sharing its memory; anything
+    else unchanged. A checkpoint then holds plain tensors, which any process reads (the
+    subclass's pickled class is refused), and loads back into the weight in place."""
+    local = value._local_tensor if isinstance(value, DTensor) else value
+    if type(local) is torch.Tensor or not hasattr(local, "__tensor_flatten__"):
+        return value
+    inner = getattr(local, local.__tensor_flatten__()[0][0])
+    if type(inner) is not torch.Tensor or inner.shape != local.shape:
+        return value
+    if not isinstance(value, DTensor):
+        return inner
+    return DTensor.from_local(
+        inner,
+        value.device_mesh,
+        value.placements,
+        shape=value.shape,
+        stride=value.stride(),
+    )
+
+
 def state_dicts(state: dict[str, Any], trainable_only: bool = False) -> dict[str, Any]:
     """The state dict of every entry, as DCP saves (or loads into) it; TypeError for an entry
     that cannot be saved."""
@@ -141,7 +164,10 @@ def state_dicts(state: dict[str, Any], trainable_only: bool = False) -> dict[str
         _check_entry(name, value)
         if isinstance(value, nn.Module):
             options = module_options(trainable_only)
-            result[name] = get_model_state_dict(value, options=options)
+            result[name] = {
+                key: plain_tensor(tensor)
+                for key, tensor in get_model_state_dict(value, options=options).items()
+            }
             if trainable_only:  # a tied alias of a frozen weight (lm_head) too
                 frozen = _frozen_names(value)
                 result[name] = {
