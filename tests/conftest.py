@@ -2,6 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
+# Before torch is imported, here and in every process the tests start (they inherit the
+# environment): one thread per process. The suite runs a process per core (xdist) and most
+# tests start more, so torch's default of a thread per core oversubscribes the machine, and
+# its busy-waiting threads then slow every process many times over on a loaded CPU.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+# torchao (the float8 extra) registers Enum types with torch's pytree on import, which
+# torch 2.14 warns about on stderr in every process that imports transformers (it imports
+# torchao when installed): lines that are neither the project's nor the tests' concern.
+os.environ.setdefault("TORCH_LOGS", "-torch.utils._pytree")
+
 import json
 import shutil
 import subprocess
