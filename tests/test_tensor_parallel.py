@@ -56,15 +56,16 @@ REL = 1e-5
 
 
 # The GPT pack's architecture variants that run under the plan (algorithm.toml
-# tensor_parallel = true), in one project: rotary positions (per head, on this rank's
-# heads), QK-norm, a gated MLP (fc and gate split by the same hidden units), zero-init
-# projections and an untied head, soft-capped vocabulary-split logits, and a sequence-
-# length warmup (lengths 8, 16, 24 over the steps: each split by sequence parallelism).
+# tensor_parallel = true), in one project: ALiBi (each rank its heads' slopes and bias;
+# rows cut in 4 pieces), QK-norm, a gated MLP (fc and gate split by the same hidden
+# units), zero-init projections and an untied head, soft-capped vocabulary-split logits,
+# and a sequence-length warmup (lengths 8, 16, 24 over the steps, pieces of 2, 4, 6: each
+# split by sequence parallelism). Rotary, ALiBi's alternative, is checked in-process.
 VARIANTS = """
 description = "gpt2-baseline with the architecture variants that run under tensor parallelism"
 [answers]
 tensor_parallel = true
-[algorithms.rotary]
+[algorithms.alibi]
 [algorithms.qk_norm]
 [algorithms.gated_linear_units]
 [algorithms.zero_init]
@@ -242,23 +243,29 @@ def test_refusals(
         assert modules["model"].tensor_parallel_problem(model, 1) is None
         why = modules["model"].tensor_parallel_problem(model, 2)
         assert "no plan for qk_norm's gains" in why and "\n" not in why
-    # The warmup's lengths must split over the ranks (sequence parallel): setup()
-    # refuses min_len=10 at tp=4 as rank 0 of a launch of 4 does, before it joins the
-    # process group (no launch needed).
+    # The warmup's lengths, and ALiBi's pieces of rows, must split over the ranks
+    # (sequence parallel): setup() refuses them at tp=4 as rank 0 of a launch of 4 does,
+    # before it joins the process group (no launch needed). min_len=10; then the
+    # default 8, whose pieces (1/4) are 2 long.
+    refused = {
+        "--seq_length_warmup_min_len=10": "seq_length_warmup_min_len=10 and the lengths",
+        "--seq_length_warmup_min_len=8": "alibi cuts rows to lengths [2, 4, 6, 8,",
+    }
     with (
         project_modules(projects["variants"]) as modules,
         pytest.MonkeyPatch.context() as env,
     ):
         env.setenv("WORLD_SIZE", "4")
         env.chdir(tmp_path)
-        args = ["--device=cpu", "--tensor_parallel=4", "--seq_length_warmup_min_len=10"]
-        env.setattr(sys, "argv", ["train.py", *args])
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as stop:
-            modules["train"].main()
-        line = capsys.readouterr().err.strip()
-        assert stop.value.code == 2 and "\n" not in line, line
-        assert "seq_length_warmup_min_len=10" in line and "tensor_parallel=4" in line
+        for arg, expected in refused.items():
+            argv = ["train.py", "--device=cpu", "--tensor_parallel=4", arg]
+            env.setattr(sys, "argv", argv)
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as stop:
+                modules["train"].main()
+            line = capsys.readouterr().err.strip()
+            assert stop.value.code == 2 and "\n" not in line, line
+            assert expected in line and "tensor_parallel=4" in line, line
         assert not (tmp_path / "runs").exists()
 
     # The answer needs a model pack with a plan, and no out-of-memory search.
@@ -307,3 +314,17 @@ def test_gpt2_weights_map_both_ways(projects: dict) -> None:
         back = m.from_hf_gpt2(hf_config, hf_weights, model.config)
         for name, tensor in model.state_dict().items():
             assert torch.equal(back[name], tensor), name
+
+
+def test_rotary_acts_on_each_head_alone(projects: dict) -> None:
+    """Under the plan a rank rotates only its heads' q and k: rotary must give each head
+    what it gives that head among all of them (the same angles for every head)."""
+    with project_modules(projects["modern"]) as modules:
+        rotary = modules["model"].rotary
+        torch.manual_seed(0)
+        q = torch.randn(2, 4, 8, 16)  # (batch, head, seq, head_dim)
+        for start in (0, 5):  # sampling with a cache: positions after the cached ones
+            whole = rotary(q, base=10000.0, fraction=0.5, start=start)
+            half = rotary(q[:, 2:], base=10000.0, fraction=0.5, start=start)
+            assert torch.equal(whole[:, 2:], half)
+            assert not torch.equal(whole, q)
