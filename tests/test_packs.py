@@ -297,6 +297,8 @@ def test_every_algorithm_renders_alone_and_trains(
         p
         for p in spec.model_points(family)
         if f"model.{family}.{p}" not in spec.replaces
+        # the tensor-parallel plan's points: in projects with that answer only
+        and not p.startswith("tensor_parallel")
     ]
     assert model.count(f"# algorithm: {name}\n") == len(written)
 
