@@ -20,6 +20,11 @@ linear given the sequence-split stream) the gradients move by 3e-7 to 1e-6 and t
 weights by up to 9e-5; with the head split apart from the tied embedding, the gradients
 by 3.4; with torch's SequenceParallel on the norms, LoRA trains them too.
 
+A second launch trains the generated llm-sft project itself (train.py, 2 ranks,
+--tensor_parallel=2: the loss under loss_parallel, the data shared by data-parallel rank)
+against the same project on one process: the same losses and validation losses within
+1e-5 relative (fp32: reduction order).
+
 Refusals run in-process: no launch.
 """
 
@@ -35,10 +40,23 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from conftest import scaffold_new_many  # noqa: E402
-from projects import project_modules, torchrun  # noqa: E402
+from projects import project_modules, read_metrics, run_train, torchrun  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "tp_hf_worker.py"
 MODELS = ("llama", "qwen2", "qwen3", "mistral", "llama_lora")
+# A few steps of llm-sft's tiny model, a batch of 4 rows for 1 data-parallel rank.
+SHORT = [
+    "--seq_len=64",
+    "--global_batch_size=4",
+    "--device_microbatch_size=2",
+    "--eval_batches=1",
+    "--samples=1",  # an answer written at the evaluation: generate() under the split
+    "--sample_tokens=4",
+    "--max_duration=3ba",
+    "--eval_interval=3ba",
+    "--save_interval=3ba",
+    "--dist_timeout=60",
+]
 
 
 class Vocabulary:
@@ -166,3 +184,33 @@ def test_a_wrapped_layer_is_refused(model_py):
         "peft.tuners.lora.layer.Linear, not torch's nn.Linear or nn.Embedding, which "
         "the plan splits; run with --tensor_parallel=1"
     )
+
+
+def test_the_generated_llm_sft_trains_split_over_two_ranks_as_one_process(
+    projects: dict[str, Path], tmp_path: Path
+):
+    train = projects["llm-sft"] / "train.py"
+    split = torchrun(
+        tmp_path,
+        2,
+        train,
+        "--device=cpu",
+        *SHORT,
+        "--tensor_parallel=2",
+        "--run_name=tp",
+    )
+    assert split.returncode == 0, split.stderr[-3000:]
+    one = run_train(projects["llm-sft"], tmp_path, *SHORT, "--run_name=one")
+    assert one.returncode == 0, one.stderr[-3000:]
+    log = (tmp_path / "runs" / "tp" / "log.txt").read_text()
+    assert "parallelism: fsdp, tensor_parallel=2, 2 process(es)" in log
+    runs = {name: read_metrics(tmp_path, name) for name in ("tp", "one")}
+    for key in ("loss", "val_loss"):
+        series = {
+            name: {row["step"]: row[key] for row in rows if key in row}
+            for name, rows in runs.items()
+        }
+        assert series["tp"].keys() == series["one"].keys() != set(), key
+        assert list(series["tp"].values()) == pytest.approx(
+            list(series["one"].values()), rel=1e-5
+        ), key
