@@ -9,10 +9,12 @@ import os
 # tests start more, so torch's default of a thread per core oversubscribes the machine, and
 # its busy-waiting threads then slow every process many times over on a loaded CPU.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# torchao (the float8 extra) registers Enum types with torch's pytree on import, which
-# torch 2.14 warns about on stderr in every process that imports transformers (it imports
-# torchao when installed): lines that are neither the project's nor the tests' concern.
+# torchao (the float8 extra) is imported by transformers and diffusers whenever it is
+# installed, and prints on stderr in every such process: torch 2.14 warns that torchao
+# registers Enum types with its pytree, and diffusers that torchao 0.18 lacks the tensor
+# classes it looks for. Lines that are neither the project's nor the tests' concern.
 os.environ.setdefault("TORCH_LOGS", "-torch.utils._pytree")
+os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 
 import json
 import shutil
