@@ -27,7 +27,7 @@ import torch.distributed as torch_dist
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-Batch = TypeVar("Batch", torch.Tensor, dict, list, tuple)
+Batch = TypeVar("Batch")
 
 
 @dataclass(frozen=True)
@@ -258,14 +258,16 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     already), with `non_blocking=True`, so the copy runs in stream order while the host
     goes on queueing work. A copy without `non_blocking` ends in a stream sync, and one
     from ordinary (pageable) memory may wait for the device's queue while CUDA stages it.
-    Elsewhere (the CPU) the tensors are returned as they are; what is not a tensor (a
-    number, a numpy array: host data) stays as it is."""
+    Elsewhere (the CPU) the tensors are returned as they are. An object with a `to`
+    method of its own (a task's batch class, transformers' BatchEncoding) moves itself:
+    `batch.to(device)`. Anything else (a number, a numpy array: host data) stays as it
+    is."""
     if isinstance(batch, dict):
         return {key: to_device(value, device) for key, value in batch.items()}
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(value, device) for value in batch)
     if not isinstance(batch, torch.Tensor):
-        return batch
+        return batch.to(device) if callable(getattr(batch, "to", None)) else batch
     if device.type == "cuda" and batch.device.type == "cpu" and not batch.is_pinned():
         batch = batch.pin_memory()
     return batch.to(device, non_blocking=True)

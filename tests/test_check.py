@@ -68,7 +68,7 @@ def newer(tmp_path_factory: pytest.TempPathFactory) -> TemplateRelease:
     root = tmp_path_factory.mktemp("newer")
     template = make_template(
         root,
-        {"tasks/causal_lm/train.py.jinja": ('f"done: step', 'f"finished: step')},
+        {"common/train.py.jinja": ('f"done: step', 'f"finished: step')},
         {},
     )
     major, minor, patch = __version__.split("+")[0].split(".")
@@ -701,7 +701,7 @@ def test_an_edited_masked_lm_project_checks_diffs_and_upgrades(
 
     template = make_template(
         tmp_path_factory.mktemp("newer-masked-lm"),
-        {"tasks/masked_lm/train.py.jinja": ('f"done: step', 'f"finished: step')},
+        {"common/train.py.jinja": ('f"done: step', 'f"finished: step')},
         {},
     )
     major, minor, patch = __version__.split("+")[0].split(".")

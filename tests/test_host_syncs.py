@@ -147,6 +147,32 @@ def test_the_counter_counts_what_waits_for_a_gpu_and_nothing_else() -> None:
     assert all(event.startswith("test_host_syncs.py:") for event in syncs.events)
 
 
+def test_to_device_moves_a_batch_class_and_leaves_host_data() -> None:
+    """dist.to_device copies tensors without waiting, lets an object with a `to` of its
+    own (masked_lm's Batch, which keeps its marks on the host) move itself, and leaves
+    host data (numbers, numpy arrays) where it is."""
+    from runtime import dist
+
+    class Marked:
+        def __init__(self, where: str) -> None:
+            self.where = where
+
+        def to(self, device: torch.device) -> Marked:
+            return Marked(str(device))
+
+    device = torch.device("cpu")
+    rows, marked, count, array = np.arange(3), Marked("host"), 7, np.zeros(2)
+    with HostSyncs() as syncs:
+        syncs.counting = True
+        moved = dist.to_device(
+            {"ids": torch.arange(3), "batch": [marked, count, array]}, device
+        )
+    assert syncs.events == []  # the copies queue, nothing waits
+    assert moved["batch"][0].where == "cpu" and marked.where == "host"
+    assert moved["batch"][1] == count and moved["batch"][2] is array
+    assert torch.equal(moved["ids"], torch.from_numpy(rows))
+
+
 def test_gradients_and_optimizer_state_are_device_tensors() -> None:
     device = torch.device("cpu")
     with HostSyncs() as syncs:

@@ -164,7 +164,17 @@ def test_task_templates_share_no_run_of_more_than_ten_lines() -> None:
 
 # The jinja variables a task template may set: names, words and lists of them. Code
 # goes in blocks (`{% block attempts %}...{% endblock %}`), never in a string.
-TASK_VARIABLES = {"runtime_names", "monitor_names", "flops", "unit", "loss_function"}
+TASK_VARIABLES = {
+    "runtime_names",
+    "monitor_names",
+    "stdlib_names",
+    "flops",
+    "unit",
+    "counted",
+    "early_stop_example",
+    "named_inputs",
+    "loss_function",
+}
 TASK_CONDITIONS = {"hf", "packed"}  # what the task's answers select
 
 

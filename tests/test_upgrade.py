@@ -86,7 +86,7 @@ def versions(tmp_path_factory: pytest.TempPathFactory) -> Versions:
     new = make_template(
         root / "0.2.0",
         {
-            "tasks/causal_lm/train.py.jinja": (OLD_LINE, NEW_LINE),
+            "common/train.py.jinja": (OLD_LINE, NEW_LINE),
             "tasks/causal_lm/tests/test_smoke.py.jinja": SMOKE_CHANGE,
         },
         {
@@ -262,7 +262,7 @@ def test_cli_upgrade_merges_into_the_installed_version_and_exits_0(
     # An older release whose final message differs; the installed scaffold is the newer one.
     old_template = make_template(
         tmp_path / "old",
-        {"tasks/causal_lm/train.py.jinja": ('f"done: step', 'f"over: step')},
+        {"common/train.py.jinja": ('f"done: step', 'f"over: step')},
         {},
     )
     project = generate(tmp_path, TemplateRelease(old_template, "0.0.1"))
@@ -284,7 +284,7 @@ def test_cli_upgrade_merges_into_the_installed_version_and_exits_0(
 def test_cli_conflict_exits_1_and_says_how_to_resolve(tmp_path: Path) -> None:
     old_template = make_template(
         tmp_path / "old",
-        {"tasks/causal_lm/train.py.jinja": ('f"done: step', 'f"over: step')},
+        {"common/train.py.jinja": ('f"done: step', 'f"over: step')},
         {},
     )
     project = generate(tmp_path, TemplateRelease(old_template, "0.0.1"))
@@ -318,7 +318,7 @@ def test_dry_run_writes_nothing_and_shows_the_changes(
 def test_cli_dry_run_reports_conflicts_without_writing(tmp_path: Path) -> None:
     old_template = make_template(
         tmp_path / "old",
-        {"tasks/causal_lm/train.py.jinja": ('f"done: step', 'f"over: step')},
+        {"common/train.py.jinja": ('f"done: step', 'f"over: step')},
         {},
     )
     project = generate(tmp_path, TemplateRelease(old_template, "0.0.1"))
@@ -937,15 +937,15 @@ def test_a_0_1_0_project_with_a_hand_edit_upgrades_to_task_packs_and_trains_the_
 
 
 def upgraded_with_edits(
-    tmp_path: Path, task: str, recipe: str, edits: list[tuple[str, str]]
+    tmp_path: Path, recipe: str, edits: list[tuple[str, str]]
 ) -> tuple[Path, dict]:
     """`recipe` generated at template 0.1.0 as `tmp_path/my-project`, `edits` (old, new)
-    made and committed, upgraded to a 0.2.0 that changes OLD_LINE in the task's train.py:
-    train.py gets exactly that change on top of the edits, no conflict. The project and
-    its answers."""
+    made and committed, upgraded to a 0.2.0 that changes OLD_LINE in the spine every
+    task's train.py extends: train.py gets exactly that change on top of the edits, no
+    conflict. The project and its answers."""
     root = tmp_path / "versions"
     old = TemplateRelease(make_template(root / "0.1.0", {}, {}), "0.1.0")
-    change = {f"tasks/{task}/train.py.jinja": (OLD_LINE, NEW_LINE)}
+    change = {"common/train.py.jinja": (OLD_LINE, NEW_LINE)}
     new = TemplateRelease(make_template(root / "0.2.0", change, {}), "0.2.0")
     project = generate_at(tmp_path / "my-project", old, recipe)
     train = project / "train.py"
@@ -977,7 +977,6 @@ def test_an_image_classification_project_upgrades_keeping_hand_edits_and_trains(
     edit = "            inputs = inputs.contiguous()  # hand edit: inside the loop\n"
     project, answers = upgraded_with_edits(
         tmp_path,
-        "image_classification",
         "cifar-resnet56-baseline",
         [(beta2, beta2.replace("0.999", "0.99")), (step, step + edit)],
     )
@@ -1060,7 +1059,6 @@ def test_a_diffusion_project_upgrades_keeping_hand_edits(tmp_path: Path) -> None
     edit = '            inputs["noisy"] = inputs["noisy"].contiguous()  # hand edit\n'
     _, answers = upgraded_with_edits(
         tmp_path,
-        "diffusion",
         "sd-speedup",
         [(guidance, guidance.replace("1.0", "2.0")), (step, step + edit)],
     )

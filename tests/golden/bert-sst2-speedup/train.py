@@ -158,16 +158,6 @@ def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
     return cfg.lr * max(0.0, 1.0 - fraction) / max(1.0 - warmup, 1e-9)
 
 
-def split_rows(
-    inputs: dict[str, torch.Tensor], size: int
-) -> list[dict[str, torch.Tensor]]:
-    """Split a batch's tensors (rows) into microbatches of `size` rows."""
-    rows = len(inputs["input_ids"])
-    return [
-        {k: v[i : i + size] for k, v in inputs.items()} for i in range(0, rows, size)
-    ]
-
-
 def save_pretrained(
     model: torch.nn.Module, tokenizer, folder: Path, env: dist.DistEnv
 ) -> None:
@@ -286,6 +276,16 @@ def evaluate(
 def autocast(cfg: Config, device: torch.device) -> torch.autocast:
     """Autocast: bf16 compute on fp32 weights when precision=amp_bf16, else a no-op."""
     return torch.autocast(device.type, torch.bfloat16, cfg.precision == "amp_bf16")
+
+
+def split_rows(
+    inputs: dict[str, torch.Tensor], size: int
+) -> list[dict[str, torch.Tensor]]:
+    """Microbatches of `size` rows of every tensor of the batch."""
+    rows = len(next(iter(inputs.values())))
+    return [
+        {k: v[i : i + size] for k, v in inputs.items()} for i in range(0, rows, size)
+    ]
 
 
 def forward_backward(
@@ -445,8 +445,7 @@ def main() -> None:
     finished = progress.reached() or stopper.stopped
     while not finished:
         epoch = progress.epoch
-        # This rank's share of global batch `index` in the epoch's seeded order,
-        # padded to the longest text in the global batch.
+        # This rank's share of global batch `index` in the epoch's seeded order.
         # Each is on its way to the device before its step (dist.to_device: the copy
         # does not make the host wait).
         upcoming = train_batches.get(
@@ -455,6 +454,7 @@ def main() -> None:
         upcoming = dist.to_device(upcoming, env.device)
         for index in range(progress.batch_in_epoch, train_batches.batches_per_epoch):
             batch = upcoming
+            # Padded to the longest text in the global batch.
             inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
             targets = batch["labels"]
 

@@ -121,7 +121,8 @@ def setup(cfg: Config) -> tuple[dist.DistEnv, parallel.ParallelConfig]:
     config.check_ranges(cfg, vocab_size="[0, inf)", depth="[0, inf)")  # 0: data, preset
     with config.failing(ValueError):  # --depth=N: model dN, batch and lr rescaled
         cfg.model, cfg.global_batch_size, cfg.lr = depth_dial(cfg)  # (model.py)
-    data_ranks = env.world_size // plan.tensor_parallel  # a tensor-parallel group: one
+    # Each tensor-parallel group reads one share of the batch: one data-parallel rank.
+    data_ranks = env.world_size // plan.tensor_parallel
     if problem := dist.check_batch(cfg.global_batch_size, data_ranks):
         config.fail(problem)
     with config.failing(ValueError, prefix="lr_warmup: "):

@@ -174,16 +174,6 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     )
 
 
-def split_rows(
-    inputs: dict[str, torch.Tensor], size: int
-) -> list[dict[str, torch.Tensor]]:
-    """Microbatches of `size` rows of every tensor of the batch."""
-    return [
-        {name: tensor[i : i + size] for name, tensor in inputs.items()}
-        for i in range(0, len(inputs["input_ids"]), size)
-    ]
-
-
 def fits(
     needed: int, cfg: Config, env: dist.DistEnv, plan: parallel.ParallelConfig
 ) -> str | None:
@@ -270,6 +260,16 @@ def evaluate(
 def autocast(cfg: Config, device: torch.device) -> torch.autocast:
     """Autocast: bf16 compute on fp32 weights when precision=amp_bf16, else a no-op."""
     return torch.autocast(device.type, torch.bfloat16, cfg.precision == "amp_bf16")
+
+
+def split_rows(
+    inputs: dict[str, torch.Tensor], size: int
+) -> list[dict[str, torch.Tensor]]:
+    """Microbatches of `size` rows of every tensor of the batch."""
+    rows = len(next(iter(inputs.values())))
+    return [
+        {k: v[i : i + size] for k, v in inputs.items()} for i in range(0, rows, size)
+    ]
 
 
 def forward_backward(
@@ -432,8 +432,7 @@ def main() -> None:
     finished = progress.reached() or stopper.stopped
     while not finished:
         epoch = progress.epoch
-        # This rank's share of global batch `index` in the epoch's seeded order:
-        # input_ids, position_ids and the labels (the targets).
+        # This rank's share of global batch `index` in the epoch's seeded order.
         # Each is on its way to the device before its step (dist.to_device: the copy
         # does not make the host wait).
         upcoming = train_batches.get(
@@ -442,6 +441,7 @@ def main() -> None:
         upcoming = dist.to_device(upcoming, env.device)
         for index in range(progress.batch_in_epoch, train_batches.batches_per_epoch):
             batch = upcoming
+            # The batch: input_ids, position_ids and the labels (the targets).
             inputs = {name: rows for name, rows in batch.items() if name != "labels"}
             targets = batch["labels"]
 

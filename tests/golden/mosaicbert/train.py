@@ -414,17 +414,17 @@ def main() -> None:
     finished = progress.reached() or stopper.stopped
     while not finished:
         epoch = progress.epoch
-        # This rank's share of global batch `index` in the epoch's seeded order,
-        # masked as a whole (the masks do not depend on the world size); which of its
-        # tokens are real and which are predicted stays marked on the host.
+        # This rank's share of global batch `index` in the epoch's seeded order.
         # Each is on its way to the device before its step (dist.to_device: the copy
         # does not make the host wait).
         upcoming = train_batches.get(
             epoch, progress.batch_in_epoch, env.rank, env.world_size
         )
-        upcoming = upcoming.to(env.device)
+        upcoming = dist.to_device(upcoming, env.device)
         for index in range(progress.batch_in_epoch, train_batches.batches_per_epoch):
             batch = upcoming
+            # Masked as a whole (the masks do not depend on the world size); which of
+            # its tokens are real and which are predicted stays marked on the host.
             inputs = {
                 "input_ids": batch.inputs,
                 "predicted": batch.predicted,
@@ -452,7 +452,7 @@ def main() -> None:
             # before anything below waits for the device (a logged loss, an evaluation).
             if index + 1 < train_batches.batches_per_epoch:
                 upcoming = train_batches.get(epoch, index + 1, env.rank, env.world_size)
-                upcoming = upcoming.to(env.device)
+                upcoming = dist.to_device(upcoming, env.device)
             progress.advance(samples=cfg.global_batch_size, tokens=batch.num_tokens)
             train_loss.add(loss_sum, max(batch.num_masked, 1))  # no device sync
 

@@ -205,16 +205,6 @@ def lr_at(fraction: float, cfg: Config, batches_per_epoch: int) -> float:
     return cfg.lr * min(1.0, fraction / warmup) if warmup > 0 else cfg.lr
 
 
-def split_rows(
-    inputs: dict[str, torch.Tensor], size: int
-) -> list[dict[str, torch.Tensor]]:
-    """Microbatches of `size` rows of every tensor of the batch."""
-    count = len(next(iter(inputs.values())))
-    return [
-        {k: v[i : i + size] for k, v in inputs.items()} for i in range(0, count, size)
-    ]
-
-
 def step_noise(
     cfg: Config, step: int, shape: tuple[int, ...], env: dist.DistEnv
 ) -> tuple[torch.Tensor, ...]:
@@ -529,6 +519,16 @@ def autocast(cfg: Config, device: torch.device) -> torch.autocast:
     return torch.autocast(device.type, torch.bfloat16, cfg.precision == "amp_bf16")
 
 
+def split_rows(
+    inputs: dict[str, torch.Tensor], size: int
+) -> list[dict[str, torch.Tensor]]:
+    """Microbatches of `size` rows of every tensor of the batch."""
+    rows = len(next(iter(inputs.values())))
+    return [
+        {k: v[i : i + size] for k, v in inputs.items()} for i in range(0, rows, size)
+    ]
+
+
 def forward_backward(
     model: torch.nn.Module,
     inputs: dict[str, torch.Tensor],
@@ -719,8 +719,7 @@ def main() -> None:
     finished = progress.reached() or stopper.stopped
     while not finished:
         epoch = progress.epoch
-        # This rank's share of global batch `index` in the epoch's seeded order:
-        # images in [-1, 1] and caption token ids.
+        # This rank's share of global batch `index` in the epoch's seeded order.
         # Each is on its way to the device before its step (dist.to_device: the copy
         # does not make the host wait).
         upcoming = train_batches.get(
@@ -732,8 +731,9 @@ def main() -> None:
 
             # event: BATCH_START
 
-            # The frozen encoders (no gradients), then the noise: the UNet learns to
-            # predict it (or the velocity) from the latents noised to random timesteps.
+            # The batch: images in [-1, 1] and caption token ids. The frozen encoders
+            # (no gradients), then the noise: the UNet learns to predict it (or the
+            # velocity) from the latents noised to random timesteps.
             latent_noise, noise, timesteps, dropped = step_noise(
                 cfg, progress.batch, latent_shape, env
             )
