@@ -40,7 +40,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def _transformers() -> Any:
-    quiet.torchao_import_warnings()  # (torchao installed: its import's notices)
+    quiet.torchao_import_warnings()  # before transformers brings torchao in
     try:
         import transformers
     except ModuleNotFoundError:
