@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from runtime import quiet
 from runtime.checkpoint import export, storage
 from runtime.checkpoint.layout import CheckpointError
 
@@ -39,6 +40,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def _transformers() -> Any:
+    quiet.torchao_import_warnings()  # before transformers brings torchao in
     try:
         import transformers
     except ModuleNotFoundError:

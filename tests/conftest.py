@@ -9,12 +9,8 @@ import os
 # tests start more, so torch's default of a thread per core oversubscribes the machine, and
 # its busy-waiting threads then slow every process many times over on a loaded CPU.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# torchao (the float8 extra) is imported by transformers and diffusers whenever it is
-# installed, and prints on stderr in every such process: torch 2.14 warns that torchao
-# registers Enum types with its pytree, and diffusers that torchao 0.18 lacks the tensor
-# classes it looks for. Lines that are neither the project's nor the tests' concern.
-os.environ.setdefault("TORCH_LOGS", "-torch.utils._pytree")
-os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+# No TORCH_LOGS or DIFFUSERS_VERBOSITY: the processes see what a user's do, and the
+# generated projects hide torchao's import notices themselves (runtime.quiet).
 
 import json
 import shutil

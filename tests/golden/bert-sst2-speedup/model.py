@@ -21,6 +21,12 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from runtime import quiet
+
+# Where torchao is installed, the model libraries below import it, which prints
+# deprecation lines about torchao on stderr: hide those lines, and only those
+quiet.torchao_import_warnings()
+
 try:
     import transformers
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers

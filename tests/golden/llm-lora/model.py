@@ -18,6 +18,12 @@ import sys
 import torch
 import torch.nn as nn
 
+from runtime import quiet
+
+# Where torchao is installed, the model libraries below import it, which prints
+# deprecation lines about torchao on stderr: hide those lines, and only those
+quiet.torchao_import_warnings()
+
 try:
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -29,6 +29,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from runtime import quiet
+
 
 @dataclass
 class ResNetConfig:
@@ -526,6 +528,9 @@ def hub_model(name: str, num_classes: int, weights: str) -> nn.Module:
     """
     hub, _, arch = name.partition(":")
     if hub == "hf":
+        # Where torchao is installed, transformers' models import it, which prints
+        # deprecation lines about torchao on stderr: hide those lines, only those
+        quiet.torchao_import_warnings()
         import transformers  # checked by check_model at start-up
 
         # The loop's log says what happens: no progress bars, no load reports.

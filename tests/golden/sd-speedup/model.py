@@ -27,6 +27,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from runtime import quiet
+
+# Where torchao is installed, the model libraries below import it, which prints
+# deprecation lines about torchao on stderr: hide those lines, and only those
+quiet.torchao_import_warnings()
+
 try:
     import diffusers
     import transformers
