@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +20,12 @@ tokenizers = pytest.importorskip("tokenizers")
 import torch  # noqa: E402
 
 from conftest import scaffold_cli  # noqa: E402
-from projects import project_modules, read_metrics, run_train  # noqa: E402
+from projects import (
+    checkout_env,
+    project_modules,
+    read_metrics,
+    run_train,
+)  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +220,42 @@ def test_the_trained_tokenizer_is_shared_saved_and_its_vocabulary_padded(
         tmp_path / "runs" / "one" / "tokenizer"
     )
     assert loaded.mask_token == "[MASK]"
+
+
+def test_the_trained_vocabulary_is_the_same_in_every_process(
+    project: Path, tmp_path: Path
+) -> None:
+    """Two processes train the WordPiece tokenizer on the default data, each into its
+    own cache: the same vocabulary. tokenizers' trainer alone gives a different one in
+    about every process (its continuing pieces numbered in HashMap order)."""
+    train = (
+        f"import sys; sys.path.insert(0, {str(project)!r}); import data; "
+        "data.train_tokenizer(data.load_corpus(''), 4096)"
+    )
+    workdirs = [tmp_path / name for name in ("one", "two")]
+    started = []
+    for workdir in workdirs:
+        workdir.mkdir()
+        started.append(
+            subprocess.Popen(
+                [sys.executable, "-c", train],
+                cwd=workdir,
+                env=checkout_env(),
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    for process in started:
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr[-2000:]
+    vocabularies = [
+        json.loads(next((w / "runs" / ".scaffold-cache").glob("*.json")).read_text())
+        for w in workdirs
+    ]
+    assert vocabularies[0]["model"]["vocab"] == vocabularies[1]["model"]["vocab"]
+    assert len(vocabularies[0]["model"]["vocab"]) == 4096
+    special = [token["content"] for token in vocabularies[0]["added_tokens"]]
+    assert special == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
 def test_weight_decay_is_on_weight_matrices_only(

@@ -11,10 +11,10 @@ The default data works offline: the documentation topics that ship with Python
 prose); the log names them with the SHA-256 of their text.
 
 Tokenizer: `--tokenizer` (a folder or hub id), or else a WordPiece tokenizer trained on
-the data with `tokenizers`. Its trainer is not deterministic (ties break differently
-from run to run), so it is trained once, by rank 0, into `runs/.scaffold-cache/` under a
-key of the data and the vocabulary size; every rank and every later run with the same
-data reads that file, and each run saves a copy beside itself (`runs/<run_name>/
+the data with `tokenizers`, the same vocabulary from the same data in every process
+(train_tokenizer says how). It is trained once, by rank 0, into `runs/.scaffold-cache/`
+under a key of the data and the vocabulary size; every rank and every later run with the
+same data reads that file, and each run saves a copy beside itself (`runs/<run_name>/
 tokenizer/`) for fine-tuning.
 
 Sequences: each document's paragraphs are tokenised and packed, in order, into
@@ -175,22 +175,40 @@ def trained_tokenizer_path(corpus: Corpus, vocab_size: int) -> Path:
 
 
 def train_tokenizer(corpus: Corpus, vocab_size: int) -> None:
-    """Train BERT's WordPiece tokenizer (lower-cased) on the corpus, once."""
+    """Train BERT's WordPiece tokenizer (lower-cased) on the corpus, once.
+
+    tokenizers' trainer (BPE underneath) numbers the word-continuing pieces ("##e") in
+    the order of a Rust HashMap, new in each process, and breaks ties between merges of
+    equal count by those numbers: the vocabulary itself (not only its ids) changed from
+    process to process (huggingface/tokenizers#1794). Given to the trainer up front, in
+    sorted order, the pieces have fixed numbers, and the same corpus gives the same
+    vocabulary; the tokens are then numbered by name."""
     path = trained_tokenizer_path(corpus, vocab_size)
     if path.exists():
         return
+    normalizer = normalizers.BertNormalizer(lowercase=True)
+    pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    continuing = set()  # the characters a word continues with
+    for document in corpus.documents:
+        words = pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(document))
+        for word, _ in words:
+            continuing.update(word[1:])
+    pieces = [f"##{char}" for char in sorted(continuing)]
     tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.normalizer, tokenizer.pre_tokenizer = normalizer, pre_tokenizer
     trainer = trainers.WordPieceTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS + pieces,
+        show_progress=False,
     )
     tokenizer.train_from_iterator(corpus.documents, trainer)
-    # The trainer numbers tokens of equal count in a random order (a Rust HashMap's,
-    # new in each process): number them by name, so ids depend on the corpus alone.
     vocab = sorted(set(tokenizer.get_vocab()) - set(SPECIAL_TOKENS))
     ids = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *vocab])}
-    tokenizer.model = models.WordPiece(ids, unk_token="[UNK]")
+    # A new tokenizer over that vocabulary: the pieces are ordinary tokens in it, and
+    # only BERT's own are special.
+    tokenizer = Tokenizer(models.WordPiece(ids, unk_token="[UNK]"))
+    tokenizer.normalizer, tokenizer.pre_tokenizer = normalizer, pre_tokenizer
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
     tokenizer.save(str(temporary))
