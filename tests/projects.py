@@ -379,3 +379,23 @@ def hand_counted_forward_flops(model, *args, **kwargs) -> int:
         for hook in hooks:
             hook.remove()
     return total
+
+
+def source_at(commit: str, dest: Path, *folders: str) -> Path:
+    """`folders` of this repository at `commit`, extracted under `dest`."""
+    found = subprocess.run(
+        ["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=REPO, capture_output=True
+    )
+    if found.returncode != 0:
+        pytest.skip(
+            f"this checkout's git history lacks release commit {commit[:7]} (a shallow clone?)"
+        )
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", commit, *folders],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    )
+    dest.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    return dest

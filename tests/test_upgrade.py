@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from conftest import REPO, scaffold_cli
+from projects import source_at
 from scaffold import __version__
 from scaffold.answers import add_algorithm, remove_algorithm
 from scaffold.catalog import Algorithm, ModelFamily, load_algorithms
@@ -841,20 +842,7 @@ RELEASE_0_1_0 = "b7878b8b46933427b12ce963cc72df17c6e35114"  # the commit tagged 
 
 def release_from_git_history(commit: str, version: str, dest: Path) -> TemplateRelease:
     """The templates/ folder of a past commit of this repository, published as `version`."""
-    found = subprocess.run(
-        ["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=REPO, capture_output=True
-    )
-    if found.returncode != 0:
-        pytest.skip(
-            f"this checkout's git history lacks release commit {commit[:7]} (a shallow clone?)"
-        )
-    archive = subprocess.run(
-        ["git", "archive", "--format=tar", commit, "templates"],
-        cwd=REPO,
-        capture_output=True,
-        check=True,
-    )
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    source_at(commit, dest, "templates")
     return TemplateRelease(dest / "templates", version)
 
 
