@@ -336,6 +336,27 @@ def test_a_released_project_with_a_hand_edit_upgrades_and_resumes_its_checkpoint
     assert_same_losses(read_metrics(work, "r"), tail)
 
 
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        pytest.param(name, marks=() if name == "gpt2-speedup" else pytest.mark.slow)
+        for name in sorted(RELEASE_0_3_0.recipes - set(RELEASE_0_3_0.unrepeatable))
+    ],
+)
+def test_a_0_3_0_project_not_yet_upgraded_trains_its_losses_on_this_runtime(
+    recipe: str, extracted: dict[str, Extracted], tmp_path: Path
+) -> None:
+    """`pip install -U scaffold` without `scaffold upgrade`: a 0.3.0 project imports
+    this runtime and trains the losses it trained on 0.3.0's (within RELATIVE: AdamW's
+    fused update), so the runtime keeps every call 0.3.0's loops make."""
+    old_release = extracted["0.3.0"]
+    project = old_release.generate(recipe, tmp_path / "p")
+    both = RELEASE_0_3_0.both.get(recipe, [])
+    before = train(project, tmp_path / "run-0.3.0", old_release.runtime, *both)
+    after = train(project, tmp_path / "run-now", REPO, *both)
+    assert_same_losses(after, before, recipe)
+
+
 def test_a_0_2_0_project_not_yet_upgraded_says_how_to_upgrade(
     extracted: dict[str, Extracted], tmp_path: Path
 ) -> None:
