@@ -174,8 +174,16 @@ def trained_tokenizer_path(corpus: Corpus, vocab_size: int) -> Path:
     return Path("runs") / ".scaffold-cache" / f"wordpiece-{key}.json"
 
 
+def bert_wordpiece(vocab: dict[str, int] | None = None) -> Tokenizer:
+    """BERT's lower-cased WordPiece tokenizer: untrained, or over `vocab`."""
+    tokenizer = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    return tokenizer
+
+
 def train_tokenizer(corpus: Corpus, vocab_size: int) -> None:
-    """Train BERT's WordPiece tokenizer (lower-cased) on the corpus, once.
+    """Train BERT's WordPiece tokenizer on the corpus, once.
 
     tokenizers' trainer (BPE underneath) numbers the word-continuing pieces ("##e") in
     the order of a Rust HashMap, new in each process, and breaks ties between merges of
@@ -186,16 +194,14 @@ def train_tokenizer(corpus: Corpus, vocab_size: int) -> None:
     path = trained_tokenizer_path(corpus, vocab_size)
     if path.exists():
         return
-    normalizer = normalizers.BertNormalizer(lowercase=True)
-    pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    continuing = set()  # the characters a word continues with
-    for document in corpus.documents:
-        words = pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(document))
-        for word, _ in words:
-            continuing.update(word[1:])
-    pieces = [f"##{char}" for char in sorted(continuing)]
-    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tokenizer.normalizer, tokenizer.pre_tokenizer = normalizer, pre_tokenizer
+    # The pieces, as the trainer makes them: a first pass that counts the words and
+    # merges nothing (a vocabulary of one holds the alphabet and the pieces).
+    alphabet = bert_wordpiece()
+    alphabet.train_from_iterator(
+        corpus.documents, trainers.WordPieceTrainer(vocab_size=1, show_progress=False)
+    )
+    pieces = sorted(token for token in alphabet.get_vocab() if token.startswith("##"))
+    tokenizer = bert_wordpiece()
     trainer = trainers.WordPieceTrainer(
         vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS + pieces,
@@ -203,11 +209,9 @@ def train_tokenizer(corpus: Corpus, vocab_size: int) -> None:
     )
     tokenizer.train_from_iterator(corpus.documents, trainer)
     vocab = sorted(set(tokenizer.get_vocab()) - set(SPECIAL_TOKENS))
-    ids = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *vocab])}
     # A new tokenizer over that vocabulary: the pieces are ordinary tokens in it, and
     # only BERT's own are special.
-    tokenizer = Tokenizer(models.WordPiece(ids, unk_token="[UNK]"))
-    tokenizer.normalizer, tokenizer.pre_tokenizer = normalizer, pre_tokenizer
+    tokenizer = bert_wordpiece({t: i for i, t in enumerate([*SPECIAL_TOKENS, *vocab])})
     tokenizer.add_special_tokens(SPECIAL_TOKENS)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
