@@ -21,7 +21,7 @@ import torch.nn as nn
 from runtime import quiet
 
 # Where torchao is installed, the model libraries below import it, which prints
-# deprecation lines about torchao on stderr: hide those lines, and only those
+# deprecation lines about torchao on stderr: hide those lines and nothing else.
 quiet.torchao_import_warnings()
 
 try:

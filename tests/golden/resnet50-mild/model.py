@@ -529,7 +529,7 @@ def hub_model(name: str, num_classes: int, weights: str) -> nn.Module:
     hub, _, arch = name.partition(":")
     if hub == "hf":
         # Where torchao is installed, transformers' models import it, which prints
-        # deprecation lines about torchao on stderr: hide those lines, only those
+        # deprecation lines about torchao on stderr: hide those lines and nothing else.
         quiet.torchao_import_warnings()
         import transformers  # checked by check_model at start-up
 
