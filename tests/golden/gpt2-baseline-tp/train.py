@@ -255,7 +255,7 @@ def main() -> None:
     # Training FLOPs per token, for MFU (GPUs only): see model.py.
     flops_per_token = model.flops_per_token(cfg.seq_len)
     # Shard or replicate for the launch: FSDP2 per block then the root, DDP, or nothing.
-    # Tensor parallel first (model.py's plan on mesh "tp"; nothing at tensor_parallel=1).
+    # Tensor parallel first: model.py's plan on mesh "tp" (none at tensor_parallel=1).
     tensor_plan = tensor_parallel_plan(model)
     model = parallel.parallelize(model, blocks, env, plan, tensor_plan=tensor_plan)
     # The loss compiled with the model (--compile), as a graph of its own: the fp32
